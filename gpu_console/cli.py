@@ -1,0 +1,151 @@
+"""The ``gpu-console`` command: parses, calls, and maps errors to exit codes.
+
+Errors are typed where they arise (ProfileError, LaunchError, RunDirError) and turned into
+one-line messages here, with exit code 2. Heavy modules are imported inside commands so
+``--help`` stays fast, and nothing here imports torch (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from . import __version__
+
+app = typer.Typer(
+    name="gpu-console",
+    help="A terminal training console for PyTorch: launch torchrun, watch, stop with a checkpoint.",
+    no_args_is_help=False,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+EXIT_BAD_INPUT = 2
+
+RunsDirOpt = typer.Option(
+    None, "--runs-dir", help="Runs directory (default: $GPU_CONSOLE_RUNS or ./runs)."
+)
+
+
+def _runs_dir(value: Path | None) -> Path:
+    from .runs import default_runs_dir
+
+    return value if value is not None else default_runs_dir()
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"gpu-console {__version__}")
+        raise typer.Exit()
+
+
+@app.callback(invoke_without_command=True)
+def root(
+    ctx: typer.Context,
+    runs_dir: Path | None = RunsDirOpt,
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Show the version and exit."
+    ),
+) -> None:
+    """Without a command: the console opens on the launch screen."""
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+        typer.echo(
+            "\nThe interactive console is not built yet; start a run with "
+            "`gpu-console run quickstart --headless`."
+        )
+
+
+@app.command()
+def run(
+    profile: str | None = typer.Argument(
+        None, help="Profile name (./profiles/NAME.toml, then built-in) or a TOML file."
+    ),
+    headless: bool = typer.Option(False, "--headless", help="Report progress as text, no TUI."),
+    devices: str | None = typer.Option(
+        None, "--devices", help="auto | GPU indices like 0,1 | cpu | cpu:N"
+    ),
+    precision: str | None = typer.Option(None, "--precision", help="auto | fp32 | bf16 | fp16"),
+    overrides: list[str] | None = typer.Option(
+        None, "--set", help="Override a profile key: --set train.lr=3e-4 (repeatable)."
+    ),
+    resume: str | None = typer.Option(
+        None, "--resume", help="Continue from the newest checkpoint of this run (dir or name)."
+    ),
+    runs_dir: Path | None = RunsDirOpt,
+    name: str | None = typer.Option(None, "--name", help="Run name (default: profile name)."),
+) -> None:
+    """Start a run. The run keeps training if this terminal goes away."""
+    from . import headless as reporter
+    from . import launch
+
+    if precision is not None and precision not in ("auto", "fp32", "bf16", "fp16"):
+        raise launch.LaunchError(
+            f"--precision: expected one of auto, fp32, bf16, fp16 (got {precision!r})"
+        )
+    if devices is not None:
+        from .devices import DeviceSpecError, parse_devices
+
+        try:
+            parse_devices(devices)
+        except DeviceSpecError as e:
+            raise launch.LaunchError(f"--devices: {e}") from None
+    folder = _runs_dir(runs_dir)
+    prof, placement, resume_from = launch.prepare(
+        profile,
+        devices=devices,
+        precision=precision,
+        overrides=overrides,
+        resume=resume,
+        runs_dir=folder,
+        name=name,
+    )
+    launched = launch.start(prof, placement, folder, resume_from)
+    # The Textual console lands in a later release; until then every run reports as text.
+    raise typer.Exit(reporter.follow(launched.run_dir, launched.supervisor))
+
+
+@app.command()
+def profiles() -> None:
+    """List built-in and local profiles with one-line descriptions."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .profile import ProfileError, list_profiles, parse_toml
+
+    table = Table(show_header=True, header_style="bold", box=None)
+    for col in ("name", "where", "description"):
+        table.add_column(col)
+    for path, origin in list_profiles():
+        try:
+            meta = parse_toml(path).get("profile", {})
+            desc = str(meta.get("description", "")) if isinstance(meta, dict) else ""
+        except ProfileError as e:
+            desc = f"(unreadable: {e.problems[0]})"
+        table.add_row(path.stem, origin if origin == "built-in" else str(path), desc)
+    Console().print(table)
+
+
+def main() -> None:
+    from .devices import DeviceSpecError
+    from .launch import LaunchError
+    from .profile import ProfileError
+    from .runs import RunDirError
+
+    try:
+        app()
+    except ProfileError as e:
+        for problem in e.problems:
+            print(f"gpu-console: {problem}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    except (LaunchError, RunDirError, DeviceSpecError) as e:
+        print(f"gpu-console: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+if __name__ == "__main__":
+    main()

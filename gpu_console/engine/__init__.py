@@ -1,0 +1,1 @@
+"""The training engine: runs inside torchrun, the same code on every rank."""

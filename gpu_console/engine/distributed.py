@@ -1,0 +1,116 @@
+"""Process group, device, CPU placement and DDP, from torchrun's environment."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..profile import DistributedConfig, HardwareConfig
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to kill this worker when its torchrun agent dies.
+
+    torchrun starts each worker in a session of its own, so killing the agent (or the
+    supervisor above it) would otherwise leave workers training as orphans.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the supervisor's sweep still applies
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def cpu_cores_for(local_rank: int, local_world_size: int) -> list[int]:
+    """This rank's share of the cores the node gives us, contiguous and disjoint."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < local_world_size:
+        return cores
+    per = len(cores) // local_world_size
+    return cores[local_rank * per : (local_rank + 1) * per]
+
+
+def place_cpu(local_rank: int, local_world_size: int, pin: bool) -> list[int] | None:
+    """Pin a CPU rank to its own cores with as many threads; measured in benchmarks/."""
+    if not pin:
+        return None
+    cores = cpu_cores_for(local_rank, local_world_size)
+    if len(cores) >= 1 and len(os.sched_getaffinity(0)) >= local_world_size:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+        return cores
+    return None
+
+
+def init(cfg: DistributedConfig, hw: HardwareConfig, device_type: str) -> Dist:
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        if hw.memory_fraction < 1.0:
+            torch.cuda.set_per_process_memory_fraction(hw.memory_fraction, device)
+        torch.backends.cudnn.benchmark = hw.cudnn_benchmark
+        torch.backends.cuda.matmul.allow_tf32 = hw.tf32
+        torch.backends.cudnn.allow_tf32 = hw.tf32
+    else:
+        device = torch.device("cpu")
+        place_cpu(local_rank, local_world, cfg.cpu_affinity)
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device_type == "cuda" else {}
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.collective_timeout_s), **kwargs)
+    return Dist(rank, world, local_rank, local_world, device, backend)
+
+
+def ddp_kwargs(cfg: DistributedConfig) -> dict:
+    """Every ``[distributed]`` knob that DDP's constructor takes."""
+    return {
+        "static_graph": cfg.static_graph,
+        "bucket_cap_mb": cfg.bucket_cap_mb,
+        "find_unused_parameters": cfg.find_unused_parameters,
+        "broadcast_buffers": cfg.broadcast_buffers,
+        "gradient_as_bucket_view": cfg.gradient_as_bucket_view,
+    }
+
+
+def wrap(model: nn.Module, cfg: DistributedConfig, d: Dist) -> DDP:
+    if cfg.sync_batchnorm:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    device_ids = [d.device.index] if d.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, **ddp_kwargs(cfg))
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_capability()
+    return None

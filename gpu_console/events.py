@@ -1,0 +1,88 @@
+"""Events (``events.jsonl``) and control commands (``control.jsonl``): writing and tailing.
+
+One JSON object a line. Readers take only complete lines, so a torn last line (a writer
+killed mid-write, or caught between write and flush) is left for the next read, and lines
+that do not parse or have a kind they do not know are skipped. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+VERSION = 1
+KINDS = {"start", "step", "eval", "checkpoint", "control", "status", "log"}
+CONTROL_COMMANDS = ("checkpoint", "stop", "pause", "resume")
+
+
+class EventWriter:
+    """Append-only writer for rank 0. Each event is one ``write`` of a whole line."""
+
+    def __init__(self, path: Path):
+        self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"v": VERSION, "t": round(time.time(), 3), "kind": kind, **fields}
+        self._f.write(json.dumps(event, separators=(",", ":")) + "\n")
+        self._f.flush()
+        return event
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class JsonlTail:
+    """Follows a JSONL file from a byte offset; :meth:`read` returns the new whole lines."""
+
+    def __init__(self, path: Path, offset: int = 0):
+        self.path = Path(path)
+        self.offset = offset
+
+    def read(self, max_bytes: int | None = None) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read() if max_bytes is None else f.read(max_bytes)
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        return list(_parse_lines(chunk[: end + 1]))
+
+
+def _parse_lines(data: bytes) -> Iterator[dict[str, Any]]:
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            yield obj
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """Every known event of a file (torn last line and unknown kinds skipped)."""
+    return [e for e in JsonlTail(path).read() if e.get("kind") in KINDS]
+
+
+def append_control(run_dir: Path, cmd: str) -> str:
+    """Append one command to the run's control file (mode 0600); return its id."""
+    if cmd not in CONTROL_COMMANDS:
+        raise ValueError(f"unknown control command {cmd!r}")
+    cid = uuid.uuid4().hex[:12]
+    line = json.dumps({"id": cid, "cmd": cmd, "t": round(time.time(), 3)}) + "\n"
+    fd = os.open(Path(run_dir) / "control.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+    return cid

@@ -1,0 +1,243 @@
+"""``--headless``: follow a run from its directory, report progress, end with a summary.
+
+On a terminal: one Rich progress line. Elsewhere (CI, nohup, ``| tee``): a plain line
+every few seconds and one for each notable event, never a flood of carriage returns.
+Ctrl-C: first a graceful stop (checkpoint), then terminate the run, then kill it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .events import append_control
+from .state import RunFollower, RunState
+
+POLL_S = 0.2
+EXIT_FINISHED, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def human_duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def fmt(x: float | None, spec: str = ".4f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+class Interrupts:
+    """Ctrl-C escalation: stop with a checkpoint → terminate the tree → kill it."""
+
+    def __init__(self, run_dir: Path, follower: RunFollower, console: Console):
+        self.run_dir, self.follower, self.console = run_dir, follower, console
+        self.count = 0
+
+    def __call__(self, signum, frame) -> None:
+        self.count += 1
+        sup = self.follower.state.status.get("pids", {}).get("supervisor")
+        if self.count == 1:
+            append_control(self.run_dir, "stop")
+            self.console.print(
+                "[yellow]stopping: finishing the step and writing a checkpoint "
+                "(Ctrl-C again to terminate)[/]"
+            )
+        elif self.count == 2:
+            if sup:
+                _signal(sup, signal.SIGINT)
+            self.console.print("[red]terminating the run (Ctrl-C again to kill)[/]")
+        else:
+            if sup:
+                kill_tree(sup)
+            self.console.print("[red]killed[/]")
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL every descendant of the supervisor; it stays to record the end."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return
+    for p in children:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def follow(
+    run_dir: Path,
+    supervisor: subprocess.Popen | None = None,
+    console: Console | None = None,
+    plain_every_s: float | None = None,
+) -> int:
+    """Report a run until it ends; return the console's exit code (DESIGN.md)."""
+    console = console or Console()
+    tty = console.is_terminal
+    if plain_every_s is None:
+        plain_every_s = float(os.environ.get("GPU_CONSOLE_PLAIN_EVERY_S", "5"))
+    follower = RunFollower(run_dir)
+    interrupts = Interrupts(run_dir, follower, console)
+    previous = signal.signal(signal.SIGINT, interrupts)
+    console.print(f"run [bold]{run_dir.name}[/]  ({run_dir})")
+    try:
+        if tty:
+            _follow_tty(follower, supervisor, console)
+        else:
+            _follow_plain(follower, supervisor, console, plain_every_s)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    st = follower.state
+    console.print(summary_table(st, run_dir))
+    return exit_code(st, interrupts.count > 0)
+
+
+def _tick(follower: RunFollower, supervisor: subprocess.Popen | None, console: Console) -> bool:
+    """Read what is new, print what is notable; True once the run has ended (or is lost)."""
+    if supervisor is not None:
+        supervisor.poll()  # reap it, so a dead supervisor is not a live zombie
+    for e in follower.poll():
+        _notable(e, console)
+    st = follower.state
+    if st.done:
+        return True
+    if not follower.supervisor_alive():
+        follower.poll()  # it may have written its last status just before exiting
+        if not st.done:
+            st.state, st.reason = "lost", "the supervisor exited without recording an end"
+        return True
+    return False
+
+
+def _notable(e: dict, console: Console) -> None:
+    kind = e.get("kind")
+    if kind == "start":
+        console.print(
+            f"started: {e.get('world_size')} × {e.get('device_type')} ranks, "
+            f"{e.get('precision')}, task {e.get('task')}, {e.get('params'):,} parameters"
+        )
+    elif kind == "eval":
+        metrics = "  ".join(
+            f"{k} {v:.4f}" for k, v in e.items() if k not in ("v", "t", "kind", "step")
+        )
+        console.print(f"eval @ step {e.get('step')}: {metrics}")
+    elif kind == "checkpoint":
+        console.print(
+            f"checkpoint @ step {e.get('step')} ({e.get('reason')}): "
+            f"{human_bytes(e.get('bytes'))} in {e.get('seconds', 0):.2f}s"
+        )
+    elif kind == "status" and e.get("state") in ("paused", "stopping", "failed"):
+        console.print(f"state: {e.get('state')} {e.get('reason') or ''}".rstrip())
+    elif kind == "log" and e.get("level") in ("warning", "error"):
+        console.print(f"[yellow]{e.get('level')}: {e.get('message')}[/]")
+
+
+def _progress_text(st: RunState) -> str:
+    rate = f"{st.samples_per_s:,.0f} samples/s" if st.samples_per_s else "- samples/s"
+    return f"loss {fmt(st.loss)}  {rate}"
+
+
+def _follow_tty(follower: RunFollower, supervisor, console: Console) -> None:
+    columns = (
+        TextColumn("[bold]{task.fields[state]}[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=False, refresh_per_second=8) as bar:
+        task = bar.add_task("train", total=None, state="starting", info="")
+        while True:
+            ended = _tick(follower, supervisor, console)
+            st = follower.state
+            bar.update(
+                task, total=st.max_steps, completed=st.step, state=st.state, info=_progress_text(st)
+            )
+            if ended:
+                break
+            time.sleep(POLL_S)
+
+
+def _follow_plain(follower: RunFollower, supervisor, console: Console, every_s: float) -> None:
+    next_line = time.monotonic() + every_s
+    while True:
+        ended = _tick(follower, supervisor, console)
+        st = follower.state
+        if time.monotonic() >= next_line and st.step:
+            eta = human_duration(st.eta_s())
+            console.print(
+                f"step {st.step}/{st.max_steps}  {_progress_text(st)}  eta {eta}", highlight=False
+            )
+            next_line = time.monotonic() + every_s
+        if ended:
+            return
+        time.sleep(POLL_S)
+
+
+def summary_table(st: RunState, run_dir: Path) -> Table:
+    table = Table(title=f"{run_dir.name}: {st.state}", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("state", f"{st.state}" + (f" ({st.reason})" if st.reason else ""))
+    table.add_row("steps", f"{st.step}/{st.max_steps or '-'}")
+    table.add_row("final loss", fmt(st.loss))
+    table.add_row("best loss", fmt(st.best_loss))
+    for k, v in sorted(st.eval.items()):
+        table.add_row(f"eval {k}", fmt(v))
+    mean = st.mean_samples_per_s()
+    table.add_row("samples/s", f"{mean:,.0f} (mean)" if mean else "-")
+    table.add_row(
+        "devices", f"{st.world_size or '-'} × {st.device_type or '-'}, {st.precision or '-'}"
+    )
+    for rank, peak in sorted(st.peak_memory.items()):
+        table.add_row(f"peak memory rank {rank}", human_bytes(peak))
+    table.add_row("wall time", human_duration(st.elapsed_s()))
+    if st.checkpoints:
+        c = st.checkpoints[-1]
+        table.add_row("checkpoint", f"{c.get('path')} (step {c.get('step')}, {c.get('reason')})")
+    failure = st.status.get("failure")
+    if failure:
+        table.add_row("failure", failure.get("summary", ""))
+        tb = (failure.get("traceback") or "").strip().splitlines()
+        if tb:
+            table.add_row("traceback", "\n".join(tb[-6:]))
+    table.add_row("run dir", str(run_dir))
+    return table
+
+
+def exit_code(st: RunState, interrupted: bool) -> int:
+    if st.state == "finished":
+        return EXIT_FINISHED
+    if st.state == "stopped":
+        checkpointed = st.status.get("checkpointed_on_stop", False)
+        return EXIT_FINISHED if checkpointed else EXIT_INTERRUPTED
+    return EXIT_FAILED

@@ -1,0 +1,233 @@
+"""From a validated profile to a running supervisor: run directory, torchrun argv, spawn.
+
+Nothing is written until every check has passed, and a failure after the run directory
+exists removes it, so a user mistake never leaves a half-made run behind. No torch here.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from . import runs
+from .devices import DeviceSpecError, Placement, parse_devices, place
+from .profile import Profile, ProfileError, load_profile
+from .tasks import BUILTIN
+
+
+class LaunchError(Exception):
+    """A run that cannot start as asked (bad device, resume target, runs directory)."""
+
+
+@dataclass
+class Launched:
+    run_dir: Path
+    supervisor: subprocess.Popen
+    placement: Placement
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_user_task(profile: Profile, source: str, overridden: set[str]) -> Profile:
+    """Validate a user task's keys in a subprocess: its module may import torch."""
+    if profile.task_kind in BUILTIN:
+        return profile
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpu_console.tasks.check",
+            profile.task_kind,
+            json.dumps(profile.task),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=os.getcwd(),
+        timeout=300,
+    )
+    try:
+        answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        err = proc.stderr.strip().splitlines()[-1:] or ["no answer"]
+        raise ProfileError(
+            [f"{source}: task.kind: cannot load {profile.task_kind} ({err[0]})"]
+        ) from None
+    if answer["errors"]:
+        raise ProfileError(
+            [
+                f"{'--set' if e.split(':')[0] in overridden else source}: {e}"
+                for e in answer["errors"]
+            ]
+        )
+    profile.task = answer["task"]
+    return profile
+
+
+def resolve_placement(devices: str) -> Placement:
+    from .telemetry import nvml
+
+    spec = parse_devices(devices)
+    count = 0 if spec.kind == "cpu" else nvml.device_count()
+    reason = "" if count else nvml.status().reason
+    return place(spec, count, reason)
+
+
+def torchrun_argv(run_dir: Path, profile: Profile, placement: Placement, port: int) -> list[str]:
+    """torchrun's command line: an argument list, never a shell string."""
+    d = profile.distributed
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={placement.nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_dir.name}",
+        f"--max-restarts={d.max_restarts}",
+        "--monitor-interval=0.5",
+        # Per-rank files; without them ranks' lines interleave mid-line.
+        f"--log-dir={run_dir / 'logs'}",
+        "--tee=3",
+        "--module",
+        "gpu_console.engine",
+        str(run_dir),
+    ]
+
+
+def worker_env(placement: Placement) -> dict[str, str]:
+    env = dict(os.environ)
+    # Sharing the rendezvous store with the workers makes restarts hang or fail here.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    if placement.device_type == "cuda":
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the same indices as nvidia-smi and NVML
+        env["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices or ""
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def prepare(
+    profile_arg: str | None,
+    *,
+    devices: str | None = None,
+    precision: str | None = None,
+    overrides: list[str] | None = None,
+    resume: str | None = None,
+    runs_dir: Path,
+    name: str | None = None,
+) -> tuple[Profile, Placement, Path | None]:
+    """Everything that can be wrong with a launch, checked before anything is written."""
+    resume_from = None
+    if resume is not None:
+        try:
+            resume_run = runs.find_run(resume, runs_dir)
+        except runs.RunDirError as e:
+            raise LaunchError(f"--resume: {e}") from None
+        resume_from = runs.latest_checkpoint(resume_run)
+        if resume_from is None:
+            raise LaunchError(f"--resume: {resume_run}: has no complete checkpoint to resume from")
+        if profile_arg is None:
+            profile_arg = str(resume_run / "run.toml")
+    if profile_arg is None:
+        raise LaunchError("PROFILE: give a profile name or file (or --resume RUN)")
+    sets = list(overrides or [])
+    if devices is not None:
+        sets.append(f"hardware.devices={json.dumps(devices)}")
+    if precision is not None:
+        sets.append(f"train.precision={json.dumps(precision)}")
+    profile = load_profile(profile_arg, sets)
+    if name:
+        profile.profile.name = name
+    source = profile_arg
+    profile = check_user_task(profile, source, {s.split("=")[0].strip() for s in sets})
+    try:
+        placement = resolve_placement(profile.hardware.devices)
+    except DeviceSpecError as e:
+        raise LaunchError(f"hardware.devices: {e}") from None
+    if placement.device_type == "cpu" and profile.train.precision == "fp16":
+        raise LaunchError(
+            "train.precision: fp16 needs a GPU (its GradScaler is CUDA-only); use bf16 or fp32 "
+            "on CPU (got 'fp16')"
+        )
+    return profile, placement, resume_from
+
+
+def start(
+    profile: Profile,
+    placement: Placement,
+    runs_dir: Path,
+    resume_from: Path | None = None,
+    argv: list[str] | None = None,
+) -> Launched:
+    """Create the run directory, write run.toml and meta.json, start the supervisor."""
+    run_dir = runs.create_run_dir(runs_dir, profile.profile.name or "run")
+    try:
+        runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
+        argv_torchrun = torchrun_argv(run_dir, profile, placement, free_port())
+        meta = {
+            "id": run_dir.name,
+            "command": argv if argv is not None else sys.argv,
+            "cwd": os.getcwd(),
+            "host": socket.gethostname(),
+            "user": getpass.getuser(),
+            "created": time.time(),
+            "versions": {
+                "python": sys.version.split()[0],
+                "torch": _version("torch"),
+                "gpu_console": _version("gpu-console"),
+            },
+            "placement": {
+                "device_type": placement.device_type,
+                "nproc": placement.nproc,
+                "cuda_visible_devices": placement.cuda_visible_devices,
+            },
+            "world_size": placement.nproc,
+            "resume_from": str(resume_from.resolve()) if resume_from else None,
+            "torchrun": argv_torchrun,
+        }
+        runs.atomic_write_json(run_dir / "meta.json", meta)
+        proc = spawn_supervisor(run_dir, placement)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return Launched(run_dir, proc, placement)
+
+
+def spawn_supervisor(run_dir: Path, placement: Placement) -> subprocess.Popen:
+    """The supervisor gets a session of its own: a closed terminal never ends the run."""
+    log = open(run_dir / "logs" / "supervisor.log", "ab")  # noqa: SIM115 - handed to the child
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpu_console.supervisor", str(run_dir)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=worker_env(placement),
+            cwd=os.getcwd(),
+        )
+    finally:
+        log.close()
+    return proc
+
+
+def _version(dist_name: str) -> str | None:
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None

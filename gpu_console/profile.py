@@ -1,0 +1,330 @@
+"""Profiles: TOML in, one typed dataclass per section out (no torch).
+
+``load_profile`` reads a file, applies ``--set`` overrides, and validates every section at
+once, raising :class:`ProfileError` with every problem as ``FILE: section.key: what (got V)``.
+``Profile.to_toml`` writes the fully resolved profile that lands in a run's ``run.toml``, so
+a run directory reproduces its run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from . import schema
+from .schema import opt
+from .tasks import BUILTIN, is_import_path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ProfileError(Exception):
+    """A profile (or override) that cannot be used; ``problems`` are full one-line messages."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def _devices_check(value: str) -> str | None:
+    from .devices import DeviceSpecError, parse_devices
+
+    try:
+        parse_devices(value)
+    except DeviceSpecError as e:
+        return str(e)
+    return None
+
+
+@dataclass
+class ProfileMeta:
+    name: str = opt("", "profile name (default: the file name)")
+    description: str = opt("", "one line shown by `gpu-console profiles`")
+
+
+@dataclass
+class DataConfig:
+    batch_size: int = opt(64, "samples per rank per micro-step", min=1)
+    num_workers: int = opt(0, "DataLoader worker processes per rank", min=0)
+    pin_memory: bool = opt(True, "page-locked host batches (CUDA only)")
+    prefetch_factor: int = opt(2, "batches each worker loads ahead (num_workers > 0)", min=1)
+    persistent_workers: bool = opt(True, "keep DataLoader workers between epochs")
+    seed: int = opt(0, "shuffling seed; each epoch reshuffles from it")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = opt(300, "optimizer steps in the whole run", min=1)
+    lr: float = opt(1e-3, "peak learning rate (before lr_scaling)", gt=0.0)
+    weight_decay: float = opt(0.01, "AdamW weight decay", min=0.0)
+    warmup_steps: int = opt(0, "linear warmup from 0 to lr", min=0)
+    schedule: Literal["constant", "linear", "cosine"] = opt(
+        "cosine", "learning-rate decay after warmup"
+    )
+    min_lr_ratio: float = opt(0.0, "floor of the decay, as a fraction of lr", min=0.0, max=1.0)
+    grad_accum: int = opt(1, "micro-batches per optimizer step", min=1)
+    clip_grad_norm: float = opt(1.0, "clip the global gradient norm to this (0 = off)", min=0.0)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = opt(
+        "auto", "auto: bf16 where supported, fp16 + GradScaler on older GPUs, fp32 on CPU"
+    )
+    eval_every: int = opt(0, "evaluate every N steps (0 = only at the end)", min=0)
+    log_every: int = opt(10, "steps between step events (and the only loss sync)", min=1)
+    seed: int = opt(0, "model-init and dropout seed (rank r uses seed + r for dropout)")
+    nan_policy: Literal["stop", "skip", "ignore"] = opt(
+        "stop", "non-finite loss: stop the run, skip the update, or ignore it"
+    )
+
+
+@dataclass
+class DistributedConfig:
+    backend: Literal["auto", "nccl", "gloo"] = opt("auto", "auto: nccl on GPUs, gloo on CPU")
+    static_graph: bool = opt(False, "DDP static_graph: the graph never changes between steps")
+    bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB", gt=0.0)
+    find_unused_parameters: bool = opt(False, "DDP: look for parameters without gradients")
+    broadcast_buffers: bool = opt(True, "DDP: broadcast buffers from rank 0 each forward")
+    gradient_as_bucket_view: bool = opt(True, "DDP: gradients alias the buckets (less memory)")
+    sync_batchnorm: bool = opt(False, "convert BatchNorm layers to SyncBatchNorm")
+    lr_scaling: Literal["none", "linear", "sqrt"] = opt(
+        "none", "scale lr by world size: none, linear or sqrt"
+    )
+    max_restarts: int = opt(0, "torchrun restarts of the worker group before failing", min=0)
+    collective_timeout_s: float = opt(300.0, "a collective that waits longer fails", gt=0.0)
+    shutdown_grace_s: float = opt(30.0, "seconds between SIGTERM and SIGKILL on stop", gt=0.0)
+    cpu_affinity: bool = opt(True, "CPU ranks: pin each rank to its own cores and threads")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = opt(0, "checkpoint every N steps (0 = never on an interval)", min=0)
+    keep_last: int = opt(3, "complete checkpoints to keep (0 = keep all)", min=0)
+    on_stop: bool = opt(True, "checkpoint when the run is stopped or signalled")
+    at_end: bool = opt(True, "checkpoint when max_steps is reached")
+
+
+@dataclass
+class HardwareConfig:
+    devices: str = opt(
+        "auto",
+        "auto (all GPUs, else CPU), GPU indices like '0,1', 'cpu' or 'cpu:N'",
+        check=_devices_check,
+    )
+    memory_fraction: float = opt(1.0, "cap of each GPU's memory for this process", gt=0.0, max=1.0)
+    cudnn_benchmark: bool = opt(True, "let cuDNN pick the fastest kernels")
+    tf32: bool = opt(True, "TF32 matmuls on Ampere and newer")
+
+
+SECTIONS: dict[str, type] = {
+    "profile": ProfileMeta,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "distributed": DistributedConfig,
+    "checkpoint": CheckpointConfig,
+    "hardware": HardwareConfig,
+}
+
+
+@dataclass
+class Profile:
+    profile: ProfileMeta = field(default_factory=ProfileMeta)
+    task_kind: str = "mlp"
+    task: Any = None  # the task's own config dataclass
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"profile": schema.to_dict(self.profile)}
+        task = {"kind": self.task_kind}
+        task.update(self.task if isinstance(self.task, dict) else schema.to_dict(self.task))
+        out["task"] = task
+        for name in ("data", "train", "distributed", "checkpoint", "hardware"):
+            out[name] = schema.to_dict(getattr(self, name))
+        return out
+
+    def to_toml(self) -> str:
+        import tomli_w
+
+        return tomli_w.dumps(self.to_dict())
+
+
+def parse_toml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ProfileError([f"{path}: no such file"]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfileError([f"{path}: cannot read ({e.__class__.__name__}: {e})"]) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError([f"{path}: not valid TOML: {e}"]) from None
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=VALUE`` → (section, key, value). VALUE is read as TOML, else a string."""
+    key, sep, raw = text.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not section or not name:
+        raise ProfileError([f"--set: expected SECTION.KEY=VALUE (got {text!r})"])
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, name.strip(), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], set[str]]:
+    """Apply ``--set`` overrides; also return the ``section.key`` names they touched."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    touched: set[str] = set()
+    for text in overrides:
+        section, key, value = parse_override(text)
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise ProfileError([f"--set: {section}: is not a section (got {text!r})"])
+        data[section][key] = value
+        touched.add(f"{section}.{key}")
+    return data, touched
+
+
+def resolve(
+    data: dict[str, Any],
+    source: str,
+    task_config: type | None = None,
+    overridden: set[str] | frozenset[str] = frozenset(),
+) -> Profile:
+    """Validate a parsed profile; every problem is reported at once as ``source: ...``.
+
+    ``task_config`` is the config class of a user task (found by the caller, which may have
+    to import user code in a subprocess); built-in tasks are known here.
+    """
+    errors: list[str] = []
+    built: dict[str, Any] = {}
+    for name, value in data.items():
+        if name != "task" and name not in SECTIONS:
+            near = schema._near(name, [*SECTIONS, "task"])
+            hint = f"; did you mean [{near}]?" if near else ""
+            errors.append(f"{name}: unknown section{hint}")
+        elif not isinstance(value, dict):
+            errors.append(f"{name}: expected a [{name}] table (got {schema.show(value)})")
+    for name, cls in SECTIONS.items():
+        table = data.get(name, {})
+        built[name] = schema.build(cls, table if isinstance(table, dict) else {}, name, errors)
+
+    task_table = data.get("task", {})
+    task_table = dict(task_table) if isinstance(task_table, dict) else {}
+    kind = task_table.pop("kind", "mlp")
+    task_cfg: Any = None
+    if not isinstance(kind, str):
+        errors.append(f"task.kind: expected a string (got {schema.show(kind)})")
+    elif kind in BUILTIN:
+        task_config = BUILTIN[kind][1]
+    elif not is_import_path(kind):
+        errors.append(
+            f"task.kind: unknown task; built-ins are {', '.join(BUILTIN)}, or give an import "
+            f"path like 'my_pkg.tasks:MyTask' (got {schema.show(kind)})"
+        )
+    if isinstance(kind, str) and task_config is not None:
+        try:
+            task_cfg = schema.build(task_config, task_table, "task", errors)
+        except (ValueError, TypeError) as e:
+            errors.append(str(e))
+    elif isinstance(kind, str) and is_import_path(kind) and task_config is None:
+        task_cfg = task_table  # validated later against the user's class
+
+    if errors:
+        raise ProfileError([_blame(e, source, overridden) for e in errors])
+    profile = Profile(task_kind=kind, task=task_cfg, **built)
+    if profile.train.warmup_steps > profile.train.max_steps:
+        raise ProfileError(
+            [
+                f"{source}: train.warmup_steps: must not exceed train.max_steps="
+                f"{profile.train.max_steps} (got {profile.train.warmup_steps})"
+            ]
+        )
+    return profile
+
+
+def _blame(problem: str, source: str, overridden: set[str] | frozenset[str]) -> str:
+    """Prefix a problem with where the value came from: the file, or ``--set``."""
+    key = problem.split(":", 1)[0]
+    return f"--set: {problem}" if key in overridden else f"{source}: {problem}"
+
+
+# -- finding profiles ------------------------------------------------------------------------
+
+BUILTIN_DIR = Path(__file__).parent / "profiles"
+
+
+def local_dir() -> Path:
+    return Path.cwd() / "profiles"
+
+
+def find_profile(name_or_path: str) -> Path:
+    """A path to a TOML file, or NAME: ./profiles/NAME.toml first, then the built-ins."""
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".toml" or os.sep in name_or_path or path.is_file():
+        if not path.is_file():
+            raise ProfileError([f"{name_or_path}: no such profile file"])
+        return path
+    for folder in (local_dir(), BUILTIN_DIR):
+        candidate = folder / f"{name_or_path}.toml"
+        if candidate.is_file():
+            return candidate
+    names = ", ".join(sorted({p.stem for p, _ in list_profiles()})) or "none"
+    raise ProfileError([f"{name_or_path}: no such profile (known: {names})"])
+
+
+def list_profiles() -> list[tuple[Path, str]]:
+    """(path, origin) of every profile: local ones first, built-ins they do not shadow."""
+    seen: set[str] = set()
+    out: list[tuple[Path, str]] = []
+    for folder, origin in ((local_dir(), "local"), (BUILTIN_DIR, "built-in")):
+        if not folder.is_dir():
+            continue
+        paths = sorted(folder.glob("*.toml"), key=lambda p: (p.stem != "quickstart", p.stem))
+        for p in paths:
+            if p.stem not in seen:
+                seen.add(p.stem)
+                out.append((p, origin))
+    return out
+
+
+def load_profile(
+    name_or_path: str, overrides: list[str] | None = None, task_config: type | None = None
+) -> Profile:
+    path = find_profile(name_or_path)
+    data, touched = apply_overrides(parse_toml(path), overrides or [])
+    profile = resolve(data, str(path), task_config, touched)
+    if not profile.profile.name:
+        profile.profile.name = path.stem
+    return profile
+
+
+def with_task_config(
+    profile: Profile,
+    task_config: type,
+    source: str,
+    overridden: set[str] | frozenset[str] = frozenset(),
+) -> Profile:
+    """Validate a user task's keys (a dict until its class is known) against its config."""
+    if not isinstance(profile.task, dict):
+        return profile
+    errors: list[str] = []
+    try:
+        cfg = schema.build(task_config, profile.task, "task", errors)
+    except (ValueError, TypeError) as e:
+        errors.append(str(e))
+    if errors:
+        raise ProfileError([_blame(e, source, overridden) for e in errors])
+    return dataclasses.replace(profile, task=cfg)

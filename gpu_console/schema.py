@@ -1,0 +1,152 @@
+"""Typed config sections built from plain dicts, with every problem collected.
+
+A section is a dataclass whose fields are declared with :func:`opt`, which carries the
+one-line meaning and the constraints. :func:`build` turns a TOML table into the dataclass
+and reports each wrong key as ``section.key: what is wrong (got VALUE)``. No torch here:
+the console validates profiles, and the console never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, Literal, get_args, get_origin
+
+
+def opt(
+    default: Any,
+    help: str,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    gt: float | None = None,
+    check: Callable[[Any], str | None] | None = None,
+) -> Any:
+    """A config field: its default, its one-line meaning, and its limits."""
+    meta = {"help": help, "min": min, "max": max, "gt": gt, "check": check}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def show(value: Any) -> str:
+    """A value as a person typed it, for error messages."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value)
+    return str(value)
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(show(a) for a in get_args(tp))
+    if get_origin(tp) in (list, typing.List):  # noqa: UP006
+        return "a list of " + _type_name(get_args(tp)[0]) + "s"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+def coerce(tp: Any, value: Any) -> tuple[Any, str | None]:
+    """Check ``value`` against type ``tp``; return (value, None) or (None, problem)."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices and type(value) is type(choices[0]):
+            return value, None
+        return None, f"expected {_type_name(tp)}"
+    if origin in (typing.Union, types.UnionType):
+        problems = []
+        for arm in get_args(tp):
+            if arm is type(None):
+                continue
+            got, problem = coerce(arm, value)
+            if problem is None:
+                return got, None
+            problems.append(_type_name(arm))
+        return None, "expected " + " or ".join(problems)
+    if origin is list:
+        if not isinstance(value, list):
+            return None, f"expected {_type_name(tp)}"
+        out = []
+        for item in value:
+            got, problem = coerce(get_args(tp)[0], item)
+            if problem:
+                return None, f"expected {_type_name(tp)}"
+            out.append(got)
+        return out, None
+    if tp is bool:
+        return (value, None) if isinstance(value, bool) else (None, "expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value, None
+        if isinstance(value, float) and value.is_integer():
+            return int(value), None
+        return None, "expected an integer"
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value), None
+        return None, "expected a number"
+    if tp is str:
+        return (value, None) if isinstance(value, str) else (None, "expected a string")
+    raise TypeError(f"unsupported config type {tp!r}")
+
+
+def _limits(meta: dict[str, Any], value: Any) -> str | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if meta.get("min") is not None and value < meta["min"]:
+            return f"must be at least {show(meta['min'])}"
+        if meta.get("gt") is not None and value <= meta["gt"]:
+            return f"must be greater than {show(meta['gt'])}"
+        if meta.get("max") is not None and value > meta["max"]:
+            return f"must be at most {show(meta['max'])}"
+    if meta.get("check") is not None:
+        return meta["check"](value)
+    return None
+
+
+def build(cls: type, data: dict[str, Any], prefix: str, errors: list[str]) -> Any:
+    """Build dataclass ``cls`` from ``data``; append ``prefix.key: problem (got v)`` to errors."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            near = _near(key, fields)
+            hint = f"; did you mean '{near}'?" if near else ""
+            errors.append(f"{prefix}.{key}: unknown key{hint} (got {show(value)})")
+            continue
+        got, problem = coerce(hints[key], value)
+        if problem is None:
+            problem = _limits(dict(fields[key].metadata), got)
+        if problem:
+            errors.append(f"{prefix}.{key}: {problem} (got {show(value)})")
+            continue
+        kwargs[key] = got
+    return cls(**kwargs)
+
+
+def _near(key: str, options: Any) -> str | None:
+    import difflib
+
+    hits = difflib.get_close_matches(key, list(options), n=1, cutoff=0.7)
+    return hits[0] if hits else None
+
+
+def describe(cls: type) -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, meaning) for each field: the documentation of a section."""
+    hints = typing.get_type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        rows.append((f.name, _type_name(hints[f.name]), default, f.metadata.get("help", "")))
+    return rows
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}

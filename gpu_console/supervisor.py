@@ -1,0 +1,315 @@
+"""``python -m gpu_console.supervisor RUN_DIR``: owns torchrun and records how the run ended.
+
+Started by the console in a session of its own, so a closed terminal never ends training.
+It is the sole writer of ``status.json``: its state mirrors the engine's ``status`` events,
+plus pids, times, the exit code and, on failure, which rank failed and its traceback.
+
+No process of the run outlives it: it is a child subreaper (orphaned workers reparent to
+it), torchrun dies with it (PDEATHSIG), workers die with torchrun (PDEATHSIG, set by the
+engine), and when torchrun exits it kills whatever of the run is left.
+
+Signals: SIGTERM/SIGUSR1 (a scheduler) → SIGUSR1 to the workers, which checkpoint and stop
+at the next step (reason ``signal``); after ``shutdown_grace_s`` the tree is killed. A
+second SIGTERM, or SIGINT (the console's second Ctrl-C) → terminate the tree now. SIGHUP is
+ignored.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from . import runs
+from .events import JsonlTail
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+TICK_S = 0.2
+KILL_AFTER_TERM_S = 5.0
+
+
+def _prctl(option: int, value: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _torchrun_preexec() -> None:
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.meta = runs.read_json(run_dir / "meta.json") or {}
+        profile_text = (run_dir / "run.toml").read_text()
+        self.grace_s = _grace_from(profile_text)
+        self.events = JsonlTail(run_dir / "events.jsonl")
+        self.status: dict[str, Any] = {
+            "state": "starting",
+            "reason": "",
+            "pids": {"supervisor": os.getpid()},
+            "started": time.time(),
+            "host": self.meta.get("host"),
+            "step": None,
+            "loss": None,
+            "last_step_t": None,
+        }
+        self._written: str = ""
+        self.graceful_deadline: float | None = None
+        self.terminate_at: float | None = None
+        self.terminated = False
+        self.signal_stop = False
+        self.proc: subprocess.Popen | None = None
+
+    # -- signals -------------------------------------------------------------------------
+    def on_graceful(self, signum: int, frame) -> None:
+        if self.graceful_deadline is None:
+            self.signal_stop = True
+            self.graceful_deadline = time.monotonic() + self.grace_s
+            self._signal_workers(signal.SIGUSR1)
+        else:
+            self.on_terminate(signum, frame)
+
+    def on_terminate(self, signum: int, frame) -> None:
+        if self.terminate_at is None:
+            self.terminated = True
+            self.terminate_at = time.monotonic() + KILL_AFTER_TERM_S
+            for p in self._tree():
+                _send(p, signal.SIGTERM)
+
+    # -- processes -----------------------------------------------------------------------
+    def _tree(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process().children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def _workers(self) -> list[psutil.Process]:
+        out = []
+        for p in self._tree():
+            try:
+                if "gpu_console.engine" in p.cmdline():
+                    out.append(p)
+            except psutil.Error:
+                continue
+        return out
+
+    def _signal_workers(self, sig: int) -> None:
+        for p in self._workers():
+            _send(p, sig)
+
+    def _kill_tree(self) -> None:
+        for p in self._tree():
+            _send(p, signal.SIGKILL)
+
+    # -- status --------------------------------------------------------------------------
+    def write_status(self, force: bool = False) -> None:
+        text = json.dumps(self.status, sort_keys=True)
+        if force or text != self._written:
+            runs.write_status(self.run_dir, self.status)
+            self._written = text
+
+    def fold_events(self) -> None:
+        for e in self.events.read():
+            kind = e.get("kind")
+            if kind == "status":
+                self.status["state"] = e.get("state", self.status["state"])
+                self.status["reason"] = e.get("reason", "")
+            elif kind == "step":
+                self.status["step"] = e.get("step")
+                self.status["loss"] = e.get("loss")
+                self.status["last_step_t"] = e.get("t")
+            elif kind == "start":
+                self.status["world_size"] = e.get("world_size")
+                self.status["max_steps"] = e.get("max_steps")
+            elif kind == "checkpoint":
+                self.status["last_checkpoint"] = {
+                    k: e.get(k) for k in ("step", "path", "reason", "t")
+                }
+
+    # -- the run -------------------------------------------------------------------------
+    def run(self) -> int:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, self.on_graceful)
+        signal.signal(signal.SIGUSR1, self.on_graceful)
+        signal.signal(signal.SIGINT, self.on_terminate)
+        self.write_status(force=True)
+        with open(self.run_dir / "logs" / "torchrun.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                self.meta["torchrun"],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_torchrun_preexec,
+                cwd=self.meta.get("cwd") or None,
+            )
+        self.status["pids"]["torchrun"] = self.proc.pid
+        self.write_status()
+        next_pids = 0.0
+        while self.proc.poll() is None:
+            time.sleep(TICK_S)
+            self.fold_events()
+            now = time.monotonic()
+            if now >= next_pids:
+                self.status["pids"]["workers"] = sorted(p.pid for p in self._workers())
+                next_pids = now + 1.0
+            if self.graceful_deadline is not None and now > self.graceful_deadline:
+                self.on_terminate(signal.SIGTERM, None)
+            if self.terminate_at is not None and now > self.terminate_at:
+                self._kill_tree()
+            self.write_status()
+        code = self.proc.returncode
+        self._sweep()
+        self.fold_events()
+        return self.finish(code)
+
+    def _sweep(self) -> None:
+        """torchrun is gone: nothing of the run may outlive it."""
+        self._kill_tree()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                time.sleep(0.05)
+
+    def finish(self, code: int) -> int:
+        engine_state = self.status["state"]
+        self.status["exit_code"] = code
+        self.status["ended"] = time.time()
+        self.status["pids"]["workers"] = []
+        if code == 0 and engine_state in ("finished", "stopped"):
+            state = engine_state
+        elif self.terminated:
+            state = "stopped"
+            self.status["reason"] = (
+                "terminated before a checkpoint"
+                if engine_state != "stopped"
+                else self.status["reason"]
+            )
+        else:
+            state = "failed"
+            self.status["failure"] = failure_summary(self.run_dir, code)
+            self.status["reason"] = self.status["failure"]["summary"]
+        self.status["state"] = state
+        self.status["checkpointed_on_stop"] = engine_state == "stopped"
+        self.write_status(force=True)
+        return 0 if state in ("finished", "stopped") else 1
+
+
+def _send(p: psutil.Process, sig: int) -> None:
+    try:
+        p.send_signal(sig)
+    except psutil.Error:
+        pass
+
+
+def _grace_from(profile_text: str) -> float:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    try:
+        return float(tomllib.loads(profile_text)["distributed"]["shutdown_grace_s"])
+    except (KeyError, ValueError, TypeError):
+        return 30.0
+
+
+def failure_summary(run_dir: Path, code: int) -> dict[str, Any]:
+    """Which rank failed first, its exit code and traceback, from torchelastic's files."""
+    errors = []
+    pattern = str(run_dir / "logs" / "*" / "attempt_*" / "*" / "error.json")
+    for path in glob.glob(pattern):
+        try:
+            data = json.loads(Path(path).read_text())
+            msg = data["message"]
+            local_rank = int(Path(path).parent.name)
+            if isinstance(msg, str):
+                msg = {"message": msg, "extraInfo": {}}
+            errors.append(
+                {
+                    "rank": local_rank,
+                    "message": msg.get("message", ""),
+                    "traceback": msg.get("extraInfo", {}).get("py_callstack", ""),
+                    "timestamp": int(msg.get("extraInfo", {}).get("timestamp", 0) or 0),
+                    "error_file": path,
+                }
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if errors:
+        first = min(errors, key=lambda e: (e["timestamp"], e["rank"]))
+        return {
+            "rank": first["rank"],
+            "exit_code": code,
+            "summary": f"rank {first['rank']} failed: {first['message']}",
+            "traceback": first["traceback"],
+            "ranks": sorted({e["rank"] for e in errors}),
+        }
+    rank, rank_code = _failed_rank_from_log(run_dir)
+    if rank is not None:
+        summary = f"rank {rank} exited with code {rank_code}"
+        if rank_code is not None and rank_code < 0:
+            summary += f" (killed by {_signame(-rank_code)})"
+        return {"rank": rank, "exit_code": rank_code, "summary": summary, "traceback": ""}
+    return {
+        "rank": None,
+        "exit_code": code,
+        "summary": f"torchrun exited with code {code}",
+        "traceback": "",
+    }
+
+
+def _failed_rank_from_log(run_dir: Path) -> tuple[int | None, int | None]:
+    """torchrun's root-cause block names the rank and exit code of a rank killed outright."""
+    try:
+        text = (run_dir / "logs" / "torchrun.log").read_text(errors="replace")
+    except OSError:
+        return None, None
+    rank = code = None
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("rank") and ":" in line and rank is None:
+            try:
+                rank = int(line.split(":", 1)[1].split()[0])
+            except ValueError:
+                pass
+        elif line.startswith("exitcode") and ":" in line and code is None:
+            try:
+                code = int(line.split(":", 1)[1].split()[0])
+            except ValueError:
+                pass
+    return rank, code
+
+
+def _signame(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        print("usage: python -m gpu_console.supervisor RUN_DIR", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(Supervisor(Path(sys.argv[1])).run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The Task protocol: what a model, its data and its loss must provide to the engine.
+
+A task is a class with a ``Config`` dataclass (its own ``[task]`` keys, declared with
+:func:`gpu_console.schema.opt` or plain defaults) and three methods. The engine calls them
+on every rank; the datasets must be the same on every rank (the engine shards them).
+
+    class MyTask:
+        Config = MyConfig
+
+        def __init__(self, config: MyConfig): ...
+        def build_model(self) -> torch.nn.Module: ...
+        def build_datasets(self) -> tuple[Dataset, Dataset | None]: ...   # train, eval
+        def compute(self, model, batch) -> TaskOutput: ...
+
+``compute`` receives a batch already on the rank's device and returns the mean loss of the
+batch, how many samples (and tokens, if any) it held, and optional metrics (batch means,
+e.g. accuracy) that eval averages over the whole eval set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch.utils.data import Dataset
+
+
+@dataclass
+class TaskOutput:
+    loss: torch.Tensor
+    samples: int
+    tokens: int = 0
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Task(Protocol):
+    Config: type
+
+    def __init__(self, config: Any) -> None: ...
+
+    def build_model(self) -> torch.nn.Module: ...
+
+    def build_datasets(self) -> tuple[Dataset, Dataset | None]: ...
+
+    def compute(self, model: torch.nn.Module, batch: Any) -> TaskOutput: ...
+
+
+class TensorSet:
+    """A map-style dataset over equal-length tensors with batched indexing.
+
+    ``__getitems__`` lets the DataLoader fetch a whole batch with one index operation
+    instead of collating per-sample tensors, which dominates small models' step time.
+    """
+
+    def __init__(self, *tensors: torch.Tensor):
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[i] for t in self.tensors)
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        import torch
+
+        idx = torch.as_tensor(indices)
+        return tuple(t[idx] for t in self.tensors)
+
+
+def batch_collate(batch: Any) -> Any:
+    """The collate function for :class:`TensorSet`: the batch is already stacked."""
+    return batch

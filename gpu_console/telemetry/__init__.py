@@ -1,0 +1,1 @@
+"""Device telemetry. :mod:`.nvml` is the only importer of ``pynvml``."""
