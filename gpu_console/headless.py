@@ -7,6 +7,7 @@ Ctrl-C: first a graceful stop (checkpoint), then terminate the run, then kill it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -75,10 +76,8 @@ class Interrupts:
 
 
 def _signal(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def kill_tree(pid: int) -> None:
@@ -88,10 +87,8 @@ def kill_tree(pid: int) -> None:
     except psutil.Error:
         return
     for p in children:
-        try:
+        with contextlib.suppress(psutil.Error):
             p.kill()
-        except psutil.Error:
-            pass
 
 
 def follow(

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from . import runs
 from .devices import DeviceSpecError, Placement, parse_devices, place
-from .profile import Profile, ProfileError, load_profile
+from .profile import Profile, ProfileError, find_profile, load_profile
+from .schema import show
 from .tasks import BUILTIN
 
 
@@ -146,23 +147,40 @@ def prepare(
     if profile_arg is None:
         raise LaunchError("PROFILE: give a profile name or file (or --resume RUN)")
     sets = list(overrides or [])
+    flags = {}
     if devices is not None:
         sets.append(f"hardware.devices={json.dumps(devices)}")
+        flags["hardware.devices"] = "--devices"
     if precision is not None:
         sets.append(f"train.precision={json.dumps(precision)}")
+        flags["train.precision"] = "--precision"
+    source = str(find_profile(profile_arg))
+    set_keys = {s.split("=")[0].strip() for s in overrides or []}
+
+    def bad(key: str, problem: str, value: object) -> LaunchError:
+        """A problem with a resolved value, blamed on where that value came from."""
+        origin = flags.get(key) or ("--set" if key in set_keys else source)
+        return LaunchError(f"{origin}: {key}: {problem} (got {show(value)})")
+
     profile = load_profile(profile_arg, sets)
     if name:
         profile.profile.name = name
-    source = profile_arg
-    profile = check_user_task(profile, source, {s.split("=")[0].strip() for s in sets})
+    profile = check_user_task(profile, source, set_keys | set(flags))
     try:
         placement = resolve_placement(profile.hardware.devices)
     except DeviceSpecError as e:
-        raise LaunchError(f"hardware.devices: {e}") from None
+        raise bad("hardware.devices", str(e), profile.hardware.devices) from None
+    if placement.device_type == "cpu" and profile.distributed.sync_batchnorm:
+        raise bad(
+            "distributed.sync_batchnorm",
+            "SyncBatchNorm runs only on GPUs; this run is on CPU",
+            True,
+        )
     if placement.device_type == "cpu" and profile.train.precision == "fp16":
-        raise LaunchError(
-            "train.precision: fp16 needs a GPU (its GradScaler is CUDA-only); use bf16 or fp32 "
-            "on CPU (got 'fp16')"
+        raise bad(
+            "train.precision",
+            "fp16 needs a GPU (its GradScaler is CUDA-only); use bf16 or fp32 on CPU",
+            "fp16",
         )
     return profile, placement, resume_from
 

@@ -180,7 +180,18 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
-    return section, name.strip(), value
+    section, name = section.strip(), name.strip()
+    if not isinstance(value, str) and _is_string_key(section, name):
+        value = raw  # --set hardware.devices=0 means the string "0", as --devices 0 does
+    return section, name, value
+
+
+def _is_string_key(section: str, key: str) -> bool:
+    """Whether ``section.key`` of a profile section is a plain string (task keys excluded)."""
+    import typing
+
+    cls = SECTIONS.get(section)
+    return cls is not None and typing.get_type_hints(cls).get(key) is str
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], set[str]]:
@@ -258,7 +269,11 @@ def resolve(
 def _blame(problem: str, source: str, overridden: set[str] | frozenset[str]) -> str:
     """Prefix a problem with where the value came from: the file, or ``--set``."""
     key = problem.split(":", 1)[0]
-    return f"--set: {problem}" if key in overridden else f"{source}: {problem}"
+    # A bare section name (an unknown section) is --set's fault when a --set named it.
+    by_set = key in overridden or (
+        "." not in key and any(o.split(".", 1)[0] == key for o in overridden)
+    )
+    return f"--set: {problem}" if by_set else f"{source}: {problem}"
 
 
 # -- finding profiles ------------------------------------------------------------------------

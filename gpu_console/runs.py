@@ -6,6 +6,7 @@ through :func:`atomic_write_text`, so a reader never sees half a file. No torch 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -38,10 +39,8 @@ def atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     fsync_dir(path.parent)
 

@@ -33,6 +33,7 @@ class RunState:
     params: int | None = None
     started_t: float | None = None
     first_step_t: float | None = None
+    first_step: int = 0  # the step of the first step event: the rate is measured from it
     last_step_t: float | None = None
     ended_t: float | None = None
     eval: dict[str, float] = field(default_factory=dict)
@@ -68,7 +69,7 @@ class RunState:
             if self.samples_per_s is not None:
                 self.throughput.append(self.samples_per_s)
             if self.first_step_t is None:
-                self.first_step_t = t
+                self.first_step_t, self.first_step = t, self.step
             self.last_step_t = t
             for m in e.get("memory") or []:
                 r = m.get("rank")
@@ -100,11 +101,11 @@ class RunState:
     def eta_s(self) -> float | None:
         if not (self.max_steps and self.first_step_t and self.last_step_t):
             return None
-        done = self.step - self.start_step
+        done = self.step - self.first_step
         if done <= 0 or self.last_step_t <= self.first_step_t:
             return None
-        rate = (self.last_step_t - self.first_step_t) / max(done, 1)
-        return rate * (self.max_steps - self.step)
+        per_step = (self.last_step_t - self.first_step_t) / done
+        return per_step * (self.max_steps - self.step)
 
     def mean_samples_per_s(self) -> float | None:
         return sum(self.throughput) / len(self.throughput) if self.throughput else None

@@ -16,6 +16,7 @@ ignored.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import json
@@ -39,10 +40,8 @@ KILL_AFTER_TERM_S = 5.0
 
 
 def _prctl(option: int, value: int) -> None:
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _torchrun_preexec() -> None:
@@ -97,13 +96,15 @@ class Supervisor:
             return []
 
     def _workers(self) -> list[psutil.Process]:
+        """Engine processes: ``python -m gpu_console.engine`` (torchrun's argv names it too)."""
         out = []
         for p in self._tree():
             try:
-                if "gpu_console.engine" in p.cmdline():
-                    out.append(p)
+                cmd = p.cmdline()
             except psutil.Error:
                 continue
+            if is_engine_cmdline(cmd):
+                out.append(p)
         return out
 
     def _signal_workers(self, sig: int) -> None:
@@ -212,11 +213,16 @@ class Supervisor:
         return 0 if state in ("finished", "stopped") else 1
 
 
+def is_engine_cmdline(cmd: list[str]) -> bool:
+    for i, arg in enumerate(cmd[:-1]):
+        if arg == "-m" and cmd[i + 1] == "gpu_console.engine":
+            return "torch.distributed.run" not in cmd
+    return False
+
+
 def _send(p: psutil.Process, sig: int) -> None:
-    try:
+    with contextlib.suppress(psutil.Error):
         p.send_signal(sig)
-    except psutil.Error:
-        pass
 
 
 def _grace_from(profile_text: str) -> float:
@@ -285,15 +291,11 @@ def _failed_rank_from_log(run_dir: Path) -> tuple[int | None, int | None]:
     for line in text.splitlines():
         line = line.strip()
         if line.startswith("rank") and ":" in line and rank is None:
-            try:
+            with contextlib.suppress(ValueError):
                 rank = int(line.split(":", 1)[1].split()[0])
-            except ValueError:
-                pass
         elif line.startswith("exitcode") and ":" in line and code is None:
-            try:
+            with contextlib.suppress(ValueError):
                 code = int(line.split(":", 1)[1].split()[0])
-            except ValueError:
-                pass
     return rank, code
 
 

@@ -103,9 +103,15 @@ def ddp_kwargs(cfg: DistributedConfig) -> dict:
     }
 
 
-def wrap(model: nn.Module, cfg: DistributedConfig, d: Dist) -> DDP:
+def convert_batchnorm(model: nn.Module, cfg: DistributedConfig) -> nn.Module:
+    """BatchNorm → SyncBatchNorm when asked (GPU only: PyTorch has no CPU SyncBatchNorm)."""
     if cfg.sync_batchnorm:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return model
+
+
+def wrap(model: nn.Module, cfg: DistributedConfig, d: Dist) -> DDP:
+    model = convert_batchnorm(model, cfg)
     device_ids = [d.device.index] if d.device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, **ddp_kwargs(cfg))
 

@@ -308,7 +308,7 @@ def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> None:
     values = buf.tolist()
     n = max(values[-1], 1)
     if d.is_main:
-        out.event("eval", step=step, **{k: v / n for k, v in zip(names, values[:-1])})
+        out.event("eval", step=step, **{k: v / n for k, v in zip(names, values[:-1], strict=False)})
 
 
 def _ddp_settings(ddp) -> dict[str, Any]:

@@ -14,6 +14,7 @@ class MLPConfig:
     num_layers: int = opt(3, "linear layers, the output layer included", min=1)
     num_classes: int = opt(10, "clusters to tell apart", min=2)
     dropout: float = opt(0.0, "dropout after each hidden layer", min=0.0, max=0.9)
+    batch_norm: bool = opt(False, "BatchNorm after each hidden layer (see sync_batchnorm)")
     train_samples: int = opt(32768, "synthetic training samples", min=1)
     eval_samples: int = opt(4096, "synthetic held-out samples", min=0)
     noise: float = opt(1.0, "spread of each cluster around its centre", min=0.0)

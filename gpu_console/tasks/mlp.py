@@ -27,7 +27,10 @@ class MLPTask:
         layers: list[nn.Module] = []
         width = c.input_dim
         for _ in range(c.num_layers - 1):
-            layers += [nn.Linear(width, c.hidden_dim), nn.GELU()]
+            layers.append(nn.Linear(width, c.hidden_dim))
+            if c.batch_norm:
+                layers.append(nn.BatchNorm1d(c.hidden_dim))
+            layers.append(nn.GELU())
             if c.dropout:
                 layers.append(nn.Dropout(c.dropout))
             width = c.hidden_dim

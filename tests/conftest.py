@@ -1,0 +1,211 @@
+"""Shared test helpers: run the real CLI, wait on what we expect, clean up by pid.
+
+Every process a test starts is recorded and ended by its pid at teardown (with the
+supervisor's whole tree, read from status.json); every run directory lives under
+``tmp_path``. Waiting is always on a condition with a generous deadline, never a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEADLINE_S = 120.0
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = DEADLINE_S, what: str = "condition"):
+    """Poll ``pred`` until it returns something truthy; fail the test at the deadline."""
+    end = time.monotonic() + timeout
+    delay = 0.02
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.25)
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    from gpu_console.events import read_events as _read
+
+    return _read(Path(run_dir) / "events.jsonl")
+
+
+def events_of(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["kind"] == kind]
+
+
+def read_status(run_dir: Path) -> dict:
+    from gpu_console.runs import read_status as _read
+
+    return _read(run_dir)
+
+
+def run_dirs(runs_dir: Path) -> list[Path]:
+    if not runs_dir.is_dir():
+        return []
+    return sorted(p for p in runs_dir.iterdir() if p.is_dir() and (p / "run.toml").exists())
+
+
+def only_run(runs_dir: Path) -> Path:
+    dirs = run_dirs(runs_dir)
+    assert len(dirs) == 1, f"expected one run under {runs_dir}, found {dirs}"
+    return dirs[0]
+
+
+def test_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("GPU_CONSOLE_RUNS", None)
+    env["GPU_CONSOLE_PLAIN_EVERY_S"] = "0.5"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+class Procs:
+    """Processes started by a test, ended by pid at teardown (never by name)."""
+
+    def __init__(self, runs_dir: Path):
+        self.runs_dir = runs_dir
+        self.started: list[subprocess.Popen] = []
+
+    def cli(
+        self,
+        *args: str,
+        cwd: Path | None = None,
+        env: dict | None = None,
+        timeout: float = DEADLINE_S,
+        input: str | None = None,
+    ) -> subprocess.CompletedProcess:
+        """Run ``gpu-console ARGS`` to completion (as a user would, in a subprocess)."""
+        proc = self.start(*args, cwd=cwd, env=env, stdin=subprocess.PIPE if input else None)
+        try:
+            out, err = proc.communicate(input=input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"gpu-console {' '.join(args)} timed out\n{out}\n{err}") from None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def start(
+        self,
+        *args: str,
+        cwd: Path | None = None,
+        env: dict | None = None,
+        stdin=None,
+        new_session: bool = True,
+    ) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpu_console", *args],
+            cwd=cwd or self.runs_dir.parent,
+            env=env or test_env(),
+            stdin=stdin or subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=new_session,
+        )
+        self.started.append(proc)
+        return proc
+
+    def cleanup(self) -> None:
+        pids: set[int] = set()
+        for proc in self.started:
+            pids.add(proc.pid)
+        for run_dir in run_dirs(self.runs_dir):
+            status = read_status(run_dir)
+            for key in ("supervisor", "torchrun"):
+                pid = status.get("pids", {}).get(key)
+                if pid:
+                    pids.add(pid)
+            pids.update(status.get("pids", {}).get("workers") or [])
+        victims: list[psutil.Process] = []
+        for pid in pids:
+            try:
+                p = psutil.Process(pid)
+                victims.extend(p.children(recursive=True))
+                victims.append(p)
+            except psutil.Error:
+                continue
+        for p in victims:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    p.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                continue
+        psutil.wait_procs(victims, timeout=10)
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture
+def runs_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "runs"
+    return path
+
+
+@pytest.fixture
+def procs(runs_dir: Path):
+    p = Procs(runs_dir)
+    yield p
+    p.cleanup()
+
+
+def write_profile(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+# A small, fast profile for integration tests: 2 CPU ranks, exact fp32.
+FAST = """
+[profile]
+name = "{name}"
+[task]
+kind = "mlp"
+hidden_dim = 64
+train_samples = 8192
+eval_samples = 512
+[data]
+batch_size = 32
+[train]
+max_steps = {max_steps}
+lr = 3e-3
+log_every = 1
+precision = "fp32"
+[hardware]
+devices = "cpu:2"
+"""
+
+
+def fast_profile(tmp_path: Path, name: str = "fast", max_steps: int = 40, extra: str = "") -> Path:
+    return write_profile(
+        tmp_path / f"{name}.toml", FAST.format(name=name, max_steps=max_steps) + extra
+    )
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip().startswith("{")]

@@ -1,0 +1,406 @@
+"""User mistakes given to ``gpu-console run ... --headless``, each through the real CLI.
+
+Every bad input must end fast with exit code 2, one ``gpu-console: ...`` line on stderr per
+problem naming where it came from (the profile file, or ``--set``/``--devices``/
+``--precision``/``--resume``) and the ``section.key`` at fault, no traceback, and no run
+directory left behind. Nothing here reaches torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import run_dirs, write_profile
+
+TIMEOUT_S = 60.0
+
+
+def run_bad(procs, runs_dir: Path, *args: str, cwd: Path | None = None):
+    return procs.cli(
+        "run", *args, "--headless", "--runs-dir", str(runs_dir), cwd=cwd, timeout=TIMEOUT_S
+    )
+
+
+def assert_bad(
+    result: subprocess.CompletedProcess,
+    runs_dir: Path,
+    *,
+    lines: int = 1,
+    existing: list[Path] | None = None,
+) -> list[str]:
+    """Exit 2, ``lines`` one-line messages, no traceback, no run directory made."""
+    both = result.stdout + result.stderr
+    assert result.returncode == 2, both
+    assert "Traceback" not in both, both
+    assert result.stdout == "", both
+    got = result.stderr.splitlines()
+    assert len(got) == lines, result.stderr
+    for line in got:
+        assert line.strip(), result.stderr
+        assert line.startswith("gpu-console: "), result.stderr
+    assert run_dirs(runs_dir) == (existing or []), "a bad input left a run directory behind"
+    if existing is None and runs_dir.is_dir():
+        assert list(runs_dir.iterdir()) == [], "a bad input wrote into the runs directory"
+    return got
+
+
+# -- problems in the profile file -------------------------------------------------------------
+
+# (id, profile text, section.key at fault, more text the message must contain)
+FILE_CASES = [
+    ("malformed-toml", "[train\nlr = 1\n", None, ["not valid TOML", "line 1"]),
+    ("unknown-section", "[trian]\nlr = 0.1\n", "trian", ["unknown section", "[train]"]),
+    ("not-a-table", "train = 3\n", "train", ["[train] table", "got 3"]),
+    ("unknown-key-near-miss", "[train]\nlrr = 0.1\n", "train.lrr", ["did you mean 'lr'"]),
+    (
+        "string-for-int",
+        '[train]\nmax_steps = "ten"\n',
+        "train.max_steps",
+        ["expected an integer", "'ten'"],
+    ),
+    (
+        "fraction-for-int",
+        "[train]\nmax_steps = 10.5\n",
+        "train.max_steps",
+        ["expected an integer", "10.5"],
+    ),
+    ("float-for-bool", "[data]\npin_memory = 1.5\n", "data.pin_memory", ["true or false", "1.5"]),
+    (
+        "bool-for-int",
+        "[data]\nbatch_size = true\n",
+        "data.batch_size",
+        ["expected an integer", "got true"],
+    ),
+    (
+        "list-for-string",
+        '[hardware]\ndevices = ["cpu"]\n',
+        "hardware.devices",
+        ["expected a string"],
+    ),
+    ("negative-lr", "[train]\nlr = -0.1\n", "train.lr", ["greater than 0", "-0.1"]),
+    ("batch-size-zero", "[data]\nbatch_size = 0\n", "data.batch_size", ["at least 1", "got 0"]),
+    (
+        "memory-fraction-above-one",
+        "[hardware]\nmemory_fraction = 1.5\n",
+        "hardware.memory_fraction",
+        ["at most 1", "1.5"],
+    ),
+    (
+        "warmup-beyond-max-steps",
+        "[train]\nmax_steps = 10\nwarmup_steps = 20\n",
+        "train.warmup_steps",
+        ["train.max_steps", "20"],
+    ),
+    (
+        "schedule-not-a-choice",
+        '[train]\nschedule = "exp"\n',
+        "train.schedule",
+        ["'exp'", "cosine"],
+    ),
+    (
+        "precision-not-a-choice",
+        '[train]\nprecision = "fp8"\n',
+        "train.precision",
+        ["'fp8'", "bf16"],
+    ),
+    (
+        "devices-malformed-in-file",
+        '[hardware]\ndevices = "gpu0"\n',
+        "hardware.devices",
+        ["'gpu0'"],
+    ),
+    ("unknown-task-kind", '[task]\nkind = "cnn"\n', "task.kind", ["'cnn'", "mlp"]),
+    ("task-kind-not-a-string", "[task]\nkind = 3\n", "task.kind", ["expected a string"]),
+    (
+        "task-module-missing",
+        '[task]\nkind = "no_such_module_xyz.tasks:MyTask"\n',
+        "task.kind",
+        ["no_such_module_xyz"],
+    ),
+    (
+        "mlp-wrong-key",
+        '[task]\nkind = "mlp"\nhidden = 3\n',
+        "task.hidden",
+        ["unknown key", "hidden_dim"],
+    ),
+    (
+        "transformer-heads-do-not-divide",
+        '[task]\nkind = "transformer"\nd_model = 130\nn_heads = 4\n',
+        "task.n_heads",
+        ["task.d_model", "130"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "text, key, extra", [c[1:] for c in FILE_CASES], ids=[c[0] for c in FILE_CASES]
+)
+def test_bad_profile_file(procs, runs_dir, tmp_path, text, key, extra):
+    path = write_profile(tmp_path / "bad.toml", text)
+    result = run_bad(procs, runs_dir, str(path))
+    (line,) = assert_bad(result, runs_dir)
+    assert line.startswith(f"gpu-console: {path}: "), line
+    if key is not None:
+        assert f": {key}: " in line, line
+    for text_part in extra:
+        assert text_part in line, line
+
+
+def test_missing_profile_file(procs, runs_dir, tmp_path):
+    path = tmp_path / "nothere.toml"
+    (line,) = assert_bad(run_bad(procs, runs_dir, str(path)), runs_dir)
+    assert line == f"gpu-console: {path}: no such profile file"
+
+
+def test_unknown_profile_name(procs, runs_dir):
+    (line,) = assert_bad(run_bad(procs, runs_dir, "nosuchprofile"), runs_dir)
+    assert line.startswith("gpu-console: nosuchprofile: no such profile"), line
+    assert "quickstart" in line, "the message should list the profiles there are"
+
+
+def test_no_profile_and_no_resume(procs, runs_dir):
+    (line,) = assert_bad(run_bad(procs, runs_dir), runs_dir)
+    assert line.startswith("gpu-console: PROFILE: "), line
+
+
+def test_several_problems_in_one_file_are_all_reported(procs, runs_dir, tmp_path):
+    path = write_profile(
+        tmp_path / "many.toml",
+        '[train]\nlr = "fast"\nmax_steps = 0\n[data]\nbatch_size = -1\n[foo]\na = 1\n',
+    )
+    lines = assert_bad(run_bad(procs, runs_dir, str(path)), runs_dir, lines=4)
+    prefix = f"gpu-console: {path}: "
+    assert all(line.startswith(prefix) for line in lines), lines
+    keys = {line[len(prefix) :].split(":", 1)[0] for line in lines}
+    assert keys == {"train.lr", "train.max_steps", "data.batch_size", "foo"}
+
+
+def test_file_and_set_problems_each_name_their_source(procs, runs_dir, tmp_path):
+    path = write_profile(tmp_path / "bad.toml", "[train]\nmax_steps = 0\n")
+    result = run_bad(procs, runs_dir, str(path), "--set", "data.batch_size=0")
+    lines = assert_bad(result, runs_dir, lines=2)
+    assert sorted(lines) == sorted(
+        [
+            f"gpu-console: {path}: train.max_steps: must be at least 1 (got 0)",
+            "gpu-console: --set: data.batch_size: must be at least 1 (got 0)",
+        ]
+    )
+
+
+# -- --set ------------------------------------------------------------------------------------
+
+# (id, --set argument, section.key at fault or None, more text the message must contain)
+SET_CASES = [
+    ("no-equals", "train.lr", None, ["SECTION.KEY=VALUE", "'train.lr'"]),
+    ("no-dot", "lr=3e-4", None, ["SECTION.KEY=VALUE", "'lr=3e-4'"]),
+    ("unknown-key", "train.lrr=0.1", "train.lrr", ["unknown key", "did you mean 'lr'"]),
+    ("unknown-section", "trian.lr=0.1", "trian", ["unknown section", "[train]"]),
+    ("wrong-type", "train.lr=abc", "train.lr", ["expected a number", "'abc'"]),
+    ("out-of-range", "data.batch_size=0", "data.batch_size", ["at least 1"]),
+    ("bad-literal", 'train.schedule="exp"', "train.schedule", ["'exp'"]),
+    ("bad-devices", "hardware.devices=gpu0", "hardware.devices", ["'gpu0'"]),
+    ("unknown-task-key", "task.hidden=3", "task.hidden", ["hidden_dim"]),
+]
+
+
+@pytest.mark.parametrize(
+    "override, key, extra", [c[1:] for c in SET_CASES], ids=[c[0] for c in SET_CASES]
+)
+def test_bad_set(procs, runs_dir, override, key, extra):
+    (line,) = assert_bad(run_bad(procs, runs_dir, "quickstart", "--set", override), runs_dir)
+    assert line.startswith("gpu-console: --set: "), line
+    if key is not None:
+        assert line.startswith(f"gpu-console: --set: {key}: "), line
+    for text_part in extra:
+        assert text_part in line, line
+
+
+# -- --devices and --precision ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, extra",
+    [
+        ("gpu0", ["'gpu0'"]),
+        ("cpu:0", ["cpu:N", "'cpu:0'"]),
+        ("cpu:two", ["cpu:N"]),
+        ("0,0", ["twice"]),
+        ("1,", ["'1,'"]),
+    ],
+    ids=["gpu0", "cpu0", "cpu-two", "duplicate", "trailing-comma"],
+)
+def test_bad_devices_syntax(procs, runs_dir, spec, extra):
+    (line,) = assert_bad(run_bad(procs, runs_dir, "quickstart", "--devices", spec), runs_dir)
+    assert line.startswith("gpu-console: --devices: "), line
+    for text_part in extra:
+        assert text_part in line, line
+
+
+def _gpus_visible() -> int:
+    from gpu_console.telemetry import nvml
+
+    return nvml.device_count()
+
+
+NO_SOURCE = (
+    "launch.prepare reports devices/precision problems found after loading (no GPU visible, "
+    "fp16 on CPU) as bare 'hardware.devices: ...'/'train.precision: ...', without naming "
+    "the flag or profile file they came from"
+)
+
+
+def test_gpu_index_without_any_gpu(procs, runs_dir):
+    if _gpus_visible():
+        pytest.skip("a GPU is visible here")
+    (line,) = assert_bad(run_bad(procs, runs_dir, "quickstart", "--devices", "0"), runs_dir)
+    assert "no GPU is visible" in line, line
+    assert line.startswith("gpu-console: --devices: "), line
+
+
+def test_gpu_index_without_any_gpu_says_so(procs, runs_dir):
+    """The half of the contract that holds today: exit 2 and 'no GPU is visible'."""
+    if _gpus_visible():
+        pytest.skip("a GPU is visible here")
+    (line,) = assert_bad(run_bad(procs, runs_dir, "quickstart", "--devices", "0"), runs_dir)
+    assert "no GPU is visible" in line, line
+    assert "hardware.devices" in line, line
+
+
+def test_gpu_index_in_profile_without_any_gpu(procs, runs_dir, tmp_path):
+    if _gpus_visible():
+        pytest.skip("a GPU is visible here")
+    path = write_profile(tmp_path / "gpu.toml", '[hardware]\ndevices = "0"\n')
+    (line,) = assert_bad(run_bad(procs, runs_dir, str(path)), runs_dir)
+    assert line.startswith(f"gpu-console: {path}: hardware.devices: "), line
+    assert "no GPU is visible" in line, line
+
+
+def test_bad_precision_flag(procs, runs_dir):
+    (line,) = assert_bad(run_bad(procs, runs_dir, "quickstart", "--precision", "fp8"), runs_dir)
+    assert line.startswith("gpu-console: --precision: "), line
+    assert "'fp8'" in line and "bf16" in line, line
+
+
+def test_fp16_flag_on_cpu(procs, runs_dir):
+    result = run_bad(procs, runs_dir, "quickstart", "--devices", "cpu:2", "--precision", "fp16")
+    (line,) = assert_bad(result, runs_dir)
+    assert line.startswith("gpu-console: --precision: "), line
+    assert "fp16" in line, line
+
+
+def test_fp16_on_cpu_is_refused(procs, runs_dir, tmp_path):
+    """The half of the contract that holds today: exit 2 and a line naming the key."""
+    path = write_profile(
+        tmp_path / "half.toml", '[train]\nprecision = "fp16"\n[hardware]\ndevices = "cpu:2"\n'
+    )
+    (line,) = assert_bad(run_bad(procs, runs_dir, str(path)), runs_dir)
+    assert "train.precision" in line and "fp16" in line, line
+
+
+def test_fp16_in_profile_on_cpu_names_the_file(procs, runs_dir, tmp_path):
+    path = write_profile(
+        tmp_path / "half.toml", '[train]\nprecision = "fp16"\n[hardware]\ndevices = "cpu:2"\n'
+    )
+    (line,) = assert_bad(run_bad(procs, runs_dir, str(path)), runs_dir)
+    assert line.startswith(f"gpu-console: {path}: train.precision: "), line
+
+
+# -- --resume ---------------------------------------------------------------------------------
+
+
+def hand_made_run(folder: Path, name: str = "hand-20240101-000000") -> Path:
+    """A run directory with run.toml but no complete checkpoint."""
+    run = folder / name
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run.toml").write_text('[profile]\nname = "hand"\n')
+    return run
+
+
+def test_resume_of_a_run_that_does_not_exist(procs, runs_dir):
+    (line,) = assert_bad(run_bad(procs, runs_dir, "--resume", "ghost"), runs_dir)
+    assert line.startswith("gpu-console: --resume: ghost: "), line
+    assert "no such run" in line, line
+
+
+def test_resume_of_a_run_dir_without_checkpoint(procs, runs_dir, tmp_path):
+    run = hand_made_run(tmp_path / "elsewhere")
+    (line,) = assert_bad(run_bad(procs, runs_dir, "--resume", str(run)), runs_dir)
+    assert line.startswith(f"gpu-console: --resume: {run}: "), line
+    assert "no complete checkpoint" in line, line
+
+
+def test_resume_by_name_without_checkpoint(procs, runs_dir):
+    run = hand_made_run(runs_dir)
+    result = run_bad(procs, runs_dir, "--resume", run.name)
+    (line,) = assert_bad(result, runs_dir, existing=[run])
+    assert line.startswith("gpu-console: --resume: "), line
+    assert run.name in line and "no complete checkpoint" in line, line
+
+
+def test_resume_with_latest_naming_an_incomplete_checkpoint(procs, runs_dir, tmp_path):
+    run = hand_made_run(tmp_path / "elsewhere")
+    (run / "checkpoints" / "step-00000010").mkdir()  # no meta.json: never completed
+    (run / "checkpoints" / "LATEST").write_text("step-00000010\n")
+    (line,) = assert_bad(run_bad(procs, runs_dir, "--resume", str(run)), runs_dir)
+    assert line.startswith("gpu-console: --resume: "), line
+    assert "no complete checkpoint" in line, line
+
+
+# -- user tasks by import path (these import the user's module in a subprocess) ---------------
+
+
+def test_task_class_missing_from_module(procs, runs_dir, tmp_path):
+    (tmp_path / "mytasks.py").write_text("class Other:\n    pass\n")
+    path = write_profile(tmp_path / "user.toml", '[task]\nkind = "mytasks:MyTask"\n')
+    (line,) = assert_bad(run_bad(procs, runs_dir, str(path), cwd=tmp_path), runs_dir)
+    assert line.startswith(f"gpu-console: {path}: task.kind: "), line
+    assert "'MyTask'" in line and "mytasks" in line, line
+
+
+def test_task_class_that_is_not_a_task(procs, runs_dir, tmp_path):
+    (tmp_path / "mytasks.py").write_text("class MyTask:\n    pass\n")
+    path = write_profile(tmp_path / "user.toml", '[task]\nkind = "mytasks:MyTask"\n')
+    (line,) = assert_bad(run_bad(procs, runs_dir, str(path), cwd=tmp_path), runs_dir)
+    assert line.startswith(f"gpu-console: {path}: task.kind: "), line
+    assert "build_model" in line, line
+
+
+def test_task_module_that_raises_on_import(procs, runs_dir, tmp_path):
+    (tmp_path / "mytasks.py").write_text("raise RuntimeError('broken on purpose')\n")
+    path = write_profile(tmp_path / "user.toml", '[task]\nkind = "mytasks:MyTask"\n')
+    (line,) = assert_bad(run_bad(procs, runs_dir, str(path), cwd=tmp_path), runs_dir)
+    assert line.startswith(f"gpu-console: {path}: task.kind: "), line
+    assert "broken on purpose" in line, line
+
+
+# -- the runs directory -----------------------------------------------------------------------
+
+
+def test_runs_dir_is_a_file(procs, tmp_path):
+    blocker = tmp_path / "runs"
+    blocker.write_text("not a directory\n")
+    result = procs.cli(
+        "run", "quickstart", "--headless", "--runs-dir", str(blocker), timeout=TIMEOUT_S
+    )
+    both = result.stdout + result.stderr
+    assert result.returncode == 2, both
+    assert "Traceback" not in both, both
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"gpu-console: {blocker}: "), both
+    assert blocker.read_text() == "not a directory\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through chmod 0500")
+def test_runs_dir_not_writable(procs, runs_dir):
+    runs_dir.mkdir()
+    runs_dir.chmod(0o500)
+    try:
+        (line,) = assert_bad(run_bad(procs, runs_dir, "quickstart"), runs_dir)
+        assert line.startswith(f"gpu-console: {runs_dir}: "), line
+        assert "not writable" in line, line
+    finally:
+        runs_dir.chmod(0o700)

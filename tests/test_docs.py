@@ -1,0 +1,38 @@
+"""README stays true: its key reference is the schema's, its Quickstart has two commands."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_readme_reference_matches_the_schema():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from profile_reference import README, splice
+
+    text = README.read_text()
+    assert splice(text) == text, "run: python scripts/profile_reference.py --write"
+
+
+def test_quickstart_has_exactly_two_commands_and_ci_runs_the_test_one():
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```(?:sh|bash)?\n(.*?)```", section, re.S).group(1)
+    commands = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(commands) == 2
+    assert "gpu-console run quickstart --headless" in commands[0]
+    assert commands[1] in (REPO / ".ci" / "run").read_text()
+
+
+def test_help_imports_no_torch():
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import gpu_console.cli"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
+    assert not re.search(r"\|\s+torch$", out, re.M)
+    assert "gpu_console.cli" in out

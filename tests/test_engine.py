@@ -1,0 +1,311 @@
+"""The engine through the product's own path: gpu-console → supervisor → torchrun → 2 ranks.
+
+Every test here starts real processes (2 CPU ranks on gloo) and waits on events.
+"""
+
+from __future__ import annotations
+
+import signal
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import (
+    events_of,
+    fast_profile,
+    only_run,
+    pid_alive,
+    read_status,
+    wait_for,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in events_of(run_dir, "step")}
+
+
+def test_quickstart_learns_and_leaves_a_complete_run_directory(procs, runs_dir):
+    result = procs.cli("run", "quickstart", "--headless", "--runs-dir", str(runs_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run(runs_dir)
+
+    steps = events_of(run, "step")
+    assert steps[-1]["step"] == 300
+    first, last = steps[0]["loss"], steps[-1]["loss_avg"]
+    assert last < 0.7 * first, f"loss did not fall: {first} → {last}"
+    assert events_of(run, "eval")[-1]["accuracy"] > 0.5  # ten classes: chance is 0.1
+
+    start = events_of(run, "start")[0]
+    assert start["world_size"] == 2 and start["device_type"] == "cpu"
+    assert start["precision"] == "fp32" and start["backend"] == "gloo"
+    assert [s["rank"] for s in steps[-1]["memory"]] == [0, 1]
+    assert all(m["peak"] > 0 for m in steps[-1]["memory"])
+    assert [e["state"] for e in events_of(run, "status")] == ["starting", "running", "finished"]
+
+    status = read_status(run)
+    assert status["state"] == "finished" and status["exit_code"] == 0
+    assert status["step"] == 300 and status["ended"] >= status["started"]
+
+    # Files of DESIGN.md's run directory, with their modes.
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    assert stat.S_IMODE((run / "control.jsonl").stat().st_mode) == 0o600
+    for name in ("run.toml", "meta.json", "status.json", "events.jsonl"):
+        assert (run / name).is_file(), name
+    rank_logs = sorted(run.glob("logs/*/attempt_0/*/stdout.log"))
+    assert len(rank_logs) == 2
+    assert (run / "logs" / "torchrun.log").is_file()
+
+    # Checkpoints: interval ones, pruned to keep_last = 2, LATEST names the newest complete.
+    ckpts = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert ckpts == ["step-00000200", "step-00000300"]
+    assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-00000300"
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+
+    # run.toml is the resolved profile: every section, every default filled in.
+    resolved = tomllib.loads((run / "run.toml").read_text())
+    assert set(resolved) == {
+        "profile",
+        "task",
+        "data",
+        "train",
+        "distributed",
+        "checkpoint",
+        "hardware",
+    }
+    assert resolved["train"]["max_steps"] == 300 and resolved["train"]["nan_policy"] == "stop"
+    assert resolved["task"]["kind"] == "mlp" and "noise" in resolved["task"]
+
+
+def test_run_toml_reproduces_the_run(procs, runs_dir, tmp_path):
+    profile = fast_profile(tmp_path, max_steps=12)
+    first = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir / "a"))
+    assert first.returncode == 0, first.stderr
+    run_a = only_run(runs_dir / "a")
+    again = procs.cli(
+        "run", str(run_a / "run.toml"), "--headless", "--runs-dir", str(runs_dir / "b")
+    )
+    assert again.returncode == 0, again.stderr
+    run_b = only_run(runs_dir / "b")
+    assert (run_a / "run.toml").read_text() == (run_b / "run.toml").read_text()
+    assert losses(run_a) == losses(run_b)  # bitwise deterministic on CPU
+
+
+def test_ctrl_c_stops_with_a_checkpoint_and_resume_is_bit_exact(procs, runs_dir, tmp_path):
+    profile = fast_profile(tmp_path, max_steps=400, extra="[checkpoint]\nkeep_last = 0\n")
+    dropout = ["--set", "task.dropout=0.1"]  # dropout draws from every rank's RNG stream
+
+    reference = procs.cli(
+        "run", str(profile), "--headless", "--runs-dir", str(runs_dir / "ref"), *dropout
+    )
+    assert reference.returncode == 0, reference.stderr
+    expected = losses(only_run(runs_dir / "ref"))
+    assert len(expected) == 400
+
+    console = procs.start(
+        "run", str(profile), "--headless", "--runs-dir", str(runs_dir / "stopped"), *dropout
+    )
+    run = wait_for(
+        lambda: (runs_dir / "stopped").is_dir() and only_run(runs_dir / "stopped"),
+        what="the run directory",
+    )
+    wait_for(lambda: len(events_of(run, "step")) >= 20, what="20 steps")
+    console.send_signal(signal.SIGINT)
+    out, err = console.communicate(timeout=120)
+    assert console.returncode == 0, out + err
+    assert "stopping" in out
+
+    status = read_status(run)
+    assert status["state"] == "stopped" and status["exit_code"] == 0
+    stop_ckpt = [c for c in events_of(run, "checkpoint") if c["reason"] == "stop"]
+    assert len(stop_ckpt) == 1
+    stopped_at = stop_ckpt[0]["step"]
+    assert 20 <= stopped_at < 400
+    latest = (run / "checkpoints" / "LATEST").read_text().strip()
+    assert latest == f"step-{stopped_at:08d}"
+    for key in ("supervisor", "torchrun"):
+        assert not pid_alive(status["pids"][key])
+
+    resumed = procs.cli(
+        "run", "--resume", str(run), "--headless", "--runs-dir", str(runs_dir / "resumed")
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    after = losses(only_run(runs_dir / "resumed"))
+    assert min(after) == stopped_at + 1 and max(after) == 400
+    assert after == {s: expected[s] for s in after}, "resumed losses differ from the reference"
+    assert losses(run) == {s: expected[s] for s in losses(run)}
+
+
+def test_four_micro_batches_of_8_match_one_batch_of_32(procs, runs_dir, tmp_path):
+    import torch
+
+    profile = fast_profile(tmp_path, max_steps=8)
+    one = procs.cli(
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir / "one"),
+        "--set",
+        "data.batch_size=32",
+        "--set",
+        "train.grad_accum=1",
+    )
+    four = procs.cli(
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir / "four"),
+        "--set",
+        "data.batch_size=8",
+        "--set",
+        "train.grad_accum=4",
+    )
+    assert one.returncode == 0 and four.returncode == 0, one.stderr + four.stderr
+    run_one, run_four = only_run(runs_dir / "one"), only_run(runs_dir / "four")
+    a, b = losses(run_one), losses(run_four)
+    assert a.keys() == b.keys() and len(a) == 8
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6)
+    assert events_of(run_four, "start")[0]["global_batch"] == 64
+
+    def final_weights(run):
+        state = torch.load(run / "checkpoints" / "step-00000008" / "state.pt", weights_only=True)
+        return state["model"]
+
+    wa, wb = final_weights(run_one), final_weights(run_four)
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-5)
+
+
+def test_every_ddp_knob_reaches_the_ddp_constructor(procs, runs_dir, tmp_path):
+    profile = fast_profile(tmp_path, max_steps=3)
+    knobs = {
+        "static_graph": True,
+        "bucket_cap_mb": 7.0,
+        "find_unused_parameters": True,
+        "broadcast_buffers": False,
+        "gradient_as_bucket_view": False,
+    }
+    sets = []
+    for key, value in knobs.items():
+        sets += ["--set", f"distributed.{key}={str(value).lower()}"]
+    result = procs.cli(
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir),
+        *sets,
+        "--set",
+        "task.batch_norm=true",
+    )
+    assert result.returncode == 0, result.stderr
+    ddp = events_of(only_run(runs_dir), "start")[0]["ddp"]
+    assert ddp == {**knobs, "sync_batchnorm": False}
+
+    defaults = procs.cli(
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir / "d"),
+        "--set",
+        "task.batch_norm=true",
+    )
+    assert defaults.returncode == 0, defaults.stderr
+    ddp = events_of(only_run(runs_dir / "d"), "start")[0]["ddp"]
+    assert ddp == {
+        "static_graph": False,
+        "bucket_cap_mb": 25.0,
+        "find_unused_parameters": False,
+        "broadcast_buffers": True,
+        "gradient_as_bucket_view": True,
+        "sync_batchnorm": False,
+    }
+
+
+def test_sync_batchnorm_converts_batchnorm_layers():
+    # PyTorch's SyncBatchNorm only runs on GPUs (CPU runs reject it at launch with exit 2),
+    # so the conversion is checked at its seam: the module DDP would be given.
+    from torch import nn
+
+    from gpu_console.engine.distributed import convert_batchnorm
+    from gpu_console.profile import DistributedConfig
+    from gpu_console.tasks.configs import MLPConfig
+    from gpu_console.tasks.mlp import MLPTask
+
+    task = MLPTask(MLPConfig(batch_norm=True))
+    synced = convert_batchnorm(task.build_model(), DistributedConfig(sync_batchnorm=True))
+    assert sum(isinstance(m, nn.SyncBatchNorm) for m in synced.modules()) == 2
+    plain = convert_batchnorm(task.build_model(), DistributedConfig(sync_batchnorm=False))
+    assert not any(isinstance(m, nn.SyncBatchNorm) for m in plain.modules())
+
+
+def test_sync_batchnorm_on_cpu_is_a_bad_input(procs, runs_dir, tmp_path):
+    profile = fast_profile(tmp_path, max_steps=3)
+    result = procs.cli(
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir),
+        "--set",
+        "distributed.sync_batchnorm=true",
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "gpu-console: --set: distributed.sync_batchnorm: SyncBatchNorm runs only on GPUs; "
+        "this run is on CPU (got true)"
+    ]
+    assert not runs_dir.exists() or not list(runs_dir.iterdir())
+
+
+def _long_run(procs, runs_dir, tmp_path):
+    profile = fast_profile(tmp_path, max_steps=1_000_000)
+    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
+    run = wait_for(lambda: runs_dir.is_dir() and only_run(runs_dir), what="the run directory")
+    wait_for(lambda: events_of(run, "step"), what="a first step")
+    status = wait_for(
+        lambda: (s := read_status(run)) and len(s["pids"].get("workers") or []) == 2 and s,
+        what="two worker pids in status.json",
+    )
+    return console, run, status
+
+
+def _all_gone(pids) -> bool:
+    return not any(pid_alive(p) for p in pids)
+
+
+def test_kill_9_of_the_supervisor_leaves_no_worker(procs, runs_dir, tmp_path):
+    console, run, status = _long_run(procs, runs_dir, tmp_path)
+    pids = status["pids"]
+    procs_of_run = [pids["torchrun"], *pids["workers"]]
+    import os
+
+    os.kill(pids["supervisor"], signal.SIGKILL)
+    wait_for(lambda: _all_gone(procs_of_run), timeout=30, what="torchrun and workers to die")
+    # The console notices that the supervisor is gone and says so with exit code 1.
+    out, err = console.communicate(timeout=60)
+    assert console.returncode == 1, out + err
+    assert "lost" in out
+
+
+def test_kill_9_of_the_agent_leaves_no_worker_and_the_run_is_failed(procs, runs_dir, tmp_path):
+    console, run, status = _long_run(procs, runs_dir, tmp_path)
+    pids = status["pids"]
+    import os
+
+    os.kill(pids["torchrun"], signal.SIGKILL)
+    wait_for(lambda: _all_gone(pids["workers"]), timeout=30, what="workers to die")
+    out, err = console.communicate(timeout=60)
+    assert console.returncode == 1, out + err
+    final = read_status(run)
+    assert final["state"] == "failed" and final["exit_code"] != 0
+    assert not pid_alive(pids["supervisor"])
