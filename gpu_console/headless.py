@@ -18,6 +18,7 @@ import psutil
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from .events import append_control
 from .state import RunFollower, RunState
@@ -105,7 +106,7 @@ def follow(
     follower = RunFollower(run_dir)
     interrupts = Interrupts(run_dir, follower, console)
     previous = signal.signal(signal.SIGINT, interrupts)
-    console.print(f"run [bold]{run_dir.name}[/]  ({run_dir})")
+    console.print(Text.assemble("run ", (run_dir.name, "bold"), f"  ({run_dir})"))
     try:
         if tty:
             _follow_tty(follower, supervisor, console)
@@ -136,9 +137,14 @@ def _tick(follower: RunFollower, supervisor: subprocess.Popen | None, console: C
 
 
 def _notable(e: dict, console: Console) -> None:
+    """One line for an event worth a line. Event text is printed as is, never as markup."""
+
+    def say(text: str, style: str | None = None) -> None:
+        console.print(Text(text, style=style or ""), highlight=False)
+
     kind = e.get("kind")
     if kind == "start":
-        console.print(
+        say(
             f"started: {e.get('world_size')} × {e.get('device_type')} ranks, "
             f"{e.get('precision')}, task {e.get('task')}, {e.get('params'):,} parameters"
         )
@@ -146,16 +152,16 @@ def _notable(e: dict, console: Console) -> None:
         metrics = "  ".join(
             f"{k} {v:.4f}" for k, v in e.items() if k not in ("v", "t", "kind", "step")
         )
-        console.print(f"eval @ step {e.get('step')}: {metrics}")
+        say(f"eval @ step {e.get('step')}: {metrics}")
     elif kind == "checkpoint":
-        console.print(
+        say(
             f"checkpoint @ step {e.get('step')} ({e.get('reason')}): "
             f"{human_bytes(e.get('bytes'))} in {e.get('seconds', 0):.2f}s"
         )
     elif kind == "status" and e.get("state") in ("paused", "stopping", "failed"):
-        console.print(f"state: {e.get('state')} {e.get('reason') or ''}".rstrip())
+        say(f"state: {e.get('state')} {e.get('reason') or ''}".rstrip())
     elif kind == "log" and e.get("level") in ("warning", "error"):
-        console.print(f"[yellow]{e.get('level')}: {e.get('message')}[/]")
+        say(f"{e.get('level')}: {e.get('message')}", "yellow")
 
 
 def _progress_text(st: RunState) -> str:
@@ -192,7 +198,8 @@ def _follow_plain(follower: RunFollower, supervisor, console: Console, every_s: 
         if time.monotonic() >= next_line and st.step:
             eta = human_duration(st.eta_s())
             console.print(
-                f"step {st.step}/{st.max_steps}  {_progress_text(st)}  eta {eta}", highlight=False
+                Text(f"step {st.step}/{st.max_steps}  {_progress_text(st)}  eta {eta}"),
+                highlight=False,
             )
             next_line = time.monotonic() + every_s
         if ended:
@@ -204,30 +211,34 @@ def summary_table(st: RunState, run_dir: Path) -> Table:
     table = Table(title=f"{run_dir.name}: {st.state}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
-    table.add_row("state", f"{st.state}" + (f" ({st.reason})" if st.reason else ""))
-    table.add_row("steps", f"{st.step}/{st.max_steps or '-'}")
-    table.add_row("final loss", fmt(st.loss))
-    table.add_row("best loss", fmt(st.best_loss))
+
+    def row(what: str, value: str) -> None:
+        table.add_row(what, Text(value))  # run text (reasons, tracebacks) is not markup
+
+    row("state", f"{st.state}" + (f" ({st.reason})" if st.reason else ""))
+    row("steps", f"{st.step}/{st.max_steps or '-'}")
+    row("final loss", fmt(st.loss))
+    row("best loss", fmt(st.best_loss))
     for k, v in sorted(st.eval.items()):
-        table.add_row(f"eval {k}", fmt(v))
+        row(f"eval {k}", fmt(v))
     mean = st.mean_samples_per_s()
-    table.add_row("samples/s", f"{mean:,.0f} (mean)" if mean else "-")
-    table.add_row(
+    row("samples/s", f"{mean:,.0f} (mean)" if mean else "-")
+    row(
         "devices", f"{st.world_size or '-'} × {st.device_type or '-'}, {st.precision or '-'}"
     )
     for rank, peak in sorted(st.peak_memory.items()):
-        table.add_row(f"peak memory rank {rank}", human_bytes(peak))
-    table.add_row("wall time", human_duration(st.elapsed_s()))
+        row(f"peak memory rank {rank}", human_bytes(peak))
+    row("wall time", human_duration(st.elapsed_s()))
     if st.checkpoints:
         c = st.checkpoints[-1]
-        table.add_row("checkpoint", f"{c.get('path')} (step {c.get('step')}, {c.get('reason')})")
+        row("checkpoint", f"{c.get('path')} (step {c.get('step')}, {c.get('reason')})")
     failure = st.status.get("failure")
     if failure:
-        table.add_row("failure", failure.get("summary", ""))
+        row("failure", failure.get("summary", ""))
         tb = (failure.get("traceback") or "").strip().splitlines()
         if tb:
-            table.add_row("traceback", "\n".join(tb[-6:]))
-    table.add_row("run dir", str(run_dir))
+            row("traceback", "\n".join(tb[-6:]))
+    row("run dir", str(run_dir))
     return table
 
 

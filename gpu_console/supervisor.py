@@ -254,12 +254,15 @@ def failure_summary(run_dir: Path, code: int) -> dict[str, Any]:
                     "traceback": msg.get("extraInfo", {}).get("py_callstack", ""),
                     "timestamp": int(msg.get("extraInfo", {}).get("timestamp", 0) or 0),
                     "error_file": path,
+                    "mtime": os.path.getmtime(path),
                 }
             )
         except (OSError, ValueError, KeyError, TypeError):
             continue
     if errors:
-        first = min(errors, key=lambda e: (e["timestamp"], e["rank"]))
+        # A peer's death shows up on every other rank as a broken connection; the rank that
+        # failed for its own reason is the root cause, then the earliest to write its file.
+        first = min(errors, key=lambda e: (_collateral(e["message"]), e["mtime"], e["rank"]))
         return {
             "rank": first["rank"],
             "exit_code": code,
@@ -279,6 +282,21 @@ def failure_summary(run_dir: Path, code: int) -> dict[str, Any]:
         "summary": f"torchrun exited with code {code}",
         "traceback": "",
     }
+
+
+COLLATERAL = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "ProcessGroupNCCL",
+    "Timed out",
+    "timed out",
+)
+
+
+def _collateral(message: str) -> bool:
+    return any(marker in message for marker in COLLATERAL)
 
 
 def _failed_rank_from_log(run_dir: Path) -> tuple[int | None, int | None]:

@@ -1,0 +1,153 @@
+"""Control of a live run through real torchrun: commands, signals, a crashing rank, output."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+
+from conftest import events_of, fast_profile, only_run, pid_alive, read_status, wait_for
+
+from gpu_console.events import append_control
+
+
+def _start_long(procs, runs_dir, tmp_path, *args):
+    profile = fast_profile(tmp_path, max_steps=1_000_000)
+    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir), *args)
+    run = wait_for(lambda: runs_dir.is_dir() and only_run(runs_dir), what="the run directory")
+    wait_for(lambda: events_of(run, "step"), what="a first step")
+    return console, run
+
+
+def _acks(run, cid):
+    return [e["state"] for e in events_of(run, "control") if e["id"] == cid]
+
+
+def test_checkpoint_pause_resume_and_stop_through_the_control_file(procs, runs_dir, tmp_path):
+    console, run = _start_long(procs, runs_dir, tmp_path)
+
+    cid = append_control(run, "checkpoint")
+    wait_for(lambda: _acks(run, cid) == ["received", "done"], what="checkpoint acknowledged")
+    requested = [c for c in events_of(run, "checkpoint") if c["reason"] == "request"]
+    assert len(requested) == 1
+    assert (
+        run / "checkpoints" / "LATEST"
+    ).read_text().strip() == f"step-{requested[0]['step']:08d}"
+
+    cid = append_control(run, "pause")
+    wait_for(lambda: _acks(run, cid) == ["received", "done"], what="pause acknowledged")
+    assert events_of(run, "status")[-1]["state"] == "paused"
+    paused_at = [e for e in events_of(run, "control") if e["id"] == cid][0]["step"]
+    # While paused, commands are still served, and no step is taken: a checkpoint taken now
+    # is at the step where the run paused, and no step event came after it.
+    cid = append_control(run, "checkpoint")
+    wait_for(lambda: _acks(run, cid) == ["received", "done"], what="checkpoint while paused")
+    assert events_of(run, "checkpoint")[-1]["step"] == paused_at
+    assert events_of(run, "step")[-1]["step"] <= paused_at
+    assert read_status(run)["state"] == "paused"
+
+    cid = append_control(run, "resume")
+    wait_for(lambda: _acks(run, cid) == ["received", "done"], what="resume acknowledged")
+    wait_for(lambda: events_of(run, "step")[-1]["step"] > paused_at + 5, what="steps again")
+
+    cid = append_control(run, "stop")
+    out, err = console.communicate(timeout=120)
+    assert console.returncode == 0, out + err
+    assert _acks(run, cid) == ["received", "done"]
+    assert [c["reason"] for c in events_of(run, "checkpoint")][-1] == "stop"
+    assert read_status(run)["state"] == "stopped"
+
+
+def test_sigterm_to_the_supervisor_checkpoints_with_reason_signal(procs, runs_dir, tmp_path):
+    console, run = _start_long(procs, runs_dir, tmp_path)
+    status = read_status(run)
+    os.kill(status["pids"]["supervisor"], signal.SIGTERM)
+    out, err = console.communicate(timeout=120)
+    assert console.returncode == 0, out + err
+    final = read_status(run)
+    assert final["state"] == "stopped" and final["reason"] == "signal"
+    assert events_of(run, "checkpoint")[-1]["reason"] == "signal"
+    assert not any(pid_alive(p) for p in [status["pids"]["torchrun"], *status["pids"]["workers"]])
+
+
+CRASHING_TASK = """
+import os
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Crashing(MLPTask):
+    calls = 0
+
+    def compute(self, model, batch):
+        Crashing.calls += 1
+        if os.environ["RANK"] == "1" and Crashing.calls == 6:
+            raise RuntimeError("rank one broke on purpose")
+        return super().compute(model, batch)
+"""
+
+
+def test_a_crashing_rank_fails_the_run_and_is_named_with_its_traceback(procs, runs_dir, tmp_path):
+    (tmp_path / "crashing.py").write_text(textwrap.dedent(CRASHING_TASK))
+    profile = fast_profile(tmp_path, max_steps=1_000_000)
+    text = profile.read_text().replace('kind = "mlp"', 'kind = "crashing:Crashing"')
+    profile.write_text(text)
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    run = only_run(runs_dir)
+    status = read_status(run)
+    assert status["state"] == "failed"
+    failure = status["failure"]
+    assert failure["rank"] == 1
+    assert "rank one broke on purpose" in failure["summary"]
+    assert "crashing.py" in failure["traceback"]
+    assert "rank 1 failed" in result.stdout and "rank one broke on purpose" in result.stdout
+    assert events_of(run, "status")[-1]["state"] == "failed"
+
+
+def test_plain_output_off_a_terminal_has_no_carriage_returns(procs, runs_dir, tmp_path):
+    profile = fast_profile(tmp_path, max_steps=150)
+    result = procs.cli(
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir),
+        "--set",
+        "train.log_every=10",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "\r" not in result.stdout and "\x1b[" not in result.stdout
+    assert "started: 2 × cpu ranks, fp32" in result.stdout
+    assert "finished (max_steps reached)" in result.stdout
+    assert "final loss" in result.stdout and "peak memory rank 1" in result.stdout
+
+
+def test_bf16_autocast_runs_on_cpu(procs, runs_dir, tmp_path):
+    profile = fast_profile(tmp_path, max_steps=20)
+    result = procs.cli(
+        "run", str(profile), "--headless", "--runs-dir", str(runs_dir), "--precision", "bf16"
+    )
+    assert result.returncode == 0, result.stderr
+    run = only_run(runs_dir)
+    assert events_of(run, "start")[0]["precision"] == "bf16"
+    steps = events_of(run, "step")
+    assert steps[-1]["step"] == 20 and steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_lr_scaling_and_global_batch_follow_the_world_size(procs, runs_dir, tmp_path):
+    profile = fast_profile(tmp_path, max_steps=2)
+    result = procs.cli(
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir),
+        "--set",
+        "distributed.lr_scaling=linear",
+        "--set",
+        "train.grad_accum=3",
+    )
+    assert result.returncode == 0, result.stderr
+    start = events_of(only_run(runs_dir), "start")[0]
+    assert start["lr"] == 2 * 3e-3
+    assert start["global_batch"] == 32 * 3 * 2
