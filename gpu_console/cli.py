@@ -80,7 +80,6 @@ def run(
     name: str | None = typer.Option(None, "--name", help="Run name (default: profile name)."),
 ) -> None:
     """Start a run. The run keeps training if this terminal goes away."""
-    from . import headless as reporter
     from . import launch
 
     if precision is not None and precision not in ("auto", "fp32", "bf16", "fp16"):
@@ -104,6 +103,8 @@ def run(
         runs_dir=folder,
         name=name,
     )
+    from . import headless as reporter  # after the checks: a bad input fails before Rich loads
+
     launched = launch.start(prof, placement, folder, resume_from)
     # The Textual console lands in a later release; until then every run reports as text.
     raise typer.Exit(reporter.follow(launched.run_dir, launched.supervisor))
@@ -128,6 +129,30 @@ def profiles() -> None:
             desc = f"(unreadable: {e.problems[0]})"
         table.add_row(path.stem, origin if origin == "built-in" else str(path), desc)
     Console().print(table)
+
+
+@app.command("devices")
+def devices_cmd(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """GPUs as NVML sees them (or why it cannot), and which look busy."""
+    from .commands import devices as command
+
+    raise typer.Exit(command.main(as_json))
+
+
+@app.command("check")
+def check_cmd(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    runs_dir: Path | None = RunsDirOpt,
+    timeout: float = typer.Option(
+        120.0, "--timeout", min=1.0, help="Seconds each torch subprocess may take."
+    ),
+) -> None:
+    """Diagnose the environment: torch, CUDA, NCCL/gloo, NVML, bf16, a real collective."""
+    from .commands import check as command
+
+    raise typer.Exit(command.main(as_json, _runs_dir(runs_dir), timeout))
 
 
 def main() -> None:

@@ -223,9 +223,7 @@ def summary_table(st: RunState, run_dir: Path) -> Table:
         row(f"eval {k}", fmt(v))
     mean = st.mean_samples_per_s()
     row("samples/s", f"{mean:,.0f} (mean)" if mean else "-")
-    row(
-        "devices", f"{st.world_size or '-'} × {st.device_type or '-'}, {st.precision or '-'}"
-    )
+    row("devices", f"{st.world_size or '-'} × {st.device_type or '-'}, {st.precision or '-'}")
     for rank, peak in sorted(st.peak_memory.items()):
         row(f"peak memory rank {rank}", human_bytes(peak))
     row("wall time", human_duration(st.elapsed_s()))

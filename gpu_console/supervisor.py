@@ -96,15 +96,23 @@ class Supervisor:
             return []
 
     def _workers(self) -> list[psutil.Process]:
-        """Engine processes: ``python -m gpu_console.engine`` (torchrun's argv names it too)."""
+        """The ranks: torchrun's own children running the engine.
+
+        Only direct children: a rank's DataLoader workers are forks with the same command line.
+        """
+        if self.proc is None:
+            return []
+        try:
+            children = psutil.Process(self.proc.pid).children()
+        except psutil.Error:
+            return []
         out = []
-        for p in self._tree():
+        for p in children:
             try:
-                cmd = p.cmdline()
+                if is_engine_cmdline(p.cmdline()):
+                    out.append(p)
             except psutil.Error:
                 continue
-            if is_engine_cmdline(cmd):
-                out.append(p)
         return out
 
     def _signal_workers(self, sig: int) -> None:
@@ -305,6 +313,9 @@ def _failed_rank_from_log(run_dir: Path) -> tuple[int | None, int | None]:
         text = (run_dir / "logs" / "torchrun.log").read_text(errors="replace")
     except OSError:
         return None, None
+    # The "Root Cause (first observed failure)" block comes last; other failures precede it.
+    _, marker, root = text.rpartition("Root Cause")
+    text = root if marker else text
     rank = code = None
     for line in text.splitlines():
         line = line.strip()

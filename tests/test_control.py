@@ -151,3 +151,82 @@ def test_lr_scaling_and_global_batch_follow_the_world_size(procs, runs_dir, tmp_
     start = events_of(only_run(runs_dir), "start")[0]
     assert start["lr"] == 2 * 3e-3
     assert start["global_batch"] == 32 * 3 * 2
+
+
+POISONED_TASK = '''
+import os
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Poisoned(MLPTask):
+    """Rank 1's loss is NaN on its 5th and 6th batches."""
+
+    calls = 0
+
+    def compute(self, model, batch):
+        Poisoned.calls += 1
+        out = super().compute(model, batch)
+        if os.environ["RANK"] == "1" and Poisoned.calls in (5, 6):
+            out.loss = out.loss * float("nan")
+        return out
+'''
+
+
+def _poisoned(tmp_path):
+    (tmp_path / "poisoned.py").write_text(POISONED_TASK)
+    profile = fast_profile(tmp_path, max_steps=12)
+    profile.write_text(profile.read_text().replace('kind = "mlp"', 'kind = "poisoned:Poisoned"'))
+    return profile
+
+
+def test_nan_policy_skip_skips_the_poisoned_updates_and_carries_on(procs, runs_dir, tmp_path):
+    profile = _poisoned(tmp_path)
+    result = procs.cli(
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir),
+        "--set",
+        "train.nan_policy=skip",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = events_of(only_run(runs_dir), "step")
+    assert [s["skipped"] for s in steps] == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0]
+    assert all(s["loss"] == s["loss"] for s in steps[6:])  # finite again: weights not poisoned
+
+
+def test_nan_policy_stop_fails_the_run_naming_the_step(procs, runs_dir, tmp_path):
+    profile = _poisoned(tmp_path)
+    result = procs.cli(
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir),
+        "--set",
+        "train.nan_policy=stop",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    status = read_status(only_run(runs_dir))
+    assert status["state"] == "failed"
+    assert "loss is nan in step 5" in status["failure"]["summary"]
+
+
+def test_status_lists_ranks_not_their_dataloader_workers(procs, runs_dir, tmp_path):
+    console, run = _start_long(procs, runs_dir, tmp_path, "--set", "data.num_workers=2")
+    status = wait_for(
+        lambda: (s := read_status(run)) and len(s["pids"].get("workers") or []) == 2 and s,
+        what="two rank pids",
+    )
+    import psutil
+
+    for pid in status["pids"]["workers"]:
+        assert psutil.Process(pid).ppid() == status["pids"]["torchrun"]
+        # Each rank really has its two loader processes under it, and they are not listed.
+        wait_for(lambda pid=pid: len(psutil.Process(pid).children()) >= 2, what="loaders")
+    append_control(run, "stop")
+    out, err = console.communicate(timeout=120)
+    assert console.returncode == 0, out + err

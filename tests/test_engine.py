@@ -309,3 +309,23 @@ def test_kill_9_of_the_agent_leaves_no_worker_and_the_run_is_failed(procs, runs_
     final = read_status(run)
     assert final["state"] == "failed" and final["exit_code"] != 0
     assert not pid_alive(pids["supervisor"])
+
+
+def test_eval_with_fewer_samples_than_ranks(procs, runs_dir, tmp_path):
+    # Rank 1 gets no eval batch at all; the ranks must still agree on one eval collective.
+    profile = fast_profile(tmp_path, max_steps=4)
+    result = procs.cli(
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir),
+        "--set",
+        "task.eval_samples=1",
+        "--set",
+        "train.eval_every=2",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    evals = events_of(only_run(runs_dir), "eval")
+    assert [e["step"] for e in evals] == [2, 4]
+    assert all(e["accuracy"] in (0.0, 1.0) for e in evals)  # one sample: right or wrong

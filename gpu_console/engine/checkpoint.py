@@ -73,6 +73,7 @@ def save(
     ckpts = Path(run_dir) / "checkpoints"
     name = step_dir_name(step)
     tmp = ckpts / f".tmp-{name}-{os.getpid()}"
+    old = final = ckpts / name
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -84,13 +85,19 @@ def save(
         _fsync_file(tmp / "meta.json")
         fsync_dir(tmp)
         final = ckpts / name
-        if final.exists():  # the same step checkpointed twice (e.g. interval, then end)
-            shutil.rmtree(final)
+        # The same step saved twice (e.g. an interval checkpoint, then a stop): move the old
+        # one aside rather than delete it first, so LATEST never names a missing directory.
+        old = ckpts / f".old-{name}-{os.getpid()}"
+        if final.exists():
+            os.rename(final, old)
         os.rename(tmp, final)
         fsync_dir(ckpts)
         atomic_write_text(ckpts / "LATEST", name + "\n")
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():
+            os.rename(old, final)
         raise
     prune(ckpts, keep_last)
     return {

@@ -56,7 +56,8 @@ class ShardSampler(Sampler[int]):
         return iter(self.indices())
 
     def __len__(self) -> int:
-        return self.per_rank - self.start_batch * self.batch_size
+        mine = self.per_rank if self.shuffle else len(range(self.rank, self.n, self.world))
+        return max(0, mine - self.start_batch * self.batch_size)
 
 
 def make_loader(

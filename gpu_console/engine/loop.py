@@ -43,6 +43,7 @@ class Window:
     steps: int = 0
     samples: int = 0
     tokens: int = 0
+    skipped: int = 0  # updates skipped for a non-finite gradient (nan_policy = "skip")
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -164,6 +165,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d: distmod.Dist, out: Reporter
     grad_norm = torch.zeros((), device=d.device)
     accum = p.train.grad_accum
     max_norm = p.train.clip_grad_norm if p.train.clip_grad_norm > 0 else math.inf
+    skip_bad = p.train.nan_policy == "skip"
     paused = False
 
     # -- the loop ------------------------------------------------------------------------
@@ -184,9 +186,15 @@ def _train(run_dir: Path, p: Profile, task: Task, d: distmod.Dist, out: Reporter
             if scaler is not None:
                 scaler.unscale_(optimizer)
             logging_next = (step + 1) % p.train.log_every == 0 or step + 1 == p.train.max_steps
-            if max_norm < math.inf or logging_next:
+            if max_norm < math.inf or logging_next or skip_bad:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            if scaler is not None:
+            # The norm is of the all-reduced gradients, the same on every rank, so every rank
+            # skips the same update with no collective of its own (but a host sync on GPU).
+            if skip_bad and not torch.isfinite(grad_norm):
+                window.skipped += 1
+                if scaler is not None:
+                    scaler.update()  # the scaler still learns from the overflow
+            elif scaler is not None:
                 scaler.step(optimizer)
                 scaler.update()
             else:
@@ -265,7 +273,9 @@ def _log_step(out, d, p, step, batches, scheduler, last_loss, grad_norm, window:
     elapsed = max(time.perf_counter() - window.started, 1e-9)
     loss = loss / d.world_size
     if not math.isfinite(loss) and p.train.nan_policy == "stop":
-        raise NonFiniteLoss(f"loss is {loss} at step {step} (train.nan_policy = 'stop')")
+        first = step - window.steps + 1
+        where = f"step {step}" if first == step else f"steps {first}-{step}"
+        raise NonFiniteLoss(f"loss is {loss} in {where} (train.nan_policy = 'stop')")
     if not d.is_main:
         return
     fields = {
@@ -284,6 +294,8 @@ def _log_step(out, d, p, step, batches, scheduler, last_loss, grad_norm, window:
     }
     if tokens:
         fields["tokens_per_s"] = tokens / elapsed
+    if p.train.nan_policy == "skip":
+        fields["skipped"] = window.skipped
     out.event("step", **fields)
 
 
@@ -302,13 +314,18 @@ def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> None:
         for name, value in result.metrics.items():
             totals[name] = totals.get(name, 0.0) + float(value) * n
     ddp.train()
-    names = sorted(totals)
-    buf = torch.tensor([totals[k] for k in names] + [samples], dtype=torch.float64, device=d.device)
+    # A rank with no eval batch (fewer samples than ranks) knows no metric names: agree on
+    # them first, so every rank's buffer has the same shape. Eval is rare; this is cheap.
+    every: list[list[str] | None] = [None] * d.world_size
+    dist.all_gather_object(every, sorted(totals))
+    names = sorted({n for ranks_names in every for n in ranks_names or []})
+    values = [totals.get(k, 0.0) for k in names] + [samples]
+    buf = torch.tensor(values, dtype=torch.float64, device=d.device)
     dist.all_reduce(buf)
     values = buf.tolist()
     n = max(values[-1], 1)
     if d.is_main:
-        out.event("eval", step=step, **{k: v / n for k, v in zip(names, values[:-1], strict=False)})
+        out.event("eval", step=step, **{k: v / n for k, v in zip(names, values[:-1], strict=True)})
 
 
 def _ddp_settings(ddp) -> dict[str, Any]:

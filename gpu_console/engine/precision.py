@@ -24,9 +24,10 @@ def resolve(requested: str, device_type: str, capability: tuple[int, int] | None
         if requested == "auto":
             return "bf16" if bf16_ok else "fp16"
         if requested == "bf16" and not bf16_ok:
+            has = f"{capability[0]}.{capability[1]}" if capability else "an unknown capability"
             raise PrecisionError(
                 f"train.precision: bf16 needs compute capability 8.0 or newer; this GPU has "
-                f"{capability[0]}.{capability[1] if capability else '?'} (got 'bf16')"
+                f"{has} (got 'bf16')"
             )
         return requested
     if requested == "auto":

@@ -1,0 +1,1 @@
+"""Commands with more than a few lines behind them; ``cli.py`` imports each lazily."""

@@ -1,0 +1,156 @@
+"""``gpu-console devices [--json]``: the GPUs as NVML sees them, or why it cannot.
+
+A one-shot view in the spirit of gpustat: memory bar, utilisation, temperature, power and
+processes per GPU, with GPUs that look busy marked so a person can pick free ones. Without
+NVML it says why and shows what a run would use instead (CPU cores and RAM).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..telemetry import nvml
+from ..telemetry.host import host_summary
+
+# A GPU looks busy when something else may be using it: a process is listed (processes of
+# other containers are not, but their memory and utilisation still show).
+BUSY_UTIL_PERCENT = 10
+BUSY_MEMORY_FRACTION = 0.10
+GIB = 1024**3
+
+
+def busy_reasons(gpu: dict[str, Any]) -> list[str]:
+    if gpu.get("lost"):
+        return ["lost: the GPU stopped answering"]
+    reasons = []
+    procs = gpu.get("processes") or []
+    if procs:
+        reasons.append(f"{len(procs)} process{'es' if len(procs) != 1 else ''}")
+    util = gpu.get("util_gpu")
+    if isinstance(util, int) and util >= BUSY_UTIL_PERCENT:
+        reasons.append(f"util {util}%")
+    used, total = gpu.get("memory_used"), gpu.get("memory_total")
+    share = used / total if isinstance(used, int) and isinstance(total, int) and total else 0
+    if share >= BUSY_MEMORY_FRACTION:
+        reasons.append(f"memory {share:.0%}")
+    return reasons
+
+
+def collect() -> dict[str, Any]:
+    """The ``--json`` document: ``{"gpus": [...], "nvml": {...}, "host": {...}}``."""
+    status = nvml.status()
+    gpus = []
+    for sample in nvml.sample_gpus():
+        gpu = sample.to_json()
+        reasons = busy_reasons(gpu)
+        gpu["busy"] = bool(reasons)
+        gpu["busy_reasons"] = reasons
+        gpus.append(gpu)
+    return {
+        "gpus": gpus,
+        "nvml": {
+            "available": status.available,
+            "reason": status.reason,
+            "driver_version": status.driver_version or None,
+            "cuda_driver_version": status.cuda_driver_version or None,
+            "device_count": len(gpus),
+        },
+        "host": host_summary(),
+    }
+
+
+def _gib(n: Any) -> str:
+    return f"{n / GIB:.1f}" if isinstance(n, int) else "?"
+
+
+def _bar(used: Any, total: Any, width: int = 10) -> str:
+    if not (isinstance(used, int) and isinstance(total, int) and total):
+        return "[" + "?" * width + "]"
+    filled = round(width * min(used / total, 1.0))
+    return "[" + "█" * filled + "░" * (width - filled) + "]"
+
+
+def _na(value: Any, fmt: str = "{}") -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def _short_name(name: Any) -> str:
+    name = str(name or "?").removeprefix("NVIDIA ")
+    return name if len(name) <= 18 else name[:17] + "…"
+
+
+def gpu_lines(gpu: dict[str, Any], name_width: int) -> list[str]:
+    """Rich markup: one line of readings, then one of why it is busy and who holds it."""
+    name = _short_name(gpu["name"]).ljust(name_width)
+    if gpu["lost"]:
+        return [f"{gpu['index']:>2} [red]lost[/]  {name}  stopped answering (needs a GPU reset)"]
+    state = "[yellow]busy[/]" if gpu["busy"] else "[green]free[/]"
+    memory = f"{_gib(gpu['memory_used']):>4}/{_gib(gpu['memory_total'])} GiB"
+    power = "n/a"
+    if gpu["power_w"] is not None or gpu["power_limit_w"] is not None:
+        power = f"{_na(gpu['power_w'], '{:.0f}')}/{_na(gpu['power_limit_w'], '{:.0f}')} W"
+    lines = [
+        f"{gpu['index']:>2} {state}  {name}  {_bar(gpu['memory_used'], gpu['memory_total'])} "
+        f"{memory:<14} {_na(gpu['util_gpu'], '{}%'):>4}  {_na(gpu['temperature_c'], '{}°C'):>5}"
+        f"  {power:>9}"
+    ]
+    procs = gpu["processes"]
+    # Listed pids say "N processes" better than the count does.
+    detail = [r for r in gpu["busy_reasons"] if not (procs and "process" in r)]
+    if procs:
+        detail.append(
+            "pids "
+            + ", ".join(
+                f"{p['pid']} ({_gib(p['used_memory'])} GiB)"
+                if p["used_memory"] is not None
+                else str(p["pid"])
+                for p in procs
+            )
+        )
+    elif procs is None:
+        detail.append("processes n/a")
+    if detail:
+        lines.append("        " + "; ".join(detail))
+    return lines
+
+
+def render(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    console = Console(highlight=False, soft_wrap=True)
+    host = doc["host"]
+    host_line = (
+        f"host: {host['cores']} cores ({host['physical_cores']} physical), "
+        f"RAM {_gib(host['ram_used'])} / {_gib(host['ram_total'])} GiB used, "
+        f"CPU {host['cpu_percent']:.0f}%, load {host['load_1m']}"
+    )
+    status = doc["nvml"]
+    if not status["available"]:
+        console.print(f"NVML unavailable: {status['reason']}.")
+        console.print("No GPU can be used here; runs use the CPU (--devices cpu or cpu:N).")
+        console.print(host_line)
+        return
+    head = f"NVIDIA driver {status['driver_version'] or '?'}"
+    if status["cuda_driver_version"]:
+        head += f", CUDA {status['cuda_driver_version']}"
+    n = len(doc["gpus"])
+    console.print(f"{head}, {n} GPU{'s' if n != 1 else ''}")
+    if not doc["gpus"]:
+        console.print("NVML works but sees no GPU; runs use the CPU (--devices cpu or cpu:N).")
+        console.print(host_line)
+        return
+    width = max(len(_short_name(g["name"])) for g in doc["gpus"])
+    for gpu in doc["gpus"]:
+        for line in gpu_lines(gpu, width):
+            console.print(line)
+    console.print(host_line)
+
+
+def main(as_json: bool = False) -> int:
+    doc = collect()
+    if as_json:
+        print(json.dumps(doc, indent=2))
+    else:
+        render(doc)
+    return 0
