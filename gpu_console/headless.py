@@ -51,29 +51,39 @@ def fmt(x: float | None, spec: str = ".4f") -> str:
 
 
 class Interrupts:
-    """Ctrl-C escalation: stop with a checkpoint → terminate the tree → kill it."""
+    """Ctrl-C escalation: stop with a checkpoint → terminate the tree → kill it.
+
+    The signal handler only counts presses; :meth:`act` (called from the follow loop) does
+    the work, so a second Ctrl-C arriving mid-print never re-enters I/O.
+    """
 
     def __init__(self, run_dir: Path, follower: RunFollower, console: Console):
         self.run_dir, self.follower, self.console = run_dir, follower, console
         self.count = 0
+        self.acted = 0
 
     def __call__(self, signum, frame) -> None:
         self.count += 1
-        sup = self.follower.state.status.get("pids", {}).get("supervisor")
-        if self.count == 1:
-            append_control(self.run_dir, "stop")
-            self.console.print(
-                "[yellow]stopping: finishing the step and writing a checkpoint "
-                "(Ctrl-C again to terminate)[/]"
-            )
-        elif self.count == 2:
-            if sup:
-                _signal(sup, signal.SIGINT)
-            self.console.print("[red]terminating the run (Ctrl-C again to kill)[/]")
-        else:
-            if sup:
-                kill_tree(sup)
-            self.console.print("[red]killed[/]")
+
+    def act(self) -> None:
+        while self.acted < self.count:
+            self.acted += 1
+            sup = self.follower.state.status.get("pids", {}).get("supervisor")
+            if self.acted == 1:
+                append_control(self.run_dir, "stop")
+                self.console.print(
+                    "stopping: finishing the step and writing a checkpoint "
+                    "(Ctrl-C again to terminate)",
+                    style="yellow",
+                )
+            elif self.acted == 2:
+                if sup:
+                    _signal(sup, signal.SIGINT)
+                self.console.print("terminating the run (Ctrl-C again to kill)", style="red")
+            elif self.acted == 3:
+                if sup:
+                    kill_tree(sup)
+                self.console.print("killed", style="red")
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -109,9 +119,9 @@ def follow(
     console.print(Text.assemble("run ", (run_dir.name, "bold"), f"  ({run_dir})"))
     try:
         if tty:
-            _follow_tty(follower, supervisor, console)
+            _follow_tty(follower, supervisor, console, interrupts)
         else:
-            _follow_plain(follower, supervisor, console, plain_every_s)
+            _follow_plain(follower, supervisor, console, interrupts, plain_every_s)
     finally:
         signal.signal(signal.SIGINT, previous)
     st = follower.state
@@ -119,8 +129,14 @@ def follow(
     return exit_code(st, interrupts.count > 0)
 
 
-def _tick(follower: RunFollower, supervisor: subprocess.Popen | None, console: Console) -> bool:
-    """Read what is new, print what is notable; True once the run has ended (or is lost)."""
+def _tick(
+    follower: RunFollower,
+    supervisor: subprocess.Popen | None,
+    console: Console,
+    interrupts: Interrupts,
+) -> bool:
+    """Act on Ctrl-C, read what is new, print what is notable; True once the run has ended."""
+    interrupts.act()
     if supervisor is not None:
         supervisor.poll()  # reap it, so a dead supervisor is not a live zombie
     for e in follower.poll():
@@ -169,7 +185,7 @@ def _progress_text(st: RunState) -> str:
     return f"loss {fmt(st.loss)}  {rate}"
 
 
-def _follow_tty(follower: RunFollower, supervisor, console: Console) -> None:
+def _follow_tty(follower: RunFollower, supervisor, console: Console, interrupts) -> None:
     columns = (
         TextColumn("[bold]{task.fields[state]}[/]"),
         BarColumn(),
@@ -180,7 +196,7 @@ def _follow_tty(follower: RunFollower, supervisor, console: Console) -> None:
     with Progress(*columns, console=console, transient=False, refresh_per_second=8) as bar:
         task = bar.add_task("train", total=None, state="starting", info="")
         while True:
-            ended = _tick(follower, supervisor, console)
+            ended = _tick(follower, supervisor, console, interrupts)
             st = follower.state
             bar.update(
                 task, total=st.max_steps, completed=st.step, state=st.state, info=_progress_text(st)
@@ -190,10 +206,12 @@ def _follow_tty(follower: RunFollower, supervisor, console: Console) -> None:
             time.sleep(POLL_S)
 
 
-def _follow_plain(follower: RunFollower, supervisor, console: Console, every_s: float) -> None:
+def _follow_plain(
+    follower: RunFollower, supervisor, console: Console, interrupts, every_s: float
+) -> None:
     next_line = time.monotonic() + every_s
     while True:
-        ended = _tick(follower, supervisor, console)
+        ended = _tick(follower, supervisor, console, interrupts)
         st = follower.state
         if time.monotonic() >= next_line and st.step:
             eta = human_duration(st.eta_s())

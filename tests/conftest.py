@@ -107,13 +107,15 @@ class Procs:
         env: dict | None = None,
         stdin=None,
         new_session: bool = True,
+        stdout=subprocess.PIPE,
     ) -> subprocess.Popen:
+        """Start ``gpu-console ARGS``; ``stdout`` may be an open file a test polls."""
         proc = subprocess.Popen(
             [sys.executable, "-m", "gpu_console", *args],
             cwd=cwd or self.runs_dir.parent,
             env=env or test_env(),
             stdin=stdin or subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
+            stdout=stdout,
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=new_session,

@@ -230,3 +230,76 @@ def test_status_lists_ranks_not_their_dataloader_workers(procs, runs_dir, tmp_pa
     append_control(run, "stop")
     out, err = console.communicate(timeout=120)
     assert console.returncode == 0, out + err
+
+
+HANGING_TASK = '''
+import time
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Hanging(MLPTask):
+    """Every rank hangs in its 6th batch: a graceful stop can never reach a step boundary."""
+
+    calls = 0
+
+    def compute(self, model, batch):
+        Hanging.calls += 1
+        if Hanging.calls == 6:
+            time.sleep(600)
+        return super().compute(model, batch)
+'''
+
+
+def _hung_run(procs, runs_dir, tmp_path):
+    (tmp_path / "hanging.py").write_text(HANGING_TASK)
+    profile = fast_profile(tmp_path, max_steps=1000)
+    profile.write_text(profile.read_text().replace('kind = "mlp"', 'kind = "hanging:Hanging"'))
+    out = open(tmp_path / "console.out", "w")  # noqa: SIM115 - the console writes it
+    console = procs.start(
+        "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path, stdout=out
+    )
+    out.close()
+    run = wait_for(lambda: runs_dir.is_dir() and only_run(runs_dir), what="the run directory")
+    wait_for(lambda: len(events_of(run, "step")) >= 5, what="five steps, then the hang")
+    status = wait_for(
+        lambda: (s := read_status(run)) and len(s["pids"].get("workers") or []) == 2 and s,
+        what="worker pids",
+    )
+    console.send_signal(signal.SIGINT)
+    wait_for(lambda: '"stop"' in (run / "control.jsonl").read_text(), what="the stop command")
+    return console, run, status
+
+
+def _printed(tmp_path) -> str:
+    return (tmp_path / "console.out").read_text()
+
+
+def _run_pids(status):
+    return [status["pids"]["torchrun"], *status["pids"]["workers"]]
+
+
+def test_second_ctrl_c_terminates_a_run_that_cannot_stop(procs, runs_dir, tmp_path):
+    console, run, status = _hung_run(procs, runs_dir, tmp_path)
+    console.send_signal(signal.SIGINT)
+    _, err = console.communicate(timeout=120)
+    assert console.returncode == 130, _printed(tmp_path) + err
+    final = read_status(run)
+    assert final["state"] == "stopped" and "terminated" in final["reason"]
+    assert not final["checkpointed_on_stop"]
+    assert not any(pid_alive(p) for p in _run_pids(status))
+
+
+def test_third_ctrl_c_kills_the_run_at_once(procs, runs_dir, tmp_path):
+    console, run, status = _hung_run(procs, runs_dir, tmp_path)
+    console.send_signal(signal.SIGINT)
+    # Pending signals of one kind merge: send the third only once the second took effect.
+    wait_for(lambda: "terminating" in _printed(tmp_path), what="the second Ctrl-C's effect")
+    console.send_signal(signal.SIGINT)
+    wait_for(
+        lambda: not any(pid_alive(p) for p in _run_pids(status)),
+        timeout=30,
+        what="the run's processes to be killed",
+    )
+    _, err = console.communicate(timeout=120)
+    assert console.returncode == 130, _printed(tmp_path) + err
+    assert "killed" in _printed(tmp_path)
