@@ -155,6 +155,73 @@ def check_cmd(
     raise typer.Exit(command.main(as_json, _runs_dir(runs_dir), timeout))
 
 
+@app.command("ls")
+def ls_cmd(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    runs_dir: Path | None = RunsDirOpt,
+) -> None:
+    """Runs under the runs directory: state, step, loss, age (newest first)."""
+    from .commands import runs as command
+
+    rows = command.list_runs(_runs_dir(runs_dir))
+    if as_json:
+        typer.echo(command.to_json(rows))
+        return
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from .headless import fmt, human_duration
+
+    table = Table(box=None, header_style="bold")
+    for col in ("run", "state", "step", "loss", "age"):
+        table.add_column(col)
+    for r in rows:
+        step = f"{r['step'] or 0}/{r['max_steps'] or '-'}"
+        table.add_row(Text(r["name"]), r["state"], step, fmt(r["loss"]), human_duration(r["age_s"]))
+    if not rows:
+        typer.echo(f"no runs under {_runs_dir(runs_dir)}")
+        return
+    Console().print(table)
+
+
+@app.command("stop")
+def stop_cmd(
+    run: str = typer.Argument(..., help="Run directory, or a run name under the runs directory."),
+    now: bool = typer.Option(False, "--now", help="Terminate the run's processes now."),
+    runs_dir: Path | None = RunsDirOpt,
+) -> None:
+    """Stop a run gracefully (checkpoint, then exit), or at once with --now."""
+    from .commands import runs as command
+
+    if now:
+        path = command.stop_now(run, _runs_dir(runs_dir))
+        typer.echo(f"{path.name}: terminating")
+        return
+    path, _, acks = command.request(run, _runs_dir(runs_dir), "stop")
+    states = [a.get("state") for a in acks]
+    if "done" in states:
+        typer.echo(f"{path.name}: stopping with a checkpoint")
+    else:
+        typer.echo(f"{path.name}: stop requested; no acknowledgement yet (is the run paused?)")
+
+
+@app.command("checkpoint")
+def checkpoint_cmd(
+    run: str = typer.Argument(..., help="Run directory, or a run name under the runs directory."),
+    runs_dir: Path | None = RunsDirOpt,
+) -> None:
+    """Write a checkpoint at the next step boundary and print where it went."""
+    from .commands import runs as command
+
+    path, cid, acks = command.request(run, _runs_dir(runs_dir), "checkpoint")
+    event = command.checkpoint_after(path, cid) if acks else None
+    if event is None:
+        typer.echo(f"{path.name}: checkpoint requested; no acknowledgement yet", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{event['path']} (step {event['step']}, {event['bytes']:,} bytes)")
+
+
 def main() -> None:
     from .devices import DeviceSpecError
     from .launch import LaunchError

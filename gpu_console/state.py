@@ -11,6 +11,40 @@ from typing import Any
 from .events import KINDS, JsonlTail
 from .runs import FINAL_STATES, read_status
 
+STALL_MIN_S = 30.0
+STALL_FACTOR = 10.0
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def derived_state(status: dict[str, Any], now: float, step_time_s: float | None = None) -> str:
+    """The state a reader shows: status.json's, or ``lost`` / ``stalled`` (DESIGN.md).
+
+    ``lost``: status says the run is live but its supervisor is gone. ``stalled``: running,
+    but no step for max(30 s, 10× the step time).
+    """
+    state = status.get("state", "starting")
+    if status.get("ended") or state in FINAL_STATES:
+        return state
+    if not pid_alive(status.get("pids", {}).get("supervisor")):
+        return "lost"
+    last = status.get("last_step_t")
+    if state == "running" and last:
+        limit = max(STALL_MIN_S, STALL_FACTOR * (step_time_s or 0.0))
+        if now - last > limit:
+            return "stalled"
+    return state
+
 
 @dataclass
 class RunState:
@@ -134,12 +168,4 @@ class RunFollower:
 
     def supervisor_alive(self) -> bool:
         pid = self.state.status.get("pids", {}).get("supervisor")
-        if not pid:
-            return True  # not started yet
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return True if not pid else pid_alive(pid)  # no pid yet: not started yet

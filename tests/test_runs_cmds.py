@@ -1,0 +1,78 @@
+"""ls / stop / checkpoint from another shell, against a live run and an ended one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+from conftest import events_of, fast_profile, only_run, read_status, wait_for
+
+
+def _live(procs, runs_dir, tmp_path):
+    profile = fast_profile(tmp_path, max_steps=1_000_000)
+    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
+    run = wait_for(lambda: runs_dir.is_dir() and only_run(runs_dir), what="the run directory")
+    wait_for(lambda: events_of(run, "step"), what="a first step")
+    return console, run
+
+
+def test_ls_checkpoint_and_stop_from_another_shell(procs, runs_dir, tmp_path):
+    console, run = _live(procs, runs_dir, tmp_path)
+    rd = ["--runs-dir", str(runs_dir)]
+
+    rows = json.loads(procs.cli("ls", "--json", *rd).stdout)
+    assert [(r["name"], r["state"]) for r in rows] == [(run.name, "running")]
+    table = procs.cli("ls", *rd).stdout
+    assert run.name in table and "running" in table
+
+    done = procs.cli("checkpoint", run.name, *rd)  # by name, not path
+    assert done.returncode == 0, done.stderr
+    requested = [c for c in events_of(run, "checkpoint") if c["reason"] == "request"]
+    assert len(requested) == 1 and requested[0]["path"] in done.stdout
+
+    stopped = procs.cli("stop", str(run), *rd)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "stopping with a checkpoint" in stopped.stdout
+    out, err = console.communicate(timeout=120)
+    assert console.returncode == 0, out + err
+    assert read_status(run)["state"] == "stopped"
+
+    rows = json.loads(procs.cli("ls", "--json", *rd).stdout)
+    assert rows[0]["state"] == "stopped" and rows[0]["step"] >= requested[0]["step"]
+
+    # A command to an ended run is a bad input: exit 2, one line.
+    again = procs.cli("stop", run.name, *rd)
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines() == [
+        f"gpu-console: {run}: the run has already ended (state stopped)"
+    ]
+
+
+def test_a_run_whose_supervisor_is_gone_is_lost_not_running(procs, runs_dir, tmp_path):
+    console, run = _live(procs, runs_dir, tmp_path)
+    os.kill(read_status(run)["pids"]["supervisor"], signal.SIGKILL)
+    wait_for(
+        lambda: (
+            json.loads(procs.cli("ls", "--json", "--runs-dir", str(runs_dir)).stdout)[0]["state"]
+            == "lost"
+        ),
+        what="ls to say lost",
+    )
+    assert procs.cli("checkpoint", run.name, "--runs-dir", str(runs_dir)).returncode == 2
+
+
+def test_stop_now_terminates(procs, runs_dir, tmp_path):
+    console, run = _live(procs, runs_dir, tmp_path)
+    result = procs.cli("stop", run.name, "--now", "--runs-dir", str(runs_dir))
+    assert result.returncode == 0, result.stderr
+    out, err = console.communicate(timeout=120)
+    assert read_status(run)["state"] in ("stopped",)
+    assert console.returncode in (0, 130), out + err
+
+
+def test_ls_with_no_runs_and_an_unknown_run(procs, runs_dir):
+    assert "no runs under" in procs.cli("ls", "--runs-dir", str(runs_dir)).stdout
+    bad = procs.cli("stop", "ghost", "--runs-dir", str(runs_dir))
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("gpu-console: ghost: no such run")
