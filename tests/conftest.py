@@ -60,6 +60,13 @@ def run_dirs(runs_dir: Path) -> list[Path]:
     return sorted(p for p in runs_dir.iterdir() if p.is_dir() and (p / "run.toml").exists())
 
 
+def the_run(runs_dir: Path) -> Path | None:
+    """The one run under ``runs_dir`` once it exists (for ``wait_for``), else None."""
+    dirs = run_dirs(runs_dir)
+    assert len(dirs) <= 1, f"expected one run under {runs_dir}, found {dirs}"
+    return dirs[0] if dirs else None
+
+
 def only_run(runs_dir: Path) -> Path:
     dirs = run_dirs(runs_dir)
     assert len(dirs) == 1, f"expected one run under {runs_dir}, found {dirs}"

@@ -6,7 +6,7 @@ import os
 import signal
 import textwrap
 
-from conftest import events_of, fast_profile, only_run, pid_alive, read_status, wait_for
+from conftest import events_of, fast_profile, only_run, pid_alive, read_status, the_run, wait_for
 
 from gpu_console.events import append_control
 
@@ -14,7 +14,7 @@ from gpu_console.events import append_control
 def _start_long(procs, runs_dir, tmp_path, *args):
     profile = fast_profile(tmp_path, max_steps=1_000_000)
     console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir), *args)
-    run = wait_for(lambda: runs_dir.is_dir() and only_run(runs_dir), what="the run directory")
+    run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     wait_for(lambda: events_of(run, "step"), what="a first step")
     return console, run
 
@@ -259,7 +259,7 @@ def _hung_run(procs, runs_dir, tmp_path):
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path, stdout=out
     )
     out.close()
-    run = wait_for(lambda: runs_dir.is_dir() and only_run(runs_dir), what="the run directory")
+    run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     wait_for(lambda: len(events_of(run, "step")) >= 5, what="five steps, then the hang")
     status = wait_for(
         lambda: (s := read_status(run)) and len(s["pids"].get("workers") or []) == 2 and s,

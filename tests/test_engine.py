@@ -17,6 +17,7 @@ from conftest import (
     only_run,
     pid_alive,
     read_status,
+    the_run,
     wait_for,
 )
 
@@ -111,7 +112,7 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resume_is_bit_exact(procs, runs_dir,
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir / "stopped"), *dropout
     )
     run = wait_for(
-        lambda: (runs_dir / "stopped").is_dir() and only_run(runs_dir / "stopped"),
+        lambda: the_run(runs_dir / "stopped"),
         what="the run directory",
     )
     wait_for(lambda: len(events_of(run, "step")) >= 20, what="20 steps")
@@ -270,7 +271,7 @@ def test_sync_batchnorm_on_cpu_is_a_bad_input(procs, runs_dir, tmp_path):
 def _long_run(procs, runs_dir, tmp_path):
     profile = fast_profile(tmp_path, max_steps=1_000_000)
     console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
-    run = wait_for(lambda: runs_dir.is_dir() and only_run(runs_dir), what="the run directory")
+    run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     wait_for(lambda: events_of(run, "step"), what="a first step")
     status = wait_for(
         lambda: (s := read_status(run)) and len(s["pids"].get("workers") or []) == 2 and s,

@@ -6,13 +6,13 @@ import json
 import os
 import signal
 
-from conftest import events_of, fast_profile, only_run, read_status, wait_for
+from conftest import events_of, fast_profile, read_status, the_run, wait_for
 
 
 def _live(procs, runs_dir, tmp_path):
     profile = fast_profile(tmp_path, max_steps=1_000_000)
     console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
-    run = wait_for(lambda: runs_dir.is_dir() and only_run(runs_dir), what="the run directory")
+    run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     wait_for(lambda: events_of(run, "step"), what="a first step")
     return console, run
 
