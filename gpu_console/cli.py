@@ -53,11 +53,13 @@ def root(
 ) -> None:
     """Without a command: the console opens on the launch screen."""
     if ctx.invoked_subcommand is None:
-        typer.echo(ctx.get_help())
-        typer.echo(
-            "\nThe interactive console is not built yet; start a run with "
-            "`gpu-console run quickstart --headless`."
-        )
+        if not (sys.stdin.isatty() and sys.stdout.isatty()):
+            typer.echo(ctx.get_help())
+            typer.echo("\nThe console needs a terminal; without one use `run --headless`.")
+            return
+        from .tui.app import ConsoleApp
+
+        raise typer.Exit(_run_tui(ConsoleApp(runs_dir=_runs_dir(runs_dir))))
 
 
 @app.command()
@@ -78,9 +80,20 @@ def run(
     ),
     runs_dir: Path | None = RunsDirOpt,
     name: str | None = typer.Option(None, "--name", help="Run name (default: profile name)."),
+    nnodes: str | None = typer.Option(
+        None, "--nnodes", help="Machines in the run: N or MIN:MAX (torchrun's --nnodes)."
+    ),
+    node_rank: int | None = typer.Option(
+        None, "--node-rank", help="This machine's rank (torchrun's --node-rank)."
+    ),
+    rdzv_endpoint: str | None = typer.Option(
+        None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous, the same on every node."
+    ),
 ) -> None:
     """Start a run. The run keeps training if this terminal goes away."""
     from . import launch
+
+    nodes = launch.parse_nodes(nnodes, node_rank, rdzv_endpoint)
 
     if precision is not None and precision not in ("auto", "fp32", "bf16", "fp16"):
         raise launch.LaunchError(
@@ -105,9 +118,48 @@ def run(
     )
     from . import headless as reporter  # after the checks: a bad input fails before Rich loads
 
-    launched = launch.start(prof, placement, folder, resume_from)
-    # The Textual console lands in a later release; until then every run reports as text.
-    raise typer.Exit(reporter.follow(launched.run_dir, launched.supervisor))
+    launched = launch.start(prof, placement, folder, resume_from, nodes=nodes)
+    if headless or not (sys.stdin.isatty() and sys.stdout.isatty()):
+        # Without a terminal (a pipe, CI, nohup) the console reports as text.
+        raise typer.Exit(reporter.follow(launched.run_dir, launched.supervisor))
+    from .tui.app import ConsoleApp
+
+    tui = ConsoleApp(runs_dir=folder, run_dir=launched.run_dir, owner=True,
+                     supervisor=launched.supervisor)  # fmt: skip
+    raise typer.Exit(_run_tui(tui))
+
+
+@app.command("attach")
+def attach_cmd(
+    run: str | None = typer.Argument(
+        None, help="Run directory, or a run name under the runs directory (default: newest)."
+    ),
+    readonly: bool = typer.Option(
+        False, "--readonly", help="Watch only: the keys that control the run are off."
+    ),
+    runs_dir: Path | None = RunsDirOpt,
+) -> None:
+    """Open the console on a running or finished run."""
+    from .runs import RunDirError, find_run
+    from .tui.app import ConsoleApp
+
+    folder = _runs_dir(runs_dir)
+    if run is None:
+        from .commands.runs import list_runs
+
+        rows = list_runs(folder)
+        if not rows:
+            raise RunDirError(f"{folder}: no runs to attach to")
+        path = Path(rows[0]["path"])
+    else:
+        path = find_run(run, folder)
+    raise typer.Exit(_run_tui(ConsoleApp(runs_dir=folder, run_dir=path, readonly=readonly)))
+
+
+def _run_tui(tui) -> int:
+    """Run the Textual console; its exit code is the run's (DESIGN.md), 0 on detach."""
+    tui.run()
+    return tui.return_code or 0
 
 
 @app.command()
@@ -220,6 +272,17 @@ def checkpoint_cmd(
         typer.echo(f"{path.name}: checkpoint requested; no acknowledgement yet", err=True)
         raise typer.Exit(1)
     typer.echo(f"{event['path']} (step {event['step']}, {event['bytes']:,} bytes)")
+
+
+@app.command("dump")
+def dump_cmd(
+    run: str = typer.Argument(..., help="Run directory, or a run name under the runs directory."),
+    runs_dir: Path | None = RunsDirOpt,
+) -> None:
+    """Write each rank's Python stack (py-spy dump) into the run directory."""
+    from .commands import runs as command
+
+    raise typer.Exit(command.dump_main(run, _runs_dir(runs_dir)))
 
 
 def main() -> None:

@@ -3,6 +3,11 @@
 On a terminal: one Rich progress line. Elsewhere (CI, nohup, ``| tee``): a plain line
 every few seconds and one for each notable event, never a flood of carriage returns.
 Ctrl-C: first a graceful stop (checkpoint), then terminate the run, then kill it.
+SIGTERM/SIGUSR1 to this process (a scheduler signalling the job's script): the run's
+graceful stop, as if the supervisor had been signalled; the console follows it to its end.
+SIGHUP (the terminal went away) ends this console only: the run goes on, and its run
+directory keeps the whole history for a later ``attach`` or ``ls``.
+A run with no step for too long is shown ``stalled``, naming the ranks that stopped.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .events import append_control
-from .state import RunFollower, RunState
+from .state import RunFollower, RunState, derived_state, describe_stopped, read_heartbeats
 
 POLL_S = 0.2
 EXIT_FINISHED, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
@@ -86,6 +91,73 @@ class Interrupts:
                 self.console.print("killed", style="red")
 
 
+class SchedulerSignals:
+    """SIGTERM/SIGUSR1 to the console → the supervisor's graceful stop (it coalesces)."""
+
+    def __init__(self, follower: RunFollower, console: Console):
+        self.follower, self.console = follower, console
+        self.received: list[int] = []
+        self.acted = 0
+
+    def __call__(self, signum, frame) -> None:
+        self.received.append(signum)
+
+    def act(self) -> None:
+        while self.acted < len(self.received):
+            signum = self.received[self.acted]
+            self.acted += 1
+            sup = self.follower.state.status.get("pids", {}).get("supervisor")
+            if sup:
+                _signal(sup, signal.SIGTERM)
+            if self.acted == 1:
+                self.console.print(
+                    Text(
+                        f"{signal.Signals(signum).name}: stopping the run at the next step "
+                        "with a checkpoint",
+                        style="yellow",
+                    ),
+                    highlight=False,
+                )
+
+
+class Stalls:
+    """Says once when the run stalls (and which ranks stopped), and once when it moves again."""
+
+    def __init__(self, run_dir: Path, follower: RunFollower, console: Console):
+        self.run_dir, self.follower, self.console = run_dir, follower, console
+        self.stalled_since: float | None = None
+        self.said = False
+
+    def check(self) -> bool:
+        st = self.follower.state
+        now = time.time()
+        stalled = not st.done and derived_state(st.status, now) == "stalled"
+        if stalled and not self.said:
+            self.said = True
+            self.stalled_since = st.status.get("last_step_t") or now
+            quiet = now - self.stalled_since
+            who = describe_stopped(read_heartbeats(self.run_dir), now)
+            text = f"stalled: no step for {quiet:.0f} s"
+            if who:
+                text += f"; stopped: {who}"
+            self.console.print(Text(text, style="red"), highlight=False)
+            if py_spy_available():
+                self.console.print(
+                    Text(f"  each rank's stack: gpu-console dump {self.run_dir}"),
+                    highlight=False,
+                )
+        elif not stalled and self.said and st.state == "running":
+            self.said = False
+            self.console.print(Text("running again"), highlight=False)
+        return stalled
+
+
+def py_spy_available() -> bool:
+    from .commands.runs import py_spy
+
+    return py_spy() is not None
+
+
 def _signal(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
@@ -115,28 +187,47 @@ def follow(
         plain_every_s = float(os.environ.get("GPU_CONSOLE_PLAIN_EVERY_S", "5"))
     follower = RunFollower(run_dir)
     interrupts = Interrupts(run_dir, follower, console)
-    previous = signal.signal(signal.SIGINT, interrupts)
+    scheduler = SchedulerSignals(follower, console)
+    stalls = Stalls(run_dir, follower, console)
+    watch = Watch(interrupts, scheduler, stalls)
+    previous = {
+        sig: signal.signal(sig, handler)
+        for sig, handler in (
+            (signal.SIGINT, interrupts),
+            (signal.SIGTERM, scheduler),
+            (signal.SIGUSR1, scheduler),
+        )
+    }
     console.print(Text.assemble("run ", (run_dir.name, "bold"), f"  ({run_dir})"))
     try:
         if tty:
-            _follow_tty(follower, supervisor, console, interrupts)
+            _follow_tty(follower, supervisor, console, watch)
         else:
-            _follow_plain(follower, supervisor, console, interrupts, plain_every_s)
+            _follow_plain(follower, supervisor, console, watch, plain_every_s)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     st = follower.state
     console.print(summary_table(st, run_dir))
-    return exit_code(st, interrupts.count > 0)
+    return exit_code(st, interrupts.count > 0 or bool(scheduler.received))
+
+
+class Watch:
+    """What the follow loop acts on besides events: Ctrl-C, scheduler signals, stalls."""
+
+    def __init__(self, interrupts: Interrupts, scheduler: SchedulerSignals, stalls: Stalls):
+        self.interrupts, self.scheduler, self.stalls = interrupts, scheduler, stalls
 
 
 def _tick(
     follower: RunFollower,
     supervisor: subprocess.Popen | None,
     console: Console,
-    interrupts: Interrupts,
+    watch: Watch,
 ) -> bool:
-    """Act on Ctrl-C, read what is new, print what is notable; True once the run has ended."""
-    interrupts.act()
+    """Act on signals, read what is new, print what is notable; True once the run has ended."""
+    watch.interrupts.act()
+    watch.scheduler.act()
     if supervisor is not None:
         supervisor.poll()  # reap it, so a dead supervisor is not a live zombie
     for e in follower.poll():
@@ -144,6 +235,7 @@ def _tick(
     st = follower.state
     if st.done:
         return True
+    watch.stalls.check()
     if not follower.supervisor_alive():
         follower.poll()  # it may have written its last status just before exiting
         if not st.done:
@@ -159,11 +251,28 @@ def _notable(e: dict, console: Console) -> None:
         console.print(Text(text, style=style or ""), highlight=False)
 
     kind = e.get("kind")
-    if kind == "start":
+    if kind == "start" and e.get("restart"):
+        where = (
+            f"resumed from step {e.get('start_step')}"
+            if e.get("resumed_from")
+            else "no checkpoint yet: from the start"
+        )
+        say(
+            f"restart {e.get('restart')} of {e.get('max_restarts')}: torchrun restarted the "
+            f"ranks; {where}",
+            "yellow",
+        )
+    elif kind == "start":
         say(
             f"started: {e.get('world_size')} × {e.get('device_type')} ranks, "
             f"{e.get('precision')}, task {e.get('task')}, {e.get('params'):,} parameters"
         )
+        if (e.get("nodes") or 1) > 1:
+            where = e.get("rank_0") or {}
+            say(
+                f"node {e.get('node')} of {e.get('nodes')}; rank 0 (checkpoints, events of "
+                f"record) on {where.get('host')}: {where.get('run_dir')}"
+            )
     elif kind == "eval":
         metrics = "  ".join(
             f"{k} {v:.4f}" for k, v in e.items() if k not in ("v", "t", "kind", "step")
@@ -174,6 +283,8 @@ def _notable(e: dict, console: Console) -> None:
             f"checkpoint @ step {e.get('step')} ({e.get('reason')}): "
             f"{human_bytes(e.get('bytes'))} in {e.get('seconds', 0):.2f}s"
         )
+    elif kind == "status" and e.get("state") == "restarting":
+        say(f"a rank failed; torchrun restarts the ranks: {e.get('reason') or ''}", "yellow")
     elif kind == "status" and e.get("state") in ("paused", "stopping", "failed"):
         say(f"state: {e.get('state')} {e.get('reason') or ''}".rstrip())
     elif kind == "log" and e.get("level") in ("warning", "error"):
@@ -185,7 +296,7 @@ def _progress_text(st: RunState) -> str:
     return f"loss {fmt(st.loss)}  {rate}"
 
 
-def _follow_tty(follower: RunFollower, supervisor, console: Console, interrupts) -> None:
+def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watch) -> None:
     columns = (
         TextColumn("[bold]{task.fields[state]}[/]"),
         BarColumn(),
@@ -196,10 +307,11 @@ def _follow_tty(follower: RunFollower, supervisor, console: Console, interrupts)
     with Progress(*columns, console=console, transient=False, refresh_per_second=8) as bar:
         task = bar.add_task("train", total=None, state="starting", info="")
         while True:
-            ended = _tick(follower, supervisor, console, interrupts)
+            ended = _tick(follower, supervisor, console, watch)
             st = follower.state
+            shown = "stalled" if watch.stalls.said else st.state
             bar.update(
-                task, total=st.max_steps, completed=st.step, state=st.state, info=_progress_text(st)
+                task, total=st.max_steps, completed=st.step, state=shown, info=_progress_text(st)
             )
             if ended:
                 break
@@ -207,16 +319,17 @@ def _follow_tty(follower: RunFollower, supervisor, console: Console, interrupts)
 
 
 def _follow_plain(
-    follower: RunFollower, supervisor, console: Console, interrupts, every_s: float
+    follower: RunFollower, supervisor, console: Console, watch: Watch, every_s: float
 ) -> None:
     next_line = time.monotonic() + every_s
     while True:
-        ended = _tick(follower, supervisor, console, interrupts)
+        ended = _tick(follower, supervisor, console, watch)
         st = follower.state
         if time.monotonic() >= next_line and st.step:
             eta = human_duration(st.eta_s())
+            stalled = "  STALLED" if watch.stalls.said else ""
             console.print(
-                Text(f"step {st.step}/{st.max_steps}  {_progress_text(st)}  eta {eta}"),
+                Text(f"step {st.step}/{st.max_steps}  {_progress_text(st)}  eta {eta}{stalled}"),
                 highlight=False,
             )
             next_line = time.monotonic() + every_s
@@ -245,9 +358,19 @@ def summary_table(st: RunState, run_dir: Path) -> Table:
     for rank, peak in sorted(st.peak_memory.items()):
         row(f"peak memory rank {rank}", human_bytes(peak))
     row("wall time", human_duration(st.elapsed_s()))
+    restarts = st.status.get("restarts")
+    if restarts:
+        row("restarts", f"{restarts} of {st.status.get('max_restarts')}")
     if st.checkpoints:
         c = st.checkpoints[-1]
         row("checkpoint", f"{c.get('path')} (step {c.get('step')}, {c.get('reason')})")
+    failed_ckpt = st.status.get("checkpoint_failed")
+    if failed_ckpt:
+        row(
+            "checkpoint failed",
+            f"step {failed_ckpt.get('step')} ({failed_ckpt.get('reason')}): "
+            f"{failed_ckpt.get('error')}; LATEST is {failed_ckpt.get('latest') or 'none'}",
+        )
     failure = st.status.get("failure")
     if failure:
         row("failure", failure.get("summary", ""))

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import getpass
 import json
+import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -27,6 +29,50 @@ from .tasks import BUILTIN
 
 class LaunchError(Exception):
     """A run that cannot start as asked (bad device, resume target, runs directory)."""
+
+
+# torchrun's default (SIGTERM, SIGINT, SIGHUP, SIGQUIT) plus SIGUSR1, which SLURM sends
+# before a time limit (`--signal=USR1@120`): without it SIGUSR1 kills torchrun outright.
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# One rendezvous per endpoint: every node must give torchrun the same id.
+MULTINODE_RDZV_ID = "gpu-console"
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Several machines: the same command on every node, passed to torchrun unchanged."""
+
+    nnodes: str  # "N", or "MIN:MAX" for an elastic range
+    node_rank: int | None
+    endpoint: str  # HOST:PORT of the c10d rendezvous
+
+    @property
+    def max_nodes(self) -> int:
+        return int(self.nnodes.split(":")[-1])
+
+
+def parse_nodes(nnodes: str | None, node_rank: int | None, endpoint: str | None) -> Nodes | None:
+    """Check --nnodes/--node-rank/--rdzv-endpoint; None for a single machine."""
+    if nnodes is None and endpoint is None and node_rank is None:
+        return None
+    nnodes = "1" if nnodes is None else str(nnodes).strip()
+    if not re.fullmatch(r"[1-9][0-9]*(:[1-9][0-9]*)?", nnodes):
+        raise LaunchError(f"--nnodes: expected N or MIN:MAX, positive integers (got {nnodes!r})")
+    low, _, high = nnodes.partition(":")
+    if high and int(high) < int(low):
+        raise LaunchError(f"--nnodes: MIN is larger than MAX (got {nnodes!r})")
+    if endpoint is None:
+        if nnodes == "1":
+            if node_rank not in (None, 0):
+                raise LaunchError(f"--node-rank: one node has rank 0 (got {node_rank})")
+            return None
+        raise LaunchError("--rdzv-endpoint: several nodes need HOST:PORT of the rendezvous")
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(f"--rdzv-endpoint: expected HOST:PORT (got {endpoint!r})")
+    if node_rank is not None and not 0 <= node_rank < int(high or low):
+        raise LaunchError(f"--node-rank: expected 0 to {int(high or low) - 1} (got {node_rank})")
+    return Nodes(nnodes, node_rank, endpoint)
 
 
 @dataclass
@@ -86,20 +132,31 @@ def resolve_placement(devices: str) -> Placement:
     return place(spec, count, reason)
 
 
-def torchrun_argv(run_dir: Path, profile: Profile, placement: Placement, port: int) -> list[str]:
+def torchrun_argv(
+    run_dir: Path, profile: Profile, placement: Placement, port: int, nodes: Nodes | None = None
+) -> list[str]:
     """torchrun's command line: an argument list, never a shell string."""
     d = profile.distributed
+    if nodes is None:
+        where = ["--nnodes=1", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_dir.name}"]
+    else:
+        where = [f"--nnodes={nodes.nnodes}"]
+        if nodes.node_rank is not None:
+            where.append(f"--node-rank={nodes.node_rank}")
+        where += [f"--rdzv-endpoint={nodes.endpoint}", f"--rdzv-id={MULTINODE_RDZV_ID}"]
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nnodes=1",
+        *where,
         f"--nproc-per-node={placement.nproc}",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id={run_dir.name}",
         f"--max-restarts={d.max_restarts}",
         "--monitor-interval=0.5",
+        # On SIGTERM torchrun forwards the signal and SIGKILLs the ranks after this long
+        # (default 30 s): give them the profile's grace period to write their checkpoint.
+        f"--shutdown-timeout={math.ceil(d.shutdown_grace_s)}",
+        f"--signals-to-handle={TORCHRUN_SIGNALS}",
         # Per-rank files; without them ranks' lines interleave mid-line.
         f"--log-dir={run_dir / 'logs'}",
         "--tee=3",
@@ -191,12 +248,13 @@ def start(
     runs_dir: Path,
     resume_from: Path | None = None,
     argv: list[str] | None = None,
+    nodes: Nodes | None = None,
 ) -> Launched:
     """Create the run directory, write run.toml and meta.json, start the supervisor."""
     run_dir = runs.create_run_dir(runs_dir, profile.profile.name or "run")
     try:
         runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
-        argv_torchrun = torchrun_argv(run_dir, profile, placement, free_port())
+        argv_torchrun = torchrun_argv(run_dir, profile, placement, free_port(), nodes)
         meta = {
             "id": run_dir.name,
             "command": argv if argv is not None else sys.argv,
@@ -214,7 +272,12 @@ def start(
                 "nproc": placement.nproc,
                 "cuda_visible_devices": placement.cuda_visible_devices,
             },
-            "world_size": placement.nproc,
+            "world_size": placement.nproc * (nodes.max_nodes if nodes else 1),
+            "nodes": (
+                {"nnodes": nodes.nnodes, "node_rank": nodes.node_rank, "endpoint": nodes.endpoint}
+                if nodes
+                else None
+            ),
             "resume_from": str(resume_from.resolve()) if resume_from else None,
             "torchrun": argv_torchrun,
         }

@@ -78,7 +78,8 @@ class TrainConfig:
     log_every: int = opt(10, "steps between step events (and the only loss sync)", min=1)
     seed: int = opt(0, "model-init and dropout seed (rank r uses seed + r for dropout)")
     nan_policy: Literal["stop", "skip", "ignore"] = opt(
-        "stop", "non-finite loss: stop (checked each log_every), skip the update, or ignore"
+        "stop",
+        "non-finite gradient: stop (checkpoint last finite state), skip the update, or ignore",
     )
 
 

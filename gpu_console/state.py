@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,20 @@ from .runs import FINAL_STATES, read_status
 
 STALL_MIN_S = 30.0
 STALL_FACTOR = 10.0
+# A rank's heartbeat thread writes about once a second; this much silence means it is frozen.
+HEARTBEAT_SILENT_S = 5.0
+HEARTBEAT_DIR = "heartbeats"  # written by gpu_console/engine/heartbeat.py (no torch here)
+PHASE_ORDER = (
+    "starting",
+    "data",
+    "compute",
+    "update",
+    "sync",
+    "eval",
+    "checkpoint",
+    "control",
+    "paused",
+)
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -27,11 +42,25 @@ def pid_alive(pid: int | None) -> bool:
     return True
 
 
+def stall_min_s() -> float:
+    """Seconds without a step before a running run is ``stalled`` (``$GPU_CONSOLE_STALL_S``)."""
+    try:
+        return max(0.1, float(os.environ.get("GPU_CONSOLE_STALL_S", STALL_MIN_S)))
+    except ValueError:
+        return STALL_MIN_S
+
+
+def stall_limit_s(step_time_s: float | None) -> float:
+    """max(30 s, 10× the median step time): a slow step is not a stall."""
+    return max(stall_min_s(), STALL_FACTOR * (step_time_s or 0.0))
+
+
 def derived_state(status: dict[str, Any], now: float, step_time_s: float | None = None) -> str:
     """The state a reader shows: status.json's, or ``lost`` / ``stalled`` (DESIGN.md).
 
     ``lost``: status says the run is live but its supervisor is gone. ``stalled``: running,
-    but no step for max(30 s, 10× the step time).
+    but no step for max(30 s, 10× the median step time, which the supervisor keeps in
+    status.json).
     """
     state = status.get("state", "starting")
     if status.get("ended") or state in FINAL_STATES:
@@ -39,11 +68,67 @@ def derived_state(status: dict[str, Any], now: float, step_time_s: float | None 
     if not pid_alive(status.get("pids", {}).get("supervisor")):
         return "lost"
     last = status.get("last_step_t")
-    if state == "running" and last:
-        limit = max(STALL_MIN_S, STALL_FACTOR * (step_time_s or 0.0))
-        if now - last > limit:
-            return "stalled"
+    limit = stall_limit_s(step_time_s or status.get("step_time_s"))
+    if state == "running" and last and now - last > limit:
+        return "stalled"
     return state
+
+
+def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
+    """Every rank's heartbeat record on this node, by rank (unreadable ones skipped)."""
+    beats = []
+    folder = Path(run_dir) / HEARTBEAT_DIR
+    try:
+        paths = sorted(folder.glob("rank-*.json"))
+    except OSError:
+        return beats
+    for path in paths:
+        for _ in range(3):  # rewritten in place: a read may catch a write half-way
+            try:
+                beats.append(json.loads(path.read_bytes().strip() or b"null"))
+                break
+            except (OSError, ValueError):
+                continue
+    return [b for b in beats if isinstance(b, dict) and isinstance(b.get("rank"), int)]
+
+
+def _progress(beat: dict[str, Any]) -> tuple[int, int]:
+    phase = beat.get("phase")
+    order = PHASE_ORDER.index(phase) if phase in PHASE_ORDER else len(PHASE_ORDER)
+    return int(beat.get("step") or 0), order
+
+
+def stopped_ranks(beats: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+    """The ranks that stopped, with why, for a stalled run (best guess, from heartbeats).
+
+    A rank whose heartbeat thread went silent is frozen or gone. Otherwise, in lock-step
+    training the rank furthest behind (an earlier step, or an earlier phase of it) is the one
+    stuck; its peers wait for it in a collective. When all are at the same point (a hang
+    inside a collective, or a deadlock in the same phase on every rank) all are named.
+    """
+    live = [b for b in beats if b.get("phase") not in ("done", "failed")]
+    if not live:
+        return []
+    silent = [b for b in live if now - float(b.get("t") or 0) > HEARTBEAT_SILENT_S]
+    if silent:
+        return [{**b, "why": "heartbeat silent"} for b in silent]
+    behind = min(_progress(b) for b in live)
+    return [{**b, "why": "behind"} for b in live if _progress(b) == behind]
+
+
+def describe_stopped(beats: list[dict[str, Any]], now: float) -> str:
+    """``rank 1 (step 12, data, 42 s)``: what a console prints about stopped ranks."""
+    parts = []
+    for b in stopped_ranks(beats, now):
+        if b["why"] == "heartbeat silent":
+            ago = now - float(b.get("t") or 0)
+            parts.append(f"rank {b['rank']} (no heartbeat for {ago:.0f} s)")
+        else:
+            since = now - float(b.get("since") or now)
+            parts.append(
+                f"rank {b['rank']} (step {b.get('step')}, {b.get('phase')}, for {since:.0f} s)"
+            )
+    return ", ".join(parts)
 
 
 @dataclass

@@ -9,9 +9,15 @@ it), torchrun dies with it (PDEATHSIG), workers die with torchrun (PDEATHSIG, se
 engine), and when torchrun exits it kills whatever of the run is left.
 
 Signals: SIGTERM/SIGUSR1 (a scheduler) → SIGUSR1 to the workers, which checkpoint and stop
-at the next step (reason ``signal``); after ``shutdown_grace_s`` the tree is killed. A
-second SIGTERM, or SIGINT (the console's second Ctrl-C) → terminate the tree now. SIGHUP is
-ignored.
+at the next step (reason ``signal``); after ``shutdown_grace_s`` the tree is killed. Signals
+that arrive within :data:`COALESCE_S` of the first are the same request (a scheduler often
+signals every process of a job at once); a later SIGTERM, or SIGINT (the console's second
+Ctrl-C) → terminate the tree now. SIGHUP is ignored.
+
+A rank that dies without having ended cleanly (its heartbeat does not say ``done``) is a
+crash: its peers get :data:`REAP_PEERS_AFTER_S` to notice on their own, then they are
+killed, so a peer blocked in a collective (NCCL waits for its timeout) never holds the run
+(and its GPU memory) until then. torchrun then fails the run, or restarts the group.
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ import ctypes
 import glob
 import json
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +41,15 @@ import psutil
 
 from . import runs
 from .events import JsonlTail
+from .state import read_heartbeats
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 TICK_S = 0.2
 KILL_AFTER_TERM_S = 5.0
+COALESCE_S = 5.0
+REAP_PEERS_AFTER_S = 2.0
+STEP_TIMES = 50  # step events whose step time makes the median a reader's stall limit uses
 
 
 def _prctl(option: int, value: int) -> None:
@@ -67,18 +80,26 @@ class Supervisor:
         }
         self._written: str = ""
         self.graceful_deadline: float | None = None
+        self.graceful_since: float | None = None
         self.terminate_at: float | None = None
         self.terminated = False
         self.signal_stop = False
         self.proc: subprocess.Popen | None = None
+        self.asked: set[int] = set()  # workers already sent the graceful SIGUSR1
+        self.known: dict[int, psutil.Process] = {}  # the workers seen at the last tick
+        self.reap_at: float | None = None
+        self.reap: set[int] = set()  # peers of a crashed rank, killed at reap_at
+        self.step_times: deque[float] = deque(maxlen=STEP_TIMES)
+        self.engine_checkpointed = True
 
     # -- signals -------------------------------------------------------------------------
     def on_graceful(self, signum: int, frame) -> None:
-        if self.graceful_deadline is None:
+        now = time.monotonic()
+        if self.graceful_since is None:
             self.signal_stop = True
-            self.graceful_deadline = time.monotonic() + self.grace_s
-            self._signal_workers(signal.SIGUSR1)
-        else:
+            self.graceful_since = now
+            self.graceful_deadline = now + self.grace_s  # the loop asks the ranks
+        elif now - self.graceful_since > COALESCE_S:
             self.on_terminate(signum, frame)
 
     def on_terminate(self, signum: int, frame) -> None:
@@ -115,9 +136,36 @@ class Supervisor:
                 continue
         return out
 
-    def _signal_workers(self, sig: int) -> None:
+    def _ask_workers(self) -> None:
+        """SIGUSR1 to every rank that has installed its handler (it has a heartbeat).
+
+        A rank still starting would die of SIGUSR1's default action; it is asked as soon as
+        its heartbeat appears (the handler is installed before the heartbeat is written).
+        """
+        ready = {b.get("pid") for b in read_heartbeats(self.run_dir)}
         for p in self._workers():
-            _send(p, sig)
+            if p.pid in ready and p.pid not in self.asked:
+                self.asked.add(p.pid)
+                _send(p, signal.SIGUSR1)
+
+    def _watch_workers(self, now: float) -> None:
+        """Record the ranks' pids; a rank gone without ending cleanly dooms its peers."""
+        current = {p.pid: p for p in self._workers()}
+        gone = set(self.known) - set(current)
+        if gone and self.reap_at is None:
+            beats = {b.get("pid"): b for b in read_heartbeats(self.run_dir)}
+            crashed = [pid for pid in gone if beats.get(pid, {}).get("phase") != "done"]
+            if crashed:
+                self.reap = set(self.known) - gone
+                self.reap_at = now + REAP_PEERS_AFTER_S
+        if self.reap_at is not None and now >= self.reap_at:
+            for pid in self.reap:
+                proc = self.known.get(pid) or current.get(pid)
+                if proc is not None:
+                    _send(proc, signal.SIGKILL)
+            self.reap, self.reap_at = set(), None
+        self.known = current
+        self.status["pids"]["workers"] = sorted(current)
 
     def _kill_tree(self) -> None:
         for p in self._tree():
@@ -136,25 +184,39 @@ class Supervisor:
             if kind == "status":
                 self.status["state"] = e.get("state", self.status["state"])
                 self.status["reason"] = e.get("reason", "")
+                if e.get("state") == "stopped":
+                    self.engine_checkpointed = e.get("checkpointed", True) is not False
             elif kind == "step":
                 self.status["step"] = e.get("step")
                 self.status["loss"] = e.get("loss")
                 self.status["last_step_t"] = e.get("t")
+                if isinstance(e.get("step_time_s"), (int, float)):
+                    self.step_times.append(float(e["step_time_s"]))
+                    self.status["step_time_s"] = statistics.median(self.step_times)
             elif kind == "start":
                 self.status["world_size"] = e.get("world_size")
                 self.status["max_steps"] = e.get("max_steps")
+                self.status["restarts"] = int(e.get("restart") or 0)
+                self.status["max_restarts"] = e.get("max_restarts")
+                self.status["last_step_t"] = None  # a restarted group has made no step yet
+                self.step_times.clear()
             elif kind == "checkpoint":
                 self.status["last_checkpoint"] = {
                     k: e.get(k) for k in ("step", "path", "reason", "t")
                 }
+            elif kind == "log" and isinstance(e.get("checkpoint_failed"), dict):
+                self.status["checkpoint_failed"] = e["checkpoint_failed"]
 
     # -- the run -------------------------------------------------------------------------
-    def run(self) -> int:
-        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    def install_signals(self) -> None:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self.on_graceful)
         signal.signal(signal.SIGUSR1, self.on_graceful)
         signal.signal(signal.SIGINT, self.on_terminate)
+
+    def run(self) -> int:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        self.install_signals()
         self.write_status(force=True)
         with open(self.run_dir / "logs" / "torchrun.log", "ab") as log:
             self.proc = subprocess.Popen(
@@ -167,14 +229,13 @@ class Supervisor:
             )
         self.status["pids"]["torchrun"] = self.proc.pid
         self.write_status()
-        next_pids = 0.0
         while self.proc.poll() is None:
             time.sleep(TICK_S)
             self.fold_events()
             now = time.monotonic()
-            if now >= next_pids:
-                self.status["pids"]["workers"] = sorted(p.pid for p in self._workers())
-                next_pids = now + 1.0
+            self._watch_workers(now)
+            if self.graceful_deadline is not None and self.terminate_at is None:
+                self._ask_workers()  # ranks that were still starting when the signal came
             if self.graceful_deadline is not None and now > self.graceful_deadline:
                 self.on_terminate(signal.SIGTERM, None)
             if self.terminate_at is not None and now > self.terminate_at:
@@ -202,21 +263,35 @@ class Supervisor:
         self.status["exit_code"] = code
         self.status["ended"] = time.time()
         self.status["pids"]["workers"] = []
+        agent_signal = torchrun_signal(self.run_dir) if code > 0 else None
         if code == 0 and engine_state in ("finished", "stopped"):
             state = engine_state
-        elif self.terminated:
+        elif engine_state == "stopped" and (agent_signal or self.signal_stop or self.terminated):
+            # torchrun was signalled too (a scheduler signals every process of a job): it
+            # forwarded the signal, the ranks stopped with their checkpoint, and torchrun
+            # still exits 1 for the signal it got. The engine's word stands.
             state = "stopped"
-            self.status["reason"] = (
-                "terminated before a checkpoint"
-                if engine_state != "stopped"
-                else self.status["reason"]
-            )
+        elif code == 0 and engine_state == "failed":
+            # The engine failed the run by policy (nan_policy = "stop") and the ranks exited
+            # 0 so that torchrun would not restart them: the engine's reason is the failure.
+            state = "failed"
+            reason = self.status.get("reason") or "the engine failed the run"
+            self.status["failure"] = {
+                "rank": None,
+                "exit_code": 0,
+                "summary": reason,
+                "traceback": "",
+            }
+        elif self.terminated or agent_signal:
+            state = "stopped"
+            why = f" (torchrun got {_signame(agent_signal)})" if agent_signal else ""
+            self.status["reason"] = "terminated before a checkpoint" + why
         else:
             state = "failed"
             self.status["failure"] = failure_summary(self.run_dir, code)
             self.status["reason"] = self.status["failure"]["summary"]
         self.status["state"] = state
-        self.status["checkpointed_on_stop"] = engine_state == "stopped"
+        self.status["checkpointed_on_stop"] = engine_state == "stopped" and self.engine_checkpointed
         self.write_status(force=True)
         return 0 if state in ("finished", "stopped") else 1
 
@@ -244,10 +319,31 @@ def _grace_from(profile_text: str) -> float:
         return 30.0
 
 
+def torchrun_signal(run_dir: Path) -> int | None:
+    """The signal torchrun caught and forwarded to the ranks (it then exits 1), if any."""
+    try:
+        text = (run_dir / "logs" / "torchrun.log").read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.findall(r"SignalException: Process \d+ got signal: (\d+)", text)
+    return int(found[-1]) if found else None
+
+
+def _last_attempt(run_dir: Path) -> str:
+    """The error files of torchrun's last attempt (earlier ones were restarted over)."""
+    attempts = glob.glob(str(run_dir / "logs" / "*" / "attempt_*"))
+    numbers = []
+    for a in attempts:
+        with contextlib.suppress(ValueError):
+            numbers.append(int(Path(a).name.split("_", 1)[1]))
+    last = max(numbers, default=0)
+    return str(run_dir / "logs" / "*" / f"attempt_{last}" / "*" / "error.json")
+
+
 def failure_summary(run_dir: Path, code: int) -> dict[str, Any]:
     """Which rank failed first, its exit code and traceback, from torchelastic's files."""
     errors = []
-    pattern = str(run_dir / "logs" / "*" / "attempt_*" / "*" / "error.json")
+    pattern = _last_attempt(run_dir)
     for path in glob.glob(pattern):
         try:
             data = json.loads(Path(path).read_text())
@@ -267,29 +363,33 @@ def failure_summary(run_dir: Path, code: int) -> dict[str, Any]:
             )
         except (OSError, ValueError, KeyError, TypeError):
             continue
+    rank, rank_code = _failed_rank_from_log(run_dir)
+    # Every error file is a peer's broken connection: the root cause is a rank that died
+    # without one (killed, or exited without a Python exception), as torchrun saw it.
+    only_collateral = errors and all(_collateral(e["message"]) for e in errors)
+    if only_collateral and rank is not None and rank not in {e["rank"] for e in errors}:
+        errors = []
     if errors:
         # A peer's death shows up on every other rank as a broken connection; the rank that
         # failed for its own reason is the root cause, then the earliest to write its file.
         first = min(errors, key=lambda e: (_collateral(e["message"]), e["mtime"], e["rank"]))
         return {
             "rank": first["rank"],
-            "exit_code": code,
+            # The rank's own exit code, as torchrun reported it; else torchrun's.
+            "exit_code": _exit_codes_from_log(run_dir).get(first["rank"], code),
             "summary": f"rank {first['rank']} failed: {first['message']}",
             "traceback": first["traceback"],
             "ranks": sorted({e["rank"] for e in errors}),
         }
-    rank, rank_code = _failed_rank_from_log(run_dir)
     if rank is not None:
         summary = f"rank {rank} exited with code {rank_code}"
         if rank_code is not None and rank_code < 0:
             summary += f" (killed by {_signame(-rank_code)})"
         return {"rank": rank, "exit_code": rank_code, "summary": summary, "traceback": ""}
-    return {
-        "rank": None,
-        "exit_code": code,
-        "summary": f"torchrun exited with code {code}",
-        "traceback": "",
-    }
+    summary = f"torchrun exited with code {code}"
+    if code < 0:
+        summary = f"torchrun was killed by {_signame(-code)}"
+    return {"rank": None, "exit_code": code, "summary": summary, "traceback": ""}
 
 
 COLLATERAL = (
@@ -326,6 +426,29 @@ def _failed_rank_from_log(run_dir: Path) -> tuple[int | None, int | None]:
             with contextlib.suppress(ValueError):
                 code = int(line.split(":", 1)[1].split()[0])
     return rank, code
+
+
+def _exit_codes_from_log(run_dir: Path) -> dict[int, int]:
+    """Exit code by local rank, from torchrun's final failure report."""
+    try:
+        text = (run_dir / "logs" / "torchrun.log").read_text(errors="replace")
+    except OSError:
+        return {}
+    _, marker, block = text.rpartition("Failures:")
+    if not marker:
+        return {}
+    codes: dict[int, int] = {}
+    local = None
+    for line in block.splitlines():
+        m = re.search(r"rank\s*:\s*\d+\s*\(local_rank:\s*(\d+)\)", line)
+        if m:
+            local = int(m.group(1))
+            continue
+        m = re.search(r"exitcode\s*:\s*(-?\d+)", line)
+        if m and local is not None:
+            codes.setdefault(local, int(m.group(1)))
+            local = None
+    return codes
 
 
 def _signame(n: int) -> str:

@@ -479,23 +479,38 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_latest(gloo_group, tmp
     assert checkpoint.load(checkpoint.find_latest(run))["step"] == 10
 
 
+@pytest.mark.parametrize("fail_at", ["link", "rename"])
 def test_a_failed_resave_of_the_same_step_keeps_a_complete_latest(
-    gloo_group, tmp_path, monkeypatch
+    gloo_group, tmp_path, monkeypatch, fail_at
 ):
+    # Re-saving a step replaces the directory LATEST names: whatever step of that fails
+    # (a kill, a full disk), LATEST must still name a complete, loadable checkpoint.
     run = tmp_path / "run"
-    save(run, 10)
-    real_rename = checkpoint.os.rename
+    save(run, 10, state={"model": {"w": torch.zeros(2)}})
+    real_rename, real_link = checkpoint.os.rename, checkpoint.os.link
 
     def failing_rename(src, dst):
-        if Path(src).name.startswith(".tmp-"):
+        if fail_at == "rename" and Path(src).name.startswith(".link-"):
             raise OSError("killed here")
         return real_rename(src, dst)
 
+    def failing_link(src, dst):
+        if fail_at == "link" and Path(src).name == "meta.json":
+            raise OSError("killed here")
+        return real_link(src, dst)
+
     monkeypatch.setattr(checkpoint.os, "rename", failing_rename)
+    monkeypatch.setattr(checkpoint.os, "link", failing_link)
+    monkeypatch.setattr(checkpoint.shutil, "copy2", failing_link)  # the no-hard-link fallback
     with pytest.raises(OSError):
-        save(run, 10, reason="end")
+        save(run, 10, reason="end", state={"model": {"w": torch.ones(2)}})
     monkeypatch.undo()
-    assert checkpoint.find_latest(run) is not None
+    latest = checkpoint.find_latest(run)
+    assert latest is not None
+    assert torch.equal(checkpoint.load(latest)["model"]["w"], torch.ones(2))  # the new one
+    # The next save cleans up, and LATEST moves on to a regular step directory.
+    save(run, 20)
+    assert ckpt_listing(run) == ["LATEST", "step-00000020"]
 
 
 # -- supervisor -------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""``ls``, ``stop`` and ``checkpoint``: operate runs from any shell (no torch here).
+"""``ls``, ``stop``, ``checkpoint`` and ``dump``: operate runs from any shell (no torch here).
 
 Commands reach a run only through its directory: ``control.jsonl`` for requests, events
-for their acknowledgement, status.json for pids. A command to an ended run is a bad input.
+for their acknowledgement, status.json and the ranks' heartbeats for pids. A command to an
+ended run is a bad input.
 """
 
 from __future__ import annotations
@@ -9,14 +10,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import sysconfig
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ..events import append_control, read_events
 from ..runs import FINAL_STATES, RunDirError, find_run, read_status
-from ..state import derived_state
+from ..state import derived_state, read_heartbeats
+
+DUMP_TIMEOUT_S = 30.0
 
 ACK_TIMEOUT_S = 60.0
 
@@ -45,6 +54,7 @@ def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
                 "step": status.get("step"),
                 "max_steps": status.get("max_steps"),
                 "loss": status.get("loss"),
+                "restarts": status.get("restarts") or 0,
                 "started": started,
                 "age_s": round(now - last, 1),
             }
@@ -105,3 +115,83 @@ def checkpoint_after(run: Path, cid: str) -> dict[str, Any] | None:
 
 def to_json(rows: list[dict[str, Any]]) -> str:
     return json.dumps(rows, indent=2)
+
+
+def py_spy() -> str | None:
+    """The py-spy binary: on PATH, else beside this Python (a virtualenv's bin)."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    for folder in (sysconfig.get_path("scripts"), os.path.dirname(sys.executable)):
+        candidate = Path(folder) / "py-spy"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def rank_pids(run: Path, status: dict[str, Any]) -> list[tuple[int | None, int]]:
+    """(rank, pid) of the run's live ranks on this node: heartbeats name them."""
+    workers = set(status.get("pids", {}).get("workers") or [])
+    out: dict[int, int | None] = {}
+    for beat in read_heartbeats(run):
+        pid = beat.get("pid")
+        if isinstance(pid, int) and beat.get("phase") not in ("done", "failed"):
+            out[pid] = beat["rank"]
+    for pid in workers:
+        out.setdefault(pid, None)
+    alive = []
+    for pid, rank in out.items():
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE and "gpu_console.engine" in proc.cmdline():
+                alive.append((rank, pid))
+    return sorted(alive, key=lambda rp: (rp[0] is None, rp[0] or 0, rp[1]))
+
+
+def dump(run_arg: str, runs_dir: Path, binary: str) -> tuple[Path, list[dict[str, Any]]]:
+    """``py-spy dump`` of every live rank into ``RUN/dumps/<time>/rank-N.txt``."""
+    run = find_run(run_arg, runs_dir)
+    status = _live(run)
+    ranks = rank_pids(run, status)
+    if not ranks:
+        raise RunEndedError(f"{run}: no live rank on this machine to dump")
+    folder = run / "dumps" / time.strftime("%Y%m%d-%H%M%S")
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    results = []
+    for rank, pid in ranks:
+        name = f"rank-{rank}" if rank is not None else f"pid-{pid}"
+        try:
+            proc = subprocess.run(
+                [binary, "dump", "--pid", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=DUMP_TIMEOUT_S,
+            )
+            ok, text = proc.returncode == 0, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired:
+            ok, text = False, f"py-spy dump timed out after {DUMP_TIMEOUT_S:.0f}s"
+        path = folder / f"{name}.txt"
+        path.write_text(f"# rank {rank} pid {pid}\n{text}")
+        results.append({"rank": rank, "pid": pid, "path": path, "ok": ok, "text": text})
+    return folder, results
+
+
+def dump_main(run_arg: str, runs_dir: Path) -> int:
+    """The ``dump`` command: 0 when every rank's stack was written, else 1 saying why."""
+    binary = py_spy()
+    if binary is None:
+        print(
+            "gpu-console: dump needs py-spy, which is not installed here "
+            "(pip install py-spy); no stack was written",
+            file=sys.stderr,
+        )
+        return 1
+    folder, results = dump(run_arg, runs_dir, binary)
+    for r in results:
+        who = f"rank {r['rank']}" if r["rank"] is not None else f"pid {r['pid']}"
+        if r["ok"]:
+            print(f"{who} (pid {r['pid']}): {r['path']}")
+        else:
+            why = " / ".join(r["text"].strip().splitlines()[-3:]) or "no output"
+            print(f"{who} (pid {r['pid']}): py-spy failed: {why}", file=sys.stderr)
+    return 0 if all(r["ok"] for r in results) else 1

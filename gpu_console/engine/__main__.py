@@ -1,23 +1,56 @@
-"""``python -m gpu_console.engine RUN_DIR``: one rank of a run (started by torchrun)."""
+"""``python -m gpu_console.engine RUN_DIR``: one rank of a run (started by torchrun).
+
+Order matters: the scheduler-signal handlers and the heartbeat come first, before torch is
+imported (seconds), so a SIGTERM/SIGUSR1 that arrives while the rank starts is a graceful
+stop, not a death.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from ..profile import load_profile, with_task_config
-from ..runs import read_json
-from ..tasks.loader import load_task_class
-from .distributed import die_with_parent
-from .loop import train
+from . import signals
+from .heartbeat import Heartbeat
 
 
-@record
 def main(argv: list[str]) -> None:
-    die_with_parent()
+    signals.die_with_parent()
+    signals.install()
     run_dir = Path(argv[0])
+    heartbeat = Heartbeat(
+        run_dir,
+        rank=int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        restart=restart_count(),
+    )
+    # torchelastic's @record writes this rank's exception (message, traceback) to the error
+    # file torchrun names; the supervisor reads it to say which rank failed and why.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    try:
+        record(_run)(run_dir, heartbeat)
+    except BaseException:
+        heartbeat.close("failed")
+        raise
+    heartbeat.close("done")
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted the worker group (``distributed.max_restarts``)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def _run(run_dir: Path, heartbeat: Heartbeat) -> None:
+    from ..profile import load_profile, with_task_config
+    from ..runs import read_json
+    from ..tasks.loader import load_task_class
+    from .loop import train
+
     meta = read_json(run_dir / "meta.json") or {}
     # A user's task module is found from where the run was launched, like `python -m`.
     if meta.get("cwd") and meta["cwd"] not in sys.path:
@@ -32,6 +65,8 @@ def main(argv: list[str]) -> None:
         task_cls(profile.task),
         meta.get("placement", {}).get("device_type", "cpu"),
         Path(resume) if resume else None,
+        heartbeat=heartbeat,
+        restart=restart_count(),
     )
 
 

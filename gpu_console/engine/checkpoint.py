@@ -64,18 +64,25 @@ def save(
     keep_last: int,
     is_main: bool,
 ) -> dict[str, Any] | None:
-    """Collective: every rank calls it at the same step. Rank 0 returns the event fields."""
+    """Collective: every rank calls it at the same step. Rank 0 returns the event fields.
+
+    At every instant LATEST names a complete checkpoint: a new one is written whole into a
+    temporary directory first; a directory LATEST may name is never renamed or deleted
+    while named. An OSError (a full disk) leaves LATEST and what it names untouched.
+    """
     started = time.perf_counter()
     gathered: list[Any] | None = [None] * dist.get_world_size() if is_main else None
     dist.gather_object(rank_state, gathered, dst=0)
     if not is_main:
         return None
     ckpts = Path(run_dir) / "checkpoints"
+    ckpts.mkdir(parents=True, exist_ok=True)
+    _clean_debris(ckpts)
     name = step_dir_name(step)
-    tmp = ckpts / f".tmp-{name}-{os.getpid()}"
-    old = final = ckpts / name
+    tmp = ckpts / f"{TMP}{name}-{os.getpid()}"
+    final = ckpts / name
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
     try:
         torch.save({**state, "ranks": gathered}, tmp / STATE)
         _fsync_file(tmp / STATE)
@@ -84,22 +91,19 @@ def save(
         (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
         _fsync_file(tmp / "meta.json")
         fsync_dir(tmp)
-        final = ckpts / name
-        # The same step saved twice (e.g. an interval checkpoint, then a stop): move the old
-        # one aside rather than delete it first, so LATEST never names a missing directory.
-        old = ckpts / f".old-{name}-{os.getpid()}"
         if final.exists():
-            os.rename(final, old)
-        os.rename(tmp, final)
+            _replace(ckpts, tmp, final)
+        else:
+            os.rename(tmp, final)
         fsync_dir(ckpts)
         atomic_write_text(ckpts / "LATEST", name + "\n")
-        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not final.exists():
-            os.rename(old, final)
+        if _latest_name(ckpts) != tmp.name:  # a failed replace may have named it: keep it
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    shutil.rmtree(tmp, ignore_errors=True)
     prune(ckpts, keep_last)
+    _clean_debris(ckpts)  # what an earlier failed or killed save left, now LATEST moved on
     return {
         "step": step,
         "path": str(final),
@@ -107,6 +111,46 @@ def save(
         "bytes": nbytes,
         "reason": reason,
     }
+
+
+TMP, LINK = ".tmp-", ".link-"
+
+
+def _replace(ckpts: Path, tmp: Path, final: Path) -> None:
+    """The same step saved again (an interval checkpoint, then a stop at that step).
+
+    ``final`` may be what LATEST names, so LATEST first moves to the new complete copy in
+    ``tmp``; then ``final`` is rebuilt from ``tmp`` by hard links in a staging directory
+    and renamed into place (it no longer exists, so the rename cannot fail half-way).
+    """
+    atomic_write_text(ckpts / "LATEST", tmp.name + "\n")
+    shutil.rmtree(final)
+    staging = ckpts / f"{LINK}{final.name}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    for f in sorted(tmp.iterdir(), key=lambda f: f.name == "meta.json"):  # meta.json last
+        try:
+            os.link(f, staging / f.name)
+        except OSError:  # a file system without hard links
+            shutil.copy2(f, staging / f.name)
+            _fsync_file(staging / f.name)
+    fsync_dir(staging)
+    os.rename(staging, final)
+
+
+def _latest_name(ckpts: Path) -> str | None:
+    try:
+        return (ckpts / "LATEST").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _clean_debris(ckpts: Path) -> None:
+    """Temporary directories of writers that were killed, except one LATEST still names."""
+    named = _latest_name(ckpts)
+    for p in ckpts.iterdir():
+        if p.name.startswith((TMP, LINK, ".old-")) and p.name != named:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def prune(ckpts: Path, keep_last: int) -> None:

@@ -1,15 +1,17 @@
 """Control between steps: console commands and scheduler signals, agreed by every rank.
 
-Rank 0 reads ``control.jsonl``; signals can reach any rank. At a check, one small
-all_reduce(MAX) carries rank 0's command, every rank's signal flag and rank 0's choice of
-the next check step, so all ranks act on the same step. Checks are spaced by measured step
-time (about every ``interval_s``), so fast steps do not pay a collective each.
+The first rank of each node reads that node's ``control.jsonl`` (on one machine: rank 0
+reads the run's file); signals can reach any rank (see :mod:`.signals`). At a check, one
+small all_reduce(MAX) carries each reader's command, every rank's signal flag and the
+readers' choice of the next check step, so all ranks act on the same step. When readers on
+two nodes hold different commands at once, the higher code wins and the other command stays
+queued for the next check. Checks are spaced by measured step time (about every
+``interval_s``), so fast steps do not pay a collective each.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -19,48 +21,61 @@ import torch
 import torch.distributed as dist
 
 from ..events import CONTROL_COMMANDS, JsonlTail
+from . import signals
 
 CODES = {cmd: i + 1 for i, cmd in enumerate(CONTROL_COMMANDS)}
 NAMES = {v: k for k, v in CODES.items()}
+NEVER = 2**62
 
 
 @dataclass
 class Decision:
     cmd: str | None  # one of CONTROL_COMMANDS, or None
-    cmd_id: str | None
+    cmd_id: str | None  # the id of the command, on the node whose file held it; else None
     signalled: bool
 
 
 class Control:
-    def __init__(self, run_dir: Path, is_main: bool, device: torch.device, interval_s: float):
-        self.is_main = is_main
+    def __init__(self, run_dir: Path, is_reader: bool, device: torch.device, interval_s: float):
+        self.is_reader = is_reader
         self.device = device
         self.interval_s = interval_s
-        self.tail = JsonlTail(Path(run_dir) / "control.jsonl") if is_main else None
-        self._owner_ok = _owned_by_me(Path(run_dir) / "control.jsonl") if is_main else True
+        path = Path(run_dir) / "control.jsonl"
+        self.tail = JsonlTail(path) if is_reader else None
+        self.owner_ok = True
         self.pending: deque[dict] = deque()
         self.next_check = 1
-        self.signalled = False
-        self.stop_pending = False
         self._last_check_t = time.perf_counter()
         self._last_check_step = 0
         self._buf = torch.zeros(3, dtype=torch.int64, device=device)
         self.rejected: list[dict] = []
+        self.warnings: list[str] = []  # for the events (the loop logs and clears them)
 
-    def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._on_signal)
+    @property
+    def signalled(self) -> bool:
+        return signals.signalled()
 
-    def _on_signal(self, signum: int, frame) -> None:
-        if self.stop_pending or self.signalled:
-            # Asked twice: the graceful path is already under way or stuck; leave now.
-            os._exit(128 + signum)
-        self.signalled = True
+    def stopping(self) -> None:
+        """A stop command is being carried out: a signal now escalates (see signals)."""
+        signals.stopping()
 
     def _read_commands(self) -> None:
-        if self.tail is None or not self._owner_ok:
+        if self.tail is None:
             return
-        for cmd in self.tail.read():
+        lines = self.tail.read()
+        owner_ok = _owned_by_me(self.tail.path)
+        if not owner_ok:
+            # Someone else's file (swapped in, or chowned): its lines are read and dropped,
+            # never acted on, not even later should the file change hands again.
+            if self.owner_ok:
+                self.warnings.append(
+                    f"{self.tail.path} is not owned by this run's user: its commands are ignored"
+                )
+            self.owner_ok = False
+            self.rejected.extend(lines)
+            return
+        self.owner_ok = True
+        for cmd in lines:
             if cmd.get("cmd") in CODES and isinstance(cmd.get("id"), str):
                 self.pending.append(cmd)
             else:
@@ -72,7 +87,7 @@ class Control:
     def check(self, step: int, force: bool = False) -> Decision:
         """Collective. Call on every rank when :meth:`due` is true (or ``force``)."""
         cmd = None
-        if self.is_main:
+        if self.is_reader:
             self._read_commands()
             cmd = self.pending.popleft() if self.pending else None
             now = time.perf_counter()
@@ -81,15 +96,19 @@ class Control:
             ahead = 1 if self.pending else max(1, int(self.interval_s / max(per_step, 1e-6)))
             self._last_check_t, self._last_check_step = now, step
             self._buf[0] = CODES[cmd["cmd"]] if cmd else 0
-            self._buf[2] = step + min(ahead, 10_000)
+            self._buf[2] = -(step + min(ahead, 10_000))  # negated: MAX picks the soonest
         else:
             self._buf[0] = 0
-            self._buf[2] = 0
+            self._buf[2] = -NEVER
         self._buf[1] = int(self.signalled)
         dist.all_reduce(self._buf, op=dist.ReduceOp.MAX)
         code, signalled, next_check = (int(v) for v in self._buf.tolist())
-        self.next_check = next_check
-        return Decision(NAMES.get(code), cmd["id"] if cmd else None, bool(signalled))
+        # After a command, look again at the next step: another may be queued on some node.
+        self.next_check = step + 1 if code else -next_check
+        mine = cmd is not None and CODES[cmd["cmd"]] == code
+        if cmd is not None and not mine:
+            self.pending.appendleft(cmd)  # another node's command won; ours goes next
+        return Decision(NAMES.get(code), cmd["id"] if mine else None, bool(signalled))
 
 
 def _owned_by_me(path: Path) -> bool:

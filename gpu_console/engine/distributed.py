@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -14,8 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..profile import DistributedConfig, HardwareConfig
-
-PR_SET_PDEATHSIG = 1
+from .signals import die_with_parent  # noqa: F401 - its old home; it lives in signals now
 
 
 @dataclass
@@ -30,21 +27,6 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to kill this worker when its torchrun agent dies.
-
-    torchrun starts each worker in a session of its own, so killing the agent (or the
-    supervisor above it) would otherwise leave workers training as orphans.
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the supervisor's sweep still applies
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def cpu_cores_for(local_rank: int, local_world_size: int) -> list[int]:

@@ -2,14 +2,32 @@
 
 setup → (resume) → for each step: grad_accum micro-steps, clip, update, schedule → at
 log_every one small collective for loss and memory → eval / checkpoint / control at their
-boundaries → end: eval, checkpoint, status. Rank 0 alone writes events.
+boundaries → end: eval, checkpoint, status. Rank 0 alone writes events (on several nodes:
+the first rank of each node, into its node's run directory).
+
+What can go wrong, and what the loop does about it:
+
+- A scheduler signal (SIGTERM/SIGUSR1, see signals.py): every rank stops at the same step
+  boundary, checkpoints (reason ``signal``) and exits 0.
+- A non-finite loss with ``nan_policy = "stop"``: the gradient norm (all-reduced, so the
+  same on every rank) is checked before each update; the first non-finite one stops every
+  rank before the update, checkpoints the last finite state (reason ``nan``), then fails
+  naming the step. (With an fp16 GradScaler, inf/nan gradients are the scaler's business and
+  the loss is checked at each log interval instead.)
+- CUDA out of memory: the rank fails with its peak memory and what to change.
+- A checkpoint that cannot be written (a full disk): the previous one stays complete and
+  named in LATEST; an error event says so and the run goes on (a stop then ends without a
+  checkpoint, which the supervisor records).
+- A restart by torchrun (``distributed.max_restarts``): the run resumes from its own LATEST.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +37,13 @@ import torch
 import torch.distributed as dist
 
 from ..profile import Profile
+from ..runs import latest_checkpoint
 from ..tasks.base import Task
-from . import checkpoint, precision
+from . import checkpoint, precision, signals
 from . import distributed as distmod
 from .control import Control
 from .data import Batches, DataPosition, make_loader
+from .heartbeat import Heartbeat
 from .metrics import memory_sample
 from .reporter import Reporter
 from .schedule import lr_factor, scaled_lr
@@ -33,6 +53,17 @@ CONTROL_INTERVAL_S = 0.25
 
 class NonFiniteLoss(RuntimeError):
     pass
+
+
+class OutOfMemory(RuntimeError):
+    """CUDA ran out of memory on this rank; the message says how much and what to change."""
+
+
+class _NullHeartbeat:
+    step = 0
+
+    def set(self, step: int, phase: str) -> None:
+        self.step = step
 
 
 @dataclass
@@ -59,14 +90,37 @@ def move(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def train(run_dir: Path, profile: Profile, task: Task, device_type: str, resume: Path | None):
+def train(
+    run_dir: Path,
+    profile: Profile,
+    task: Task,
+    device_type: str,
+    resume: Path | None,
+    heartbeat: Heartbeat | None = None,
+    restart: int = 0,
+):
     p = profile
+    signals.install()  # already done by __main__ before torch loaded; harmless again
     d = distmod.init(p.distributed, p.hardware, device_type)
-    out = Reporter(run_dir, d.is_main)
+    out = Reporter(run_dir, d.local_rank == 0)
+    beat = heartbeat or _NullHeartbeat()
     try:
-        _train(run_dir, p, task, d, out, resume)
+        try:
+            _train(run_dir, p, task, d, out, resume, beat, restart)
+        except torch.OutOfMemoryError as e:  # torch.cuda.OutOfMemoryError is this class
+            # The step the loop was in (its heartbeat knows), counted from 1 like step events.
+            raise OutOfMemory(oom_message(e, d, p, beat.step)) from e
+    except NonFiniteLoss as e:
+        # A policy decision every rank made at the same step, not a crash: a restart would
+        # not help, so the ranks exit 0 and the status says failed (the supervisor records
+        # the engine's reason as the failure).
+        out.status("failed", reason=f"NonFiniteLoss: {e}"[:500])
     except BaseException as e:
-        out.status("failed", reason=f"{type(e).__name__}: {e}"[:500])
+        # With restarts left, torchrun starts the group again (from LATEST): not the end.
+        again = restart < p.distributed.max_restarts
+        out.status("restarting" if again else "failed", reason=f"{type(e).__name__}: {e}"[:500])
+        if isinstance(e, OutOfMemory):
+            out.log("error", str(e))
         raise
     finally:
         out.close()
@@ -74,8 +128,44 @@ def train(run_dir: Path, profile: Profile, task: Task, device_type: str, resume:
             dist.destroy_process_group()
 
 
-def _train(run_dir: Path, p: Profile, task: Task, d: distmod.Dist, out: Reporter, resume):
+def resume_point(run_dir: Path, requested: Path | None, restart: int, d) -> Path | None:
+    """Where to start from, decided by rank 0 and shared with every rank.
+
+    After a restart by torchrun, the run's own newest complete checkpoint (else what the run
+    was started from); otherwise ``--resume``'s. On several nodes the path is rank 0's: the
+    other nodes must see it (a shared runs directory) or they fail here, saying so.
+    """
+    choice: list[str | None] = [None]
+    if d.is_main:
+        path = requested
+        if restart > 0:
+            path = latest_checkpoint(run_dir) or requested
+        choice[0] = str(Path(path).resolve()) if path else None
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    path = Path(choice[0])
+    if not (path / checkpoint.STATE).is_file():
+        raise FileNotFoundError(
+            f"rank {d.rank} cannot read rank 0's checkpoint {path}: on several nodes, resuming "
+            "needs a runs directory every node can read (a shared file system)"
+        )
+    return path
+
+
+def where_rank_0_is(run_dir: Path, d) -> dict[str, str]:
+    """Rank 0's host and run directory: where the checkpoints are, told to every node."""
+    here: list[dict[str, str] | None] = [None]
+    if d.is_main:
+        here[0] = {"host": socket.gethostname(), "run_dir": str(Path(run_dir).resolve())}
+    dist.broadcast_object_list(here, src=0)
+    return here[0] or {}
+
+
+def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat, restart: int):
     out.status("starting")
+    resume = resume_point(run_dir, resume, restart, d)
+    rank_0 = where_rank_0_is(run_dir, d) if d.world_size > d.local_world_size else None
     prec = precision.resolve(p.train.precision, d.device.type, distmod.cuda_capability())
 
     # -- model, optimizer, schedule ---------------------------------------------------------
@@ -121,12 +211,13 @@ def _train(run_dir: Path, p: Profile, task: Task, d: distmod.Dist, out: Reporter
 
     ddp = distmod.wrap(model, p.distributed, d)
     batches = Batches(train_loader, position)
-    control = Control(run_dir, d.is_main, d.device, CONTROL_INTERVAL_S)
-    control.install_signal_handlers()
+    control = Control(run_dir, d.local_rank == 0, d.device, CONTROL_INTERVAL_S)
     autocast = precision.autocast(prec, d.device.type)
     params = [q for q in model.parameters() if q.requires_grad]
 
-    def save(reason: str) -> None:
+    def save(reason: str) -> bool:
+        """Collective. False when rank 0 could not write it (the previous one stays)."""
+        beat.set(step, "checkpoint")
         state = {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -137,11 +228,31 @@ def _train(run_dir: Path, p: Profile, task: Task, d: distmod.Dist, out: Reporter
             "world_size": d.world_size,
         }
         rank_state = {"rng": checkpoint.capture_rng(d.device)}
-        info = checkpoint.save(
-            run_dir, step, reason, state, rank_state, p.checkpoint.keep_last, d.is_main
-        )
+        try:
+            info = checkpoint.save(
+                run_dir, step, reason, state, rank_state, p.checkpoint.keep_last, d.is_main
+            )
+        except OSError as e:  # rank 0 only: the others are done once their state is gathered
+            previous = latest_checkpoint(run_dir)
+            kept = (
+                f"the previous checkpoint {previous.name} is complete and still named in LATEST"
+                if previous
+                else "there is no earlier checkpoint"
+            )
+            out.log(
+                "error",
+                f"checkpoint at step {step} ({reason}) could not be written: {e}; {kept}",
+                checkpoint_failed={
+                    "step": step,
+                    "reason": reason,
+                    "error": str(e),
+                    "latest": previous.name if previous else None,
+                },
+            )
+            return False
         if info:
             out.event("checkpoint", **info)
+        return True
 
     out.start(
         world_size=d.world_size,
@@ -152,6 +263,14 @@ def _train(run_dir: Path, p: Profile, task: Task, d: distmod.Dist, out: Reporter
         params=sum(q.numel() for q in model.parameters()),
         max_steps=p.train.max_steps,
         start_step=step,
+        restart=restart,
+        max_restarts=p.distributed.max_restarts,
+        resumed_from=str(resume) if resume else None,
+        # Several machines: this node's place (torchrun's group rank) and where rank 0 is,
+        # which writes the checkpoints and reads commands alongside each node's first rank.
+        node=int(os.environ.get("GROUP_RANK", 0)),
+        nodes=d.world_size // max(d.local_world_size, 1),
+        rank_0=rank_0,
         global_batch=p.data.batch_size * p.train.grad_accum * d.world_size,
         lr=lr,
         ddp=_ddp_settings(ddp),
@@ -166,6 +285,8 @@ def _train(run_dir: Path, p: Profile, task: Task, d: distmod.Dist, out: Reporter
     accum = p.train.grad_accum
     max_norm = p.train.clip_grad_norm if p.train.clip_grad_norm > 0 else math.inf
     skip_bad = p.train.nan_policy == "skip"
+    # With a GradScaler, a non-finite gradient is an overflow the scaler handles itself.
+    stop_bad = p.train.nan_policy == "stop" and scaler is None
     paused = False
 
     # -- the loop ------------------------------------------------------------------------
@@ -173,7 +294,9 @@ def _train(run_dir: Path, p: Profile, task: Task, d: distmod.Dist, out: Reporter
         if not paused:
             last_loss.zero_()
             for micro in range(accum):
+                beat.set(step + 1, "data")  # the step in progress
                 batch = move(batches.next(), d.device)
+                beat.set(step + 1, "compute")
                 sync = contextlib.nullcontext() if micro == accum - 1 else ddp.no_sync()
                 with sync:
                     with autocast:
@@ -183,13 +306,18 @@ def _train(run_dir: Path, p: Profile, task: Task, d: distmod.Dist, out: Reporter
                 last_loss += loss.detach()
                 window.samples += result.samples
                 window.tokens += result.tokens
+            beat.set(step + 1, "update")
             if scaler is not None:
                 scaler.unscale_(optimizer)
             logging_next = (step + 1) % p.train.log_every == 0 or step + 1 == p.train.max_steps
-            if max_norm < math.inf or logging_next or skip_bad:
+            if max_norm < math.inf or logging_next or skip_bad or stop_bad:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             # The norm is of the all-reduced gradients, the same on every rank, so every rank
-            # skips the same update with no collective of its own (but a host sync on GPU).
+            # skips (or stops before) the same update with no collective of its own (but a
+            # host sync on GPU).
+            if stop_bad and not torch.isfinite(grad_norm):
+                optimizer.zero_grad(set_to_none=True)
+                _stop_non_finite(out, d, p, step, save, last_loss, grad_norm)
             if skip_bad and not torch.isfinite(grad_norm):
                 window.skipped += 1
                 if scaler is not None:
@@ -206,24 +334,32 @@ def _train(run_dir: Path, p: Profile, task: Task, d: distmod.Dist, out: Reporter
             window.steps += 1
 
             if step % p.train.log_every == 0 or step == p.train.max_steps:
-                _log_step(out, d, p, step, batches, scheduler, last_loss, grad_norm, window)
+                beat.set(step, "sync")
+                try:
+                    _log_step(out, d, p, step, batches, scheduler, last_loss, grad_norm, window)
+                except NonFiniteLoss as e:
+                    _fail_non_finite(out, d, p, step, save, model, e)
                 window = Window(loss_sum=torch.zeros((), device=d.device))
             if eval_loader is not None and p.train.eval_every and step % p.train.eval_every == 0:
+                beat.set(step, "eval")
                 _evaluate(out, d, task, ddp, eval_loader, autocast, step)
             if p.checkpoint.every_steps and step % p.checkpoint.every_steps == 0:
                 save("interval")
 
         if not (paused or control.due(step)):
             continue
-        if paused and d.is_main:
+        beat.set(step, "paused" if paused else "control")
+        if paused and d.local_rank == 0:
             time.sleep(CONTROL_INTERVAL_S)  # the other ranks wait in the check's collective
         decision = control.check(step)
+        while control.warnings:
+            out.log("warning", control.warnings.pop(0))
         if decision.signalled:
             out.log("warning", f"signal received: stopping at step {step}")
             return _stop(out, p, step, save, "signal")
         if decision.cmd is None:
             continue
-        out.event("control", id=decision.cmd_id, cmd=decision.cmd, state="received", step=step)
+        _ack(out, decision, "received", step)
         if decision.cmd == "checkpoint":
             save("request")
         elif decision.cmd == "pause":
@@ -236,13 +372,14 @@ def _train(run_dir: Path, p: Profile, task: Task, d: distmod.Dist, out: Reporter
                 window = Window(loss_sum=torch.zeros((), device=d.device))
                 out.status("running", reason="resumed")
         elif decision.cmd == "stop":
-            control.stop_pending = True
-            out.event("control", id=decision.cmd_id, cmd="stop", state="done", step=step)
+            control.stopping()
+            _ack(out, decision, "done", step)
             return _stop(out, p, step, save, "stop")
-        out.event("control", id=decision.cmd_id, cmd=decision.cmd, state="done", step=step)
+        _ack(out, decision, "done", step)
 
     # -- the end (skipping what the last step's boundaries already did) ----------------------
     if eval_loader is not None and not (p.train.eval_every and step % p.train.eval_every == 0):
+        beat.set(step, "eval")
         _evaluate(out, d, task, ddp, eval_loader, autocast, step)
     if p.checkpoint.at_end and not (
         p.checkpoint.every_steps and step % p.checkpoint.every_steps == 0
@@ -251,11 +388,92 @@ def _train(run_dir: Path, p: Profile, task: Task, d: distmod.Dist, out: Reporter
     out.status("finished", reason="max_steps reached")
 
 
+def _ack(out: Reporter, decision, state: str, step: int) -> None:
+    """Acknowledge a command on the node whose control file held it (cmd_id is None elsewhere)."""
+    if decision.cmd_id is not None:
+        out.event("control", id=decision.cmd_id, cmd=decision.cmd, state=state, step=step)
+
+
 def _stop(out: Reporter, p: Profile, step: int, save, reason: str) -> None:
     out.status("stopping", reason=reason)
-    if p.checkpoint.on_stop:
-        save(reason)
-    out.status("stopped", reason=reason)
+    saved = save(reason) if p.checkpoint.on_stop else True
+    # ``checkpointed`` is false only when a checkpoint was due and could not be written: the
+    # supervisor then records the stop as interrupted (exit 130), not as a clean stop.
+    out.status("stopped", reason=reason, checkpointed=saved)
+
+
+def _stop_non_finite(out, d, p: Profile, step: int, save, last_loss, grad_norm) -> None:
+    """Every rank is here together (the gradient norm is global): save, then fail."""
+    loss = last_loss.detach().clone().to(torch.float64)
+    dist.all_reduce(loss)
+    loss_v = loss.item() / d.world_size
+    bad = step + 1  # the update that would have been made
+    what = (
+        f"loss is {loss_v}"
+        if not math.isfinite(loss_v)
+        else f"gradient norm is {float(grad_norm)} (loss {loss_v:.6g})"
+    )
+    where = f"{what} in step {bad} (train.nan_policy = 'stop')"
+    if p.checkpoint.on_stop and step > 0:
+        out.status("stopping", reason="nan")
+        saved = save("nan")
+        kept = (
+            f"; checkpoint {checkpoint.step_dir_name(step)} holds the last finite state"
+            if saved
+            else "; the checkpoint of the last finite state could not be written"
+        )
+    else:
+        kept = "; no checkpoint written (checkpoint.on_stop = false)" if step else ""
+    raise NonFiniteLoss(where + kept)
+
+
+def _fail_non_finite(out, d, p: Profile, step: int, save, model, error: NonFiniteLoss) -> None:
+    """A non-finite loss seen at a log step: keep the weights if they are still finite."""
+    finite = torch.tensor(
+        [float(all(bool(torch.isfinite(q).all()) for q in model.parameters()))],
+        device=d.device,
+    )
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if p.checkpoint.on_stop and finite.item() == 1.0:
+        out.status("stopping", reason="nan")
+        if save("nan"):
+            raise NonFiniteLoss(
+                f"{error}; checkpoint {checkpoint.step_dir_name(step)} holds the weights, "
+                "which are still finite"
+            ) from None
+    raise error
+
+
+ADVICE = (
+    "lower data.batch_size (now {bs}) and raise train.grad_accum (now {ga}) to keep the "
+    "global batch; {prec}activation checkpointing in the task's model "
+    "(torch.utils.checkpoint); a smaller model"
+)
+
+
+def oom_message(e: BaseException, d, p: Profile, bad_step: int) -> str:
+    """What ran out, how much this rank had at its peak, and what to change."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
+    peak = total = None
+    if d.device.type == "cuda":
+        with contextlib.suppress(Exception):
+            peak = torch.cuda.max_memory_allocated(d.device)
+            total = torch.cuda.get_device_properties(d.device).total_memory
+            torch.cuda.empty_cache()
+    else:
+        peak = memory_sample(d.device)[2]
+    where = f"rank {d.rank} ran out of memory on {d.device} in step {bad_step}"
+    sizes = ""
+    if peak is not None:
+        sizes = f"; peak {_gib(peak)}" + (f" of {_gib(total)}" if total else "")
+    full = p.train.precision == "fp32" or (p.train.precision == "auto" and d.device.type == "cpu")
+    lower = f"train.precision = bf16 (now {p.train.precision}); " if full else ""
+    advice = ADVICE.format(bs=p.data.batch_size, ga=p.train.grad_accum, prec=lower)
+    return f"{where} ({first}){sizes}. To fit: {advice}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f} GiB"
 
 
 def _log_step(out, d, p, step, batches, scheduler, last_loss, grad_norm, window: Window) -> None:
@@ -276,7 +494,7 @@ def _log_step(out, d, p, step, batches, scheduler, last_loss, grad_norm, window:
         first = step - window.steps + 1
         where = f"step {step}" if first == step else f"steps {first}-{step}"
         raise NonFiniteLoss(f"loss is {loss} in {where} (train.nan_policy = 'stop')")
-    if not d.is_main:
+    if not out.active:
         return
     fields = {
         "step": step,
@@ -324,7 +542,7 @@ def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> None:
     dist.all_reduce(buf)
     values = buf.tolist()
     n = max(values[-1], 1)
-    if d.is_main:
+    if out.active:
         out.event("eval", step=step, **{k: v / n for k, v in zip(names, values[:-1], strict=True)})
 
 

@@ -1,0 +1,143 @@
+"""A minimal hand-written DDP training loop: the baseline the engine is measured against.
+
+    python -m torch.distributed.run --nproc-per-node 2 --standalone benchmarks/plain_ddp.py \
+        [--steps N] [--pin] [--out FILE]
+
+The model and the data are the engine's own (``gpu_console.tasks.mlp``), built the same way
+(same seeds, batch size, AdamW, gradient clipping, warmup + cosine schedule, DataLoader
+with the task's batched collate and no workers; ``benchmarks/overhead.py`` passes the
+profile's values and its DDP constructor arguments), so the only difference from
+``gpu-console run quickstart`` is the engine itself: its events, control checks, loss and
+memory logging, signal handling. Nothing is logged while timing.
+
+``--pin`` places each rank the way the engine's ``distributed.cpu_affinity`` does: this
+rank's share of the cores and as many threads. Without it, ranks run wherever the kernel
+puts them with torchrun's default of one thread (OMP_NUM_THREADS=1).
+
+Rank 0 times the steady state itself (``perf_counter`` from the end of step
+``--warmup-steps`` to the end of the last step) and prints one JSON line (and writes it to
+``--out``): ``{"steps_per_s": ..., ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from gpu_console.tasks.base import batch_collate
+from gpu_console.tasks.configs import MLPConfig
+from gpu_console.tasks.mlp import MLPTask
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup-steps", type=int, default=None, help="untimed (default 10%%)")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--lr-warmup", type=int, default=20, help="lr warmup steps")
+    ap.add_argument("--clip", type=float, default=1.0, help="0 = no clipping")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-seed", type=int, default=0, help="shuffling seed")
+    ap.add_argument("--task", default="{}", help="MLPConfig fields as JSON")
+    ap.add_argument("--ddp", default="{}", help="DistributedDataParallel keyword args as JSON")
+    ap.add_argument("--pin", action="store_true", help="pin each rank to its own cores")
+    ap.add_argument("--out", default=None, help="also write the result JSON here")
+    return ap.parse_args()
+
+
+def pin(local_rank: int, local_world: int) -> list[int] | None:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < local_world:
+        return None
+    per = len(cores) // local_world
+    mine = cores[local_rank * per : (local_rank + 1) * per]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    return mine
+
+
+def main() -> None:
+    a = parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    cores = pin(local_rank, local_world) if a.pin else None
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    task = MLPTask(MLPConfig(**json.loads(a.task)))
+    torch.manual_seed(a.seed)
+    model = DDP(task.build_model(), **json.loads(a.ddp))
+    train_set, _ = task.build_datasets()
+    sampler = DistributedSampler(train_set, shuffle=True, seed=a.data_seed, drop_last=True)
+    loader = DataLoader(
+        train_set,
+        batch_size=a.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=batch_collate,
+        num_workers=0,
+        generator=torch.Generator().manual_seed(a.data_seed),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+
+    def factor(s: int) -> float:
+        if s < a.lr_warmup:
+            return (s + 1) / a.lr_warmup
+        progress = min(1.0, (s - a.lr_warmup) / max(1, a.steps - a.lr_warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    max_norm = a.clip if a.clip > 0 else math.inf
+    warm = a.warmup_steps if a.warmup_steps is not None else max(1, a.steps // 10)
+
+    step, epoch, t0 = 0, 0, time.perf_counter()
+    while step < a.steps:
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            loss = task.compute(model, batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            if step == warm:
+                t0 = time.perf_counter()
+            if step == a.steps:
+                break
+        epoch += 1
+    elapsed = time.perf_counter() - t0
+
+    final = loss.detach().clone()
+    dist.all_reduce(final)
+    if rank == 0:
+        result = {
+            "steps": a.steps,
+            "measured_steps": a.steps - warm,
+            "seconds": elapsed,
+            "steps_per_s": (a.steps - warm) / elapsed,
+            "final_loss": final.item() / dist.get_world_size(),
+            "threads": torch.get_num_threads(),
+            "cores": cores,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        }
+        line = json.dumps(result)
+        print(line, flush=True)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(line + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Per-rank heartbeat: ``heartbeats/rank-NNNNN.json``, one small file per rank.
+
+The training loop only records where it is (:meth:`Heartbeat.set`: step and phase, a few
+attribute stores); a daemon thread writes that to the rank's file about once a second, in
+place (one ``pwrite`` of a fixed-size record, so the file never shrinks or grows). Readers
+(the console's ``stalled`` state, ``gpu-console dump``, the supervisor) learn from it:
+
+- ``t``: when the thread last wrote. A rank whose thread went quiet is frozen (stopped,
+  wedged holding the interpreter) or gone.
+- ``step`` / ``phase`` / ``since``: where the loop is and since when. ``step`` is the step
+  in progress in ``data``/``compute``/``update``, the step just completed in the later
+  phases, so (step, phase) grows monotonically. In a hang, the rank furthest behind is the
+  one that stopped; the others wait for it in a collective.
+
+This is not a writer of ``events.jsonl`` (rank 0 alone writes that). No torch here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+DIR = "heartbeats"
+INTERVAL_S = 1.0
+RECORD_BYTES = 512
+# Order of the phases within one step: a rank in an earlier phase is behind.
+PHASES = (
+    "starting",
+    "data",
+    "compute",
+    "update",
+    "sync",
+    "eval",
+    "checkpoint",
+    "control",
+    "paused",
+)
+ENDED = ("done", "failed")
+
+
+def path_for(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / DIR / f"rank-{rank:05d}.json"
+
+
+class Heartbeat:
+    def __init__(self, run_dir: Path, rank: int, local_rank: int, restart: int):
+        self.rank, self.local_rank, self.restart = rank, local_rank, restart
+        self.step = 0
+        self.phase = "starting"
+        self.since = time.time()
+        self._host = socket.gethostname()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        path = path_for(run_dir, rank)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._write()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def set(self, step: int, phase: str) -> None:
+        """Where the loop is now. Cheap: called several times a step."""
+        self.step = step
+        self.phase = phase
+        self.since = time.time()
+
+    def _record(self) -> bytes:
+        doc = {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "pid": os.getpid(),
+            "host": self._host,
+            "restart": self.restart,
+            "step": self.step,
+            "phase": self.phase,
+            "since": round(self.since, 3),
+            "t": round(time.time(), 3),
+        }
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        return data.ljust(RECORD_BYTES - 1)[: RECORD_BYTES - 1] + b"\n"
+
+    def _write(self) -> None:
+        with self._lock:
+            if self._fd is None:
+                return
+            # A full disk must not take the rank down for a heartbeat.
+            with contextlib.suppress(OSError):
+                os.pwrite(self._fd, self._record(), 0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(INTERVAL_S):
+            self._write()
+
+    def close(self, phase: str) -> None:
+        """Record how the rank ended (``done`` or ``failed``), synchronously."""
+        self._stop.set()
+        self.set(self.step, phase)
+        self._write()
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None

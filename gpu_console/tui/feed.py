@@ -1,0 +1,455 @@
+"""A run directory folded into what the run screen draws (no Textual, no torch).
+
+:class:`RunFeed` belongs to one worker thread: :meth:`RunFeed.load` reads the run fast at any
+size (see :mod:`.reader`), :meth:`RunFeed.poll` picks up what is new (events, status, rank
+output, device samples), and :meth:`RunFeed.snapshot` returns an immutable
+:class:`RunSnapshot` that the UI thread draws. Nothing here is shared between threads but
+snapshots.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..events import JsonlTail
+from ..runs import FINAL_STATES, read_json, read_status
+from ..state import derived_state
+from . import reader
+from .devices import DeviceFeed, DeviceView
+from .series import Point, Series
+
+LIVE_STATES = ("starting", "running", "paused", "stopping", "stalled", "restarting")
+LOG_LINES = 500
+_META_KEYS = ("v", "t", "kind", "step")
+
+
+@dataclass(frozen=True)
+class LogLine:
+    level: str  # "info", "warning", "error", "state", "checkpoint", "command"
+    text: str
+    t: float | None = None
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    run_dir: Path
+    name: str
+    state: str
+    reason: str
+    step: int
+    max_steps: int | None
+    loss: float | None
+    best_loss: float | None
+    lr: float | None
+    grad_norm: float | None
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    world_size: int | None
+    device_type: str | None
+    precision: str | None
+    task: str | None
+    params: int | None
+    elapsed_s: float | None
+    eta_s: float | None
+    now: float
+    loss_series: Series  # read-only in the UI: a frozen copy
+    eval_points: list[Point]
+    eval_name: str
+    eval_latest: dict[str, float]
+    lr_points: list[Point]
+    throughput_points: list[Point]
+    tokens_points: list[Point]
+    restarts: int
+    checkpoints: list[dict[str, Any]]
+    controls: dict[str, dict[str, Any]]
+    new_logs: list[LogLine]
+    failure: dict[str, Any] | None
+    devices: DeviceView
+    exit_code: int | None
+    sampled: bool  # the first read sampled a big file
+    complete: bool  # every rare event of the file is in (a sampled file: once backfilled)
+    events_read: int
+    live: bool = field(default=False)
+
+    @property
+    def ended(self) -> bool:
+        return self.state in FINAL_STATES
+
+
+def display_state(status: dict[str, Any], engine_state: str, now: float, step_time: float | None):
+    """The state to show: the supervisor's once the run ended, ``lost``/``stalled`` when
+    derived, else the engine's newest ``status`` event (it is ahead of status.json)."""
+    if status.get("ended"):
+        return status.get("state", engine_state)
+    if not status:
+        return engine_state
+    derived = derived_state(status, now, step_time)
+    if derived in ("lost", "stalled", *FINAL_STATES):
+        return derived
+    return engine_state
+
+
+class RunModel:
+    """Events folded; :meth:`apply` in file order, :meth:`backfill` for older events."""
+
+    def __init__(self) -> None:
+        self.state = "starting"
+        self.reason = ""
+        self.start: dict[str, Any] = {}
+        self.step = 0
+        self.max_steps: int | None = None
+        self.last_step: dict[str, Any] = {}
+        self.best_loss: float | None = None
+        self.first_step: tuple[int, float] | None = None  # (step, t) of the first step seen
+        self.last_step_t: float | None = None
+        self.loss = Series()
+        self.lr = Series(512, 512)
+        self.throughput = Series(512, 512)
+        self.tokens = Series(512, 512)  # tokens/s, where the task reports tokens
+        self.evals: list[tuple[int, dict[str, float]]] = []  # sorted by step
+        self.checkpoints: list[dict[str, Any]] = []  # sorted by step
+        self.controls: dict[str, dict[str, Any]] = {}
+        self.logs: deque[LogLine] = deque(maxlen=LOG_LINES)
+        self.log_count = 0  # lines ever appended to ``logs``
+        self.events = 0
+
+    def _log(self, line: LogLine) -> None:
+        self.logs.append(line)
+        self.log_count += 1
+
+    def apply(self, e: dict[str, Any]) -> None:
+        self.events += 1
+        kind = e.get("kind")
+        t = e.get("t")
+        if kind == "step":
+            step = e.get("step")
+            if not isinstance(step, int):
+                return
+            self.step = step
+            self.last_step = e
+            self.last_step_t = t
+            if self.first_step is None and isinstance(t, (int, float)):
+                self.first_step = (step, t)
+            loss = e.get("loss")
+            if (
+                isinstance(loss, (int, float))
+                and math.isfinite(loss)
+                and (self.best_loss is None or loss < self.best_loss)
+            ):
+                self.best_loss = loss
+            self.loss.append(step, loss)
+            self.lr.append(step, e.get("lr"))
+            self.throughput.append(step, e.get("samples_per_s"))
+            self.tokens.append(step, e.get("tokens_per_s"))
+        elif kind == "start":
+            self.start = e
+            self.max_steps = e.get("max_steps")
+            self.step = int(e.get("start_step") or 0)
+        elif kind == "status":
+            self.state = e.get("state", self.state)
+            self.reason = e.get("reason") or ""
+            text = f"state: {self.state}" + (f" ({self.reason})" if self.reason else "")
+            self._log(LogLine("state", text, t))
+        elif kind == "eval":
+            self._add_eval(e)
+        elif kind == "checkpoint":
+            self._add_checkpoint(e)
+            size = e.get("bytes")
+            size_text = f", {size / 2**20:.1f} MiB" if isinstance(size, (int, float)) else ""
+            self._log(
+                LogLine("checkpoint", f"checkpoint @ step {e.get('step')} ({e.get('reason')}"
+                        f"{size_text})", t)
+            )  # fmt: skip
+        elif kind == "control":
+            self._add_control(e)
+        elif kind == "log":
+            level = str(e.get("level") or "info")
+            self._log(LogLine(level, f"[{level}] {e.get('message', '')}", t))
+
+    def backfill(self, e: dict[str, Any]) -> None:
+        """An event from before everything applied so far (found by the background scan)."""
+        kind = e.get("kind")
+        if kind == "eval":
+            self._add_eval(e)
+        elif kind == "checkpoint":
+            self._add_checkpoint(e)
+        elif kind == "control":
+            self._add_control(e, older=True)
+        elif kind == "start" and not self.start:
+            self.apply(e)
+
+    def _add_eval(self, e: dict[str, Any]) -> None:
+        metrics = {
+            k: v
+            for k, v in e.items()
+            if k not in _META_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        step = e.get("step") if isinstance(e.get("step"), int) else self.step
+        keys = [s for s, _ in self.evals]
+        i = bisect.bisect_right(keys, step)
+        if i and keys[i - 1] == step:
+            self.evals[i - 1] = (step, metrics)
+        else:
+            self.evals.insert(i, (step, metrics))
+
+    def _add_checkpoint(self, e: dict[str, Any]) -> None:
+        keys = [(c.get("step") or 0, c.get("t") or 0) for c in self.checkpoints]
+        key = (e.get("step") or 0, e.get("t") or 0)
+        i = bisect.bisect_right(keys, key)
+        if not (i and keys[i - 1] == key):
+            self.checkpoints.insert(i, e)
+
+    def _add_control(self, e: dict[str, Any], older: bool = False) -> None:
+        cid = e.get("id")
+        if not isinstance(cid, str):
+            return
+        if older and cid in self.controls:
+            return
+        self.controls[cid] = e
+
+    def eval_series(self) -> tuple[str, list[Point]]:
+        """The eval metric drawn beside the train loss: ``loss`` if reported, else the first."""
+        if not self.evals:
+            return "", []
+        names = list(self.evals[-1][1])
+        name = "loss" if "loss" in names else (names[0] if names else "")
+        pts = [(s, m[name]) for s, m in self.evals if name in m]
+        if len(pts) > 1024:
+            stride = math.ceil(len(pts) / 1024)
+            pts = pts[::stride] + ([pts[-1]] if (len(pts) - 1) % stride else [])
+        return name, pts
+
+    def eta_s(self) -> float | None:
+        if not (self.max_steps and self.first_step and self.last_step_t):
+            return None
+        s0, t0 = self.first_step
+        done = self.step - s0
+        if done <= 0 or self.last_step_t <= t0:
+            return None
+        return (self.last_step_t - t0) / done * max(0, self.max_steps - self.step)
+
+
+class RunFeed:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        owner: bool = False,
+        supervisor: subprocess.Popen | None = None,
+        clock: Callable[[], float] = time.time,
+        sample_interval_s: float = 1.0,
+        telemetry: bool = True,
+    ):
+        self.run_dir = Path(run_dir)
+        self.events_path = self.run_dir / "events.jsonl"
+        self.model = RunModel()
+        self.clock = clock
+        self.supervisor = supervisor
+        self.status: dict[str, Any] = {}
+        self._status_mtime: float | None = None
+        self._tail = JsonlTail(self.events_path)
+        self._gap: tuple[int, int] | None = None
+        self._log_offset: int | None = None
+        self._seen_logs: deque[str] = deque(maxlen=64)
+        self._new_logs: list[LogLine] = []
+        self._log_mark = 0
+        self.devices = DeviceFeed(
+            self.run_dir, owner=owner, interval_s=sample_interval_s, enabled=telemetry
+        )
+        self.meta = read_json(self.run_dir / "meta.json") or {}
+        self.sampled = False
+
+    # -- reading ---------------------------------------------------------------------------
+    def load(self) -> None:
+        """The first read: fast whatever the size of events.jsonl."""
+        quick = reader.quick_events(self.events_path)
+        for _, e in quick.events:
+            self.model.apply(e)
+        self._tail.offset = quick.end
+        self._gap = quick.gap
+        self.sampled = quick.sampled
+        self._read_status()
+        self._read_logs()
+        self._take_model_logs()
+        self.devices.update(self.live, self.model.last_step)
+
+    def backfill(self) -> bool:
+        """Find the rare events of a big file's sampled middle; True if there was one."""
+        if self._gap is None:
+            return False
+        for _, e in reader.backfill_events(self.events_path, self._gap):
+            self.model.backfill(e)
+        self._gap = None
+        return True
+
+    def poll(self) -> bool:
+        """Read what is new; True if anything the screen shows may have changed."""
+        if self.supervisor is not None:
+            self.supervisor.poll()  # reap it, so an ended supervisor is not a live zombie
+        changed = False
+        for e in self._tail.read():
+            self.model.apply(e)
+            changed = True
+        changed |= self._read_status()
+        changed |= self._read_logs()
+        self._take_model_logs()
+        changed |= self.devices.update(self.live, self.model.last_step)
+        return changed or bool(self._new_logs)
+
+    def _read_status(self) -> bool:
+        try:
+            mtime = (self.run_dir / "status.json").stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if mtime == self._status_mtime:
+            return False
+        self._status_mtime = mtime
+        self.status = read_status(self.run_dir)
+        return True
+
+    def _read_logs(self) -> bool:
+        lines, self._log_offset = reader.tail_text(
+            self.run_dir / "logs" / "torchrun.log", self._log_offset
+        )
+        for line in lines:
+            text = _rank_prefix(line)
+            if not text.strip() or _strip_rank(text) in self._seen_logs:
+                continue
+            self._new_logs.append(LogLine(_level_of(text), text))
+        return bool(lines)
+
+    def _take_model_logs(self) -> None:
+        logs = self.model.logs
+        # Only lines appended since the last take (the deque may have dropped old ones).
+        n = min(len(logs), self.model.log_count - self._log_mark)
+        fresh = list(logs)[len(logs) - n :] if n > 0 else []
+        self._log_mark = self.model.log_count
+        for line in fresh:
+            if line.level in ("info", "warning", "error", "debug"):
+                self._seen_logs.append(line.text)
+        self._new_logs.extend(fresh)
+
+    def close(self) -> None:
+        self.devices.close()
+
+    # -- what is shown ---------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        sup = self.supervisor
+        if not self.status and sup is not None and sup.returncode is not None:
+            return "lost"  # the supervisor this console started died before writing a status
+        return display_state(
+            self.status,
+            self.model.state,
+            self.clock(),
+            self.model.last_step.get("step_time_s"),
+        )
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE_STATES
+
+    def _stalled_because(self, now: float) -> str:
+        stopped = _stalled_ranks(self.run_dir, now)
+        return f"no step for long; stopped: {stopped}" if stopped else "no step for long"
+
+    def snapshot(self) -> RunSnapshot:
+        m, st = self.model, self.status
+        now = self.clock()
+        state = self.state
+        started = st.get("started") or m.start.get("t")
+        ended = st.get("ended")
+        eval_name, eval_points = m.eval_series()
+        logs, self._new_logs = self._new_logs, []
+        last = m.last_step
+        reason = st.get("reason") if st.get("ended") else m.reason
+        if state == "stalled":
+            reason = self._stalled_because(now) or reason
+        return RunSnapshot(
+            run_dir=self.run_dir,
+            name=self.run_dir.name,
+            state=state,
+            reason=reason,
+            step=m.step or (st.get("step") or 0),
+            max_steps=m.max_steps or st.get("max_steps"),
+            loss=last.get("loss", st.get("loss")),
+            best_loss=m.best_loss,
+            lr=last.get("lr"),
+            grad_norm=last.get("grad_norm"),
+            samples_per_s=last.get("samples_per_s"),
+            tokens_per_s=last.get("tokens_per_s"),
+            world_size=m.start.get("world_size") or st.get("world_size"),
+            device_type=m.start.get("device_type")
+            or (self.meta.get("placement") or {}).get("device_type"),
+            precision=m.start.get("precision"),
+            task=m.start.get("task"),
+            params=m.start.get("params"),
+            elapsed_s=((ended or now) - started) if started else None,
+            eta_s=None if state in FINAL_STATES else m.eta_s(),
+            now=now,
+            loss_series=_frozen(m.loss),
+            eval_points=eval_points,
+            eval_name=eval_name,
+            eval_latest=dict(m.evals[-1][1]) if m.evals else {},
+            lr_points=m.lr.view(),
+            throughput_points=m.throughput.view(),
+            tokens_points=m.tokens.view(),
+            restarts=int(st.get("restarts") or m.start.get("restart") or 0),
+            checkpoints=list(m.checkpoints[-50:]),
+            controls=dict(m.controls),
+            new_logs=logs,
+            failure=st.get("failure"),
+            devices=self.devices.view(m.start.get("device_type"), last, self.meta),
+            exit_code=st.get("exit_code"),
+            sampled=self.sampled,
+            complete=self._gap is None,
+            events_read=m.events,
+            live=state in LIVE_STATES,
+        )
+
+
+def _stalled_ranks(run_dir: Path, now: float) -> str:
+    """Which ranks stopped, from their heartbeats (an engine without them: nothing)."""
+    try:
+        from ..state import describe_stopped, read_heartbeats
+    except ImportError:
+        return ""
+    return describe_stopped(read_heartbeats(run_dir), now)
+
+
+def _frozen(s: Series) -> Series:
+    copy = Series(s.capacity, s.recent.maxlen or 2048)
+    copy.points = list(s.points)
+    copy.recent = deque(s.recent, maxlen=s.recent.maxlen)
+    copy.stride, copy._sum, copy._n, copy.count = s.stride, s._sum, s._n, s.count
+    return copy
+
+
+def _rank_prefix(line: str) -> str:
+    """torchrun's ``[default3]:text`` (its --tee prefix) shown as ``r3│ text``."""
+    if line.startswith("[default") and "]:" in line[:16]:
+        rank, _, rest = line[8:].partition("]:")
+        if rank.isdigit():
+            return f"r{rank}│ {rest}"
+    return line
+
+
+def _strip_rank(text: str) -> str:
+    return text.split("│ ", 1)[1] if text.startswith("r") and "│ " in text[:8] else text
+
+
+def _level_of(text: str) -> str:
+    low = text.lower()
+    if any(w in low for w in ("error", "traceback", "exception", "failed", "fatal")):
+        return "error"
+    if "warn" in low:
+        return "warning"
+    return "info"

@@ -1,0 +1,503 @@
+"""The launch screen: profile, devices, precision and a few overrides; Enter launches.
+
+Everything that touches files, NVML or processes runs in thread workers: listing profiles,
+resolving the highlighted one with the overrides (validated as typed, with ``--set``'s own
+messages), sampling the GPUs every few seconds, and the launch itself. A mistake is shown
+on the screen, never raised.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import (
+    Footer,
+    Input,
+    Label,
+    OptionList,
+    RadioButton,
+    RadioSet,
+    SelectionList,
+    Static,
+)
+from textual.widgets.option_list import Option
+from textual.widgets.selection_list import Selection
+
+from ..messages import (
+    DevicesSampled,
+    LaunchDone,
+    LaunchFailed,
+    Preview,
+    PreviewReady,
+    ProfileInfo,
+    ProfilesListed,
+)
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+# The override fields: (input id, profile key, label).
+FIELDS = (
+    ("max_steps", "train.max_steps", "max steps"),
+    ("batch_size", "data.batch_size", "batch/rank"),
+    ("grad_accum", "train.grad_accum", "grad accum"),
+    ("lr", "train.lr", "lr"),
+)
+CPU = "cpu"
+
+
+def _gpu_prompt(g: dict[str, Any]) -> Text:
+    t = Text(no_wrap=True, overflow="ellipsis")
+    t.append(f"GPU {g['index']} ", style="bold")
+    name = str(g.get("name") or "?").removeprefix("NVIDIA ")
+    t.append(f"{name}  ")
+    used, total = g.get("memory_used"), g.get("memory_total")
+    if isinstance(used, int) and isinstance(total, int):
+        t.append(f"{used / 2**30:.1f}/{total / 2**30:.0f} GiB  ", style="dim")
+    util, temp = g.get("util_gpu"), g.get("temperature_c")
+    t.append(f"{'-' if util is None else util}% {'-' if temp is None else temp}°C")
+    users = g.get("users") or []
+    if users:
+        t.append("  busy: " + ", ".join(users[:2]), style="#ffd75f")
+    return t
+
+
+def _cpu_prompt(n: int) -> Text:
+    return Text.assemble(("CPU", "bold"), f" × {n} rank{'s' if n != 1 else ''} (gloo)")
+
+
+class LaunchScreen(Screen):
+    BINDINGS = [
+        Binding("enter", "launch", "launch", show=True),
+        Binding("plus", "cpu_ranks(1)", "+rank", show=False),
+        Binding("minus", "cpu_ranks(-1)", "-rank", show=False),
+    ]
+
+    def __init__(self, runs_dir: Path, devices_every_s: float = 3.0) -> None:
+        super().__init__()
+        self.runs_dir = Path(runs_dir)
+        self.devices_every_s = devices_every_s
+        self.profiles: list[ProfileInfo] = []
+        self.preview: Preview | None = None
+        self.gpus: list[dict[str, Any]] = []
+        self.nvml_reason = ""
+        self.cpu_ranks = 2
+        self.max_cpus = os.cpu_count() or 1
+        self.devices_touched = False
+        self.precision_touched = False
+        self.launching = False
+        self._devices_ready = False
+        self._setting = False  # programmatic changes are not the user's
+
+    # -- layout ----------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="launch"):
+            with Vertical(id="choices"):
+                yield Label("Profile", classes="section")
+                yield OptionList(id="profiles")
+                yield Label("Devices", classes="section")
+                yield SelectionList[str](id="device-list")
+                yield Static("", id="devices-note", classes="note")
+                yield Label("Precision", classes="section")
+                with RadioSet(id="precision"):
+                    for p in PRECISIONS:
+                        yield RadioButton(p, id=f"prec-{p}", value=p == "auto")
+                yield Static("", id="precision-note", classes="note")
+                yield Label("Overrides (empty: the profile's value)", classes="section")
+                with Horizontal(classes="fields"):
+                    for fid, _, label in FIELDS[:2]:
+                        yield Label(label, classes="field-label")
+                        yield Input(id=f"set-{fid}", compact=True, classes="field")
+                with Horizontal(classes="fields"):
+                    for fid, _, label in FIELDS[2:]:
+                        yield Label(label, classes="field-label")
+                        yield Input(id=f"set-{fid}", compact=True, classes="field")
+                yield Static("", id="problems")
+                yield Static(
+                    "Enter launch · Tab next field · Space toggle a device · +/- CPU ranks",
+                    id="launch-hint",
+                )
+            with VerticalScroll(id="resolved"):
+                yield Static("", id="toml")
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        self.query_one("#resolved").border_title = "resolved profile"
+        self.query_one("#profiles", OptionList).focus()
+        # The workers start after the first frame: their imports would compete with it.
+        self.call_after_refresh(self._start_workers)
+
+    def _start_workers(self) -> None:
+        self.list_profiles()
+        self.sample_devices()
+        self.set_interval(self.devices_every_s, self.sample_devices)
+
+    # -- profiles and the preview ------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="profiles", exit_on_error=False)
+    def list_profiles(self) -> None:
+        from ...profile import ProfileError, list_profiles, parse_toml
+
+        out = []
+        for path, origin in list_profiles():
+            try:
+                meta = parse_toml(path).get("profile", {})
+                desc = str(meta.get("description", "")) if isinstance(meta, dict) else ""
+            except ProfileError as e:
+                desc = f"(unreadable: {e.problems[0]})"
+            out.append(ProfileInfo(path, path.stem, origin, desc))
+        out.sort(key=lambda p: p.name != "quickstart")  # stable: local before built-in
+        self.post_message(ProfilesListed(out))
+
+    def on_profiles_listed(self, message: ProfilesListed) -> None:
+        self.profiles = message.profiles
+        ol = self.query_one("#profiles", OptionList)
+        ol.clear_options()
+        for p in self.profiles:
+            prompt = Text(no_wrap=True, overflow="ellipsis")
+            prompt.append(f"{p.name:<12}", style="bold")
+            prompt.append(f" {p.description}", style="dim")
+            if p.origin == "local":
+                prompt.append(" (local)", style="italic dim")
+            ol.add_option(Option(prompt, id=str(p.path)))
+        if self.profiles:
+            ol.highlighted = 0
+        else:
+            self._problems(["no profiles found (./profiles or the built-ins)"])
+
+    @on(OptionList.OptionHighlighted, "#profiles")
+    def _highlighted(self, event: OptionList.OptionHighlighted) -> None:
+        self.resolve()
+
+    @on(Input.Changed)
+    def _typed(self, event: Input.Changed) -> None:
+        self.resolve()
+
+    def overrides(self) -> list[str]:
+        out = []
+        for fid, key, _ in FIELDS:
+            value = self.query_one(f"#set-{fid}", Input).value.strip()
+            if value:
+                out.append(f"{key}={value}")
+        return out
+
+    def selected_path(self) -> Path | None:
+        ol = self.query_one("#profiles", OptionList)
+        if ol.highlighted is None or not self.profiles:
+            return None
+        return self.profiles[ol.highlighted].path
+
+    def resolve(self) -> None:
+        path = self.selected_path()
+        if path is not None:
+            self._resolve(path, self.overrides())
+
+    @work(thread=True, exclusive=True, group="resolve", exit_on_error=False)
+    def _resolve(self, path: Path, sets: list[str]) -> None:
+        from ...profile import ProfileError, load_profile
+
+        preview = Preview(path)
+        try:
+            base = load_profile(str(path))
+            preview.values = {
+                "max_steps": base.train.max_steps,
+                "batch_size": base.data.batch_size,
+                "grad_accum": base.train.grad_accum,
+                "lr": base.train.lr,
+            }
+            preview.precision = base.train.precision
+            preview.devices = base.hardware.devices
+            prof = load_profile(str(path), sets) if sets else base
+            preview.toml = prof.to_toml()
+        except ProfileError as e:
+            preview.problems = list(e.problems)
+        except Exception as e:  # a broken file must not take the screen down
+            preview.problems = [f"{path}: {type(e).__name__}: {e}"]
+        self.post_message(PreviewReady(preview))
+
+    def on_preview_ready(self, message: PreviewReady) -> None:
+        p = message.preview
+        if p.path != self.selected_path():
+            return  # an answer for a profile no longer highlighted
+        changed_profile = self.preview is None or self.preview.path != p.path
+        self.preview = p
+        for fid, key, _ in FIELDS:
+            field = self.query_one(f"#set-{fid}", Input)
+            field.placeholder = str(p.values.get(fid, ""))
+            field.set_class(any(f"{key}:" in problem for problem in p.problems), "-bad")
+        self._problems(p.problems)
+        toml = self.query_one("#toml", Static)
+        if p.toml:
+            from rich.syntax import Syntax  # pygments: not before the first frame
+
+            toml.update(Syntax(p.toml, "toml", theme="ansi_dark", background_color="default"))
+        self.query_one("#resolved").border_title = f"resolved: {p.path.stem}"
+        if changed_profile and p.values:
+            if not self.precision_touched:
+                self._set_precision(p.precision)
+            if not self.devices_touched:
+                self._apply_profile_devices(p.devices)
+
+    def _problems(self, problems: list[str]) -> None:
+        self.query_one("#problems", Static).update(
+            Text("\n".join(problems), style="bold #ff5f5f") if problems else ""
+        )
+
+    # -- devices -----------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="devices", exit_on_error=False)
+    def sample_devices(self) -> None:
+        from ...devices import default_cpu_ranks
+        from ...telemetry import nvml
+
+        status = nvml.status()
+        gpus = [g.to_json() for g in nvml.sample_gpus()] if status.available else []
+        for g in gpus:
+            g["users"] = _users(g.get("processes") or [])
+        self.post_message(
+            DevicesSampled(status.available, status.reason, gpus, default_cpu_ranks())
+        )
+
+    def on_devices_sampled(self, message: DevicesSampled) -> None:
+        self.gpus = message.gpus
+        self.nvml_reason = message.reason
+        sel = self.query_one("#device-list", SelectionList)
+        if not self._devices_ready:
+            self._devices_ready = True
+            self.cpu_ranks = message.cpus
+            self._setting = True
+            for g in self.gpus:
+                sel.add_option(Selection(_gpu_prompt(g), str(g["index"]), True))
+            sel.add_option(Selection(_cpu_prompt(self.cpu_ranks), CPU, not self.gpus))
+            self._setting = False
+            if self.preview is not None and not self.devices_touched:
+                self._apply_profile_devices(self.preview.devices)
+        else:
+            for i, g in enumerate(self.gpus[: sel.option_count - 1]):
+                sel.replace_option_prompt_at_index(i, _gpu_prompt(g))
+        self._update_precision_choices()
+
+    def _apply_profile_devices(self, spec: str) -> None:
+        """Show the profile's ``hardware.devices`` as the selection."""
+        if not self._devices_ready:
+            return
+        from ...devices import DeviceSpecError, parse_devices
+
+        try:
+            parsed = parse_devices(spec)
+        except DeviceSpecError:
+            return
+        if parsed.kind == "cpu":
+            wanted = {CPU}
+            if parsed.nproc:
+                self.cpu_ranks = parsed.nproc
+                self._cpu_prompt_refresh()
+        elif parsed.kind == "cuda":
+            wanted = {str(i) for i in parsed.indices}
+        else:
+            wanted = {str(g["index"]) for g in self.gpus} or {CPU}
+        self._set_selection(wanted)
+
+    def _set_selection(self, wanted: set[str]) -> None:
+        sel = self.query_one("#device-list", SelectionList)
+        self._setting = True
+        try:
+            sel.deselect_all()
+            for value in wanted:
+                sel.select(value)
+        finally:
+            self._setting = False
+        self._update_precision_choices()
+
+    @on(SelectionList.SelectionToggled, "#device-list")
+    def _toggled(self, event: SelectionList.SelectionToggled) -> None:
+        if self._setting:
+            return
+        self.devices_touched = True
+        value = event.selection.value
+        sel = self.query_one("#device-list", SelectionList)
+        # CPU and GPUs do not mix: choosing one clears the other.
+        if value in sel.selected:
+            if value == CPU:
+                self._set_selection({CPU})
+            elif CPU in sel.selected:
+                self._set_selection(set(sel.selected) - {CPU})
+        self._update_precision_choices()
+
+    def action_cpu_ranks(self, delta: int) -> None:
+        self.cpu_ranks = max(1, min(self.max_cpus, self.cpu_ranks + delta))
+        self.devices_touched = True
+        self._cpu_prompt_refresh()
+
+    def _cpu_prompt_refresh(self) -> None:
+        sel = self.query_one("#device-list", SelectionList)
+        if sel.option_count:
+            sel.replace_option_prompt_at_index(sel.option_count - 1, _cpu_prompt(self.cpu_ranks))
+            self._update_devices_note()
+
+    def devices_spec(self) -> str | None:
+        """The ``--devices`` value of the selection; None when nothing is selected."""
+        sel = self.query_one("#device-list", SelectionList)
+        chosen = list(sel.selected)
+        if CPU in chosen:
+            return f"cpu:{self.cpu_ranks}"
+        gpus = sorted(int(v) for v in chosen if v != CPU)
+        return ",".join(map(str, gpus)) if gpus else None
+
+    # -- precision ---------------------------------------------------------------------------
+    def _update_devices_note(self) -> None:
+        """What the launch will use, in words (the list's marks alone need colour)."""
+        spec = self.devices_spec()
+        if spec is None:
+            text = Text("→ nothing selected (Space toggles)", style="bold #ff5f5f")
+        elif spec.startswith("cpu"):
+            text = Text(f"→ CPU × {self.cpu_ranks} ranks", style="bold")
+        else:
+            text = Text(f"→ GPU {spec}", style="bold")
+        if not self.gpus:
+            text.append(f"   no GPU: {self.nvml_reason or 'NVML sees none'}", style="dim")
+        self.query_one("#devices-note", Static).update(text)
+
+    def _update_precision_choices(self) -> None:
+        spec = self.devices_spec() if self._devices_ready else None
+        if self._devices_ready:
+            self._update_devices_note()
+        notes: list[str] = []
+        disabled: set[str] = set()
+        if spec is None or spec.startswith("cpu"):
+            disabled.add("fp16")
+            notes.append("fp16 needs a GPU (its GradScaler is CUDA-only)")
+        else:
+            by_index = {g["index"]: g for g in self.gpus}
+            old = []
+            for i in map(int, spec.split(",")):
+                cc = (by_index.get(i) or {}).get("compute_capability")
+                if cc and tuple(cc) < (8, 0):
+                    old.append(f"GPU {i} is {cc[0]}.{cc[1]}")
+            if old:
+                disabled.add("bf16")
+                notes.append(f"bf16 needs compute capability ≥ 8.0 ({', '.join(old)})")
+        for p in PRECISIONS:
+            self.query_one(f"#prec-{p}", RadioButton).disabled = p in disabled
+        if self.precision() in disabled:
+            self._set_precision("auto")
+        self.query_one("#precision-note", Static).update(Text("; ".join(notes), style="dim"))
+
+    def precision(self) -> str:
+        pressed = self.query_one("#precision", RadioSet).pressed_button
+        return pressed.id.removeprefix("prec-") if pressed and pressed.id else "auto"
+
+    def _set_precision(self, value: str) -> None:
+        if value not in PRECISIONS:
+            return
+        button = self.query_one(f"#prec-{value}", RadioButton)
+        if button.disabled:
+            button = self.query_one("#prec-auto", RadioButton)
+        self._setting = True
+        try:
+            button.value = True
+        finally:
+            self.call_after_refresh(self._done_setting)
+
+    def _done_setting(self) -> None:
+        self._setting = False
+
+    @on(RadioSet.Changed, "#precision")
+    def _precision_changed(self, event: RadioSet.Changed) -> None:
+        if not self._setting:
+            self.precision_touched = True
+
+    # -- launching ---------------------------------------------------------------------------
+    @on(OptionList.OptionSelected, "#profiles")
+    def _selected(self, event: OptionList.OptionSelected) -> None:
+        self.action_launch()
+
+    @on(Input.Submitted)
+    def _submitted(self, event: Input.Submitted) -> None:
+        self.action_launch()
+
+    def action_launch(self) -> None:
+        path = self.selected_path()
+        if path is None or self.launching:
+            return
+        problems = list(self.preview.problems) if self.preview else []
+        devices = self.devices_spec() if self._devices_ready else None
+        if self._devices_ready and devices is None:
+            problems.append("devices: select at least one (Space toggles)")
+        if problems:
+            self._problems(problems)
+            return
+        self.launching = True
+        self._problems([])
+        self.query_one("#problems", Static).update(Text(f"launching {path.stem}…", style="bold"))
+        self._launch(
+            path,
+            devices if self.devices_touched else None,
+            self.precision() if self.precision_touched else None,
+            self.overrides(),
+        )
+
+    @work(thread=True, exclusive=True, group="launch", exit_on_error=False)
+    def _launch(
+        self, path: Path, devices: str | None, precision: str | None, sets: list[str]
+    ) -> None:
+        from ...devices import DeviceSpecError
+        from ...launch import LaunchError, prepare, start
+        from ...profile import ProfileError
+        from ...runs import RunDirError
+
+        argv = ["gpu-console", "run", str(path)]
+        if devices:
+            argv += ["--devices", devices]
+        if precision:
+            argv += ["--precision", precision]
+        for s in sets:
+            argv += ["--set", s]
+        argv += ["--runs-dir", str(self.runs_dir)]
+        try:
+            prof, placement, resume_from = prepare(
+                str(path),
+                devices=devices,
+                precision=precision,
+                overrides=sets,
+                runs_dir=self.runs_dir,
+            )
+            launched = start(prof, placement, self.runs_dir, resume_from, argv=argv)
+        except ProfileError as e:
+            self.post_message(LaunchFailed(list(e.problems)))
+            return
+        except (LaunchError, RunDirError, DeviceSpecError) as e:
+            self.post_message(LaunchFailed([str(e)]))
+            return
+        except Exception as e:  # never crash on a launch: say what happened
+            self.post_message(LaunchFailed([f"launch failed: {type(e).__name__}: {e}"]))
+            return
+        self.post_message(LaunchDone(launched.run_dir, launched.supervisor))
+
+    def on_launch_failed(self, message: LaunchFailed) -> None:
+        self.launching = False
+        self._problems(message.problems)
+
+    def on_launch_done(self, message: LaunchDone) -> None:
+        self.launching = False
+        self._problems([])
+        self.app.open_run(message.run_dir, owner=True, supervisor=message.supervisor)
+
+
+def _users(processes: list[dict[str, Any]]) -> list[str]:
+    """ "name pid (user)" for each process on a GPU, as far as this user may see."""
+    import psutil
+
+    out = []
+    for p in processes:
+        pid = p.get("pid")
+        try:
+            proc = psutil.Process(pid)
+            out.append(f"{proc.name()} {pid} ({proc.username()})")
+        except (psutil.Error, TypeError):
+            out.append(f"pid {pid}")
+    return out

@@ -1,0 +1,96 @@
+"""The runs screen: every run under the runs directory, newest first; Enter attaches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Static
+
+from ..messages import RunsListed
+from ..widgets.text import STATE_STYLE, human_duration, num
+
+
+class RunsScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "back", "back"),
+        Binding("enter", "attach", "attach", show=True, priority=False),
+    ]
+
+    def __init__(self, runs_dir: Path, refresh_s: float = 2.0) -> None:
+        super().__init__()
+        self.runs_dir = Path(runs_dir)
+        self.refresh_s = refresh_s
+        self.rows: list[dict] = []
+        self.listed = 0
+
+    def compose(self) -> ComposeResult:
+        yield Static(Text.assemble(("runs", "bold"), f"  under {self.runs_dir}"), id="runs-title")
+        yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        yield Static("", id="runs-empty")
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        table = self.query_one("#runs", DataTable)
+        for col in ("run", "state", "step", "loss", "age"):
+            table.add_column(col, key=col)
+        table.focus()
+        self.refresh_list()
+        self.set_interval(self.refresh_s, self.refresh_list)
+
+    @work(thread=True, exclusive=True, group="runs", exit_on_error=False)
+    def refresh_list(self) -> None:
+        from ...commands.runs import list_runs
+
+        self.post_message(RunsListed(list_runs(self.runs_dir)))
+
+    def on_runs_listed(self, message: RunsListed) -> None:
+        table = self.query_one("#runs", DataTable)
+        keep = self._cursor_key()
+        self.rows = message.rows
+        table.clear()
+        for r in message.rows:
+            step = f"{r['step'] or 0:,}/{r['max_steps'] or '-'}"
+            if isinstance(r["max_steps"], int):
+                step = f"{r['step'] or 0:,}/{r['max_steps']:,}"
+            state = Text(r["state"], style=STATE_STYLE.get(r["state"], ""))
+            table.add_row(
+                Text(r["name"]),
+                state,
+                step,
+                num(r["loss"]),
+                human_duration(r["age_s"]) + " ago",
+                key=r["path"],
+            )
+        if keep is not None and keep in {r["path"] for r in message.rows}:
+            table.move_cursor(row=table.get_row_index(keep))
+        empty = self.query_one("#runs-empty", Static)
+        empty.update("" if message.rows else f"no runs under {self.runs_dir} yet")
+        self.listed += 1
+
+    def _cursor_key(self) -> str | None:
+        table = self.query_one("#runs", DataTable)
+        if not table.row_count:
+            return None
+        try:
+            return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+        except Exception:
+            return None
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        if event.row_key.value:
+            self.app.open_run(Path(event.row_key.value))
+
+    def action_attach(self) -> None:
+        key = self._cursor_key()
+        if key:
+            self.app.open_run(Path(key))
+
+    def action_back(self) -> None:
+        if len(self.app.screen_stack) > 1:
+            self.app.pop_screen()

@@ -1,0 +1,1 @@
+"""Widgets of the run and launch screens; each draws from a snapshot, none reads files."""

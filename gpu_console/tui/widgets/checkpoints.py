@@ -1,0 +1,31 @@
+"""Checkpoints of the run, newest first: step, reason, size, age."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+
+from .panel import TextPanel
+from .text import ago, human_bytes
+
+
+def checkpoints_text(checkpoints: list[dict[str, Any]], now: float, rows: int = 50) -> Text:
+    t = Text(no_wrap=True, overflow="ellipsis")
+    if not checkpoints:
+        t.append("none yet", style="dim")
+        return t
+    for i, c in enumerate(reversed(checkpoints[-rows:])):
+        if i:
+            t.append("\n")
+        style = "bold" if c.get("reason") in ("request", "stop") else ""
+        t.append(f"{c.get('step', 0):>7,} ", style="bold")
+        t.append(f"{str(c.get('reason', '')):<8} ", style=style)
+        t.append(f"{human_bytes(c.get('bytes')):>10} ", style="dim")
+        t.append(ago(now - c["t"]) if isinstance(c.get("t"), (int, float)) else "-", style="dim")
+    return t
+
+
+class CheckpointList(TextPanel):
+    def show(self, checkpoints: list[dict[str, Any]], now: float) -> None:
+        self.show_text(checkpoints_text(checkpoints, now))

@@ -1,0 +1,151 @@
+"""Bad numbers and a full disk, through real torchrun on 2 CPU ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from conftest import events_of, fast_profile, only_run, read_status, run_dirs, wait_for
+
+POISONED_TASK = '''
+import os
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Poisoned(MLPTask):
+    """Rank 1's loss is NaN on its 5th and 6th batches."""
+
+    calls = 0
+
+    def compute(self, model, batch):
+        Poisoned.calls += 1
+        out = super().compute(model, batch)
+        if os.environ["RANK"] == "1" and Poisoned.calls in (5, 6):
+            out.loss = out.loss * float("nan")
+        return out
+'''
+
+
+def _task_profile(tmp_path, module: str, source: str, cls: str, **kw):
+    (tmp_path / f"{module}.py").write_text(source)
+    profile = fast_profile(tmp_path, **kw)
+    profile.write_text(profile.read_text().replace('kind = "mlp"', f'kind = "{module}:{cls}"'))
+    return profile
+
+
+def test_nan_policy_stop_checkpoints_the_last_finite_state_then_fails(procs, runs_dir, tmp_path):
+    profile = _task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12)
+    result = procs.cli(
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir),
+        "--set",
+        "train.nan_policy=stop",
+        "--set",
+        "train.log_every=3",  # the check is per step, not per log interval
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    run = only_run(runs_dir)
+    status = read_status(run)
+    assert status["state"] == "failed"
+    summary = status["failure"]["summary"]
+    assert "loss is nan in step 5 (train.nan_policy = 'stop')" in summary
+    assert "checkpoint step-00000004 holds the last finite state" in summary
+    assert "loss is nan in step 5" in result.stdout
+
+    # The checkpoint is the state after step 4, before the poisoned update: every number in
+    # it is finite, and LATEST names it.
+    ckpt = events_of(run, "checkpoint")[-1]
+    assert (ckpt["step"], ckpt["reason"]) == (4, "nan")
+    assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-00000004"
+    state = torch.load(run / "checkpoints" / "step-00000004" / "state.pt", weights_only=True)
+    assert state["step"] == 4
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    moments = [v for s in state["optimizer"]["state"].values() for v in s.values()]
+    assert all(torch.isfinite(t).all() for t in moments if isinstance(t, torch.Tensor))
+    # No step 5 was ever taken, and no event shows a non-finite loss.
+    assert max(e["step"] for e in events_of(run, "step")) == 3
+    # The ranks exited 0 so that torchrun would not restart them: the engine failed the run.
+    assert status["exit_code"] == 0 and status["failure"]["rank"] is None
+
+
+# torch.save fails the way a full disk makes it fail, from the second checkpoint on, after
+# writing part of the file. The module is imported by every rank (it is the run's task), so
+# the patch is in the ranks' own processes; rank 0 is the only one that saves.
+FULL_DISK_TASK = """
+import errno
+import os
+import torch
+from gpu_console.tasks.mlp import MLPTask
+
+_save = torch.save
+saves = 0
+
+
+def save_on_a_full_disk(obj, f, *args, **kwargs):
+    global saves
+    if not isinstance(f, (str, os.PathLike)):  # gather_object pickles through torch.save
+        return _save(obj, f, *args, **kwargs)
+    saves += 1
+    if saves >= 2:
+        with open(f, "wb") as out:
+            out.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return _save(obj, f, *args, **kwargs)
+
+
+torch.save = save_on_a_full_disk
+
+
+class FullDisk(MLPTask):
+    pass
+"""
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(procs, runs_dir, tmp_path):
+    profile = _task_profile(
+        tmp_path,
+        "fulldisk",
+        FULL_DISK_TASK,
+        "FullDisk",
+        max_steps=1_000_000,
+        extra="[checkpoint]\nevery_steps = 5\n",
+    )
+    console = procs.start(
+        "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path
+    )
+    run = wait_for(lambda: run_dirs(runs_dir) and only_run(runs_dir), what="the run directory")
+
+    def failed_saves():
+        return [e for e in events_of(run, "log") if e.get("checkpoint_failed")]
+
+    wait_for(lambda: len(failed_saves()) >= 2, what="two checkpoints that could not be written")
+    first = failed_saves()[0]
+    assert first["level"] == "error"
+    assert first["checkpoint_failed"]["step"] == 10
+    assert first["message"] == (
+        "checkpoint at step 10 (interval) could not be written: [Errno 28] No space left on "
+        "device; the previous checkpoint step-00000005 is complete and still named in LATEST"
+    )
+    # The run went on training after it.
+    wait_for(lambda: events_of(run, "step")[-1]["step"] > 12, what="training on")
+
+    # A stop now cannot write its checkpoint either: the run ends as interrupted (exit 130),
+    # and LATEST still names the complete step-5 checkpoint.
+    os.kill(read_status(run)["pids"]["supervisor"], signal.SIGTERM)
+    out, err = console.communicate(timeout=120)
+    assert console.returncode == 130, out + err
+    final = read_status(run)
+    assert final["state"] == "stopped" and final["checkpointed_on_stop"] is False
+    assert final["checkpoint_failed"]["reason"] == "signal"
+    assert final["checkpoint_failed"]["latest"] == "step-00000005"
+    assert "No space left on device" in out and "LATEST is step-00000005" in out
+    ckpts = run / "checkpoints"
+    assert (ckpts / "LATEST").read_text().strip() == "step-00000005"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["LATEST", "step-00000005"]  # no debris
+    state = torch.load(ckpts / "step-00000005" / "state.pt", weights_only=True)
+    assert state["step"] == 5

@@ -1,0 +1,166 @@
+"""The launch screen with Textual's Pilot: profiles, devices (through the fake-NVML seam),
+precision, overrides validated as typed, launch errors, and one real launch of quickstart
+whose keys then checkpoint, pause, resume and stop it."""
+
+from __future__ import annotations
+
+import pynvml
+import pytest
+from conftest import events_of, read_status, run_dirs
+from test_telemetry_fake import FakeGpu, FakeNvml, install
+from tui_support import kill_runs, screen_text, until
+
+from gpu_console.tui.app import ConsoleApp
+from gpu_console.tui.screens.launch import LaunchScreen
+from gpu_console.tui.screens.run import RunScreen
+
+pytestmark = pytest.mark.asyncio
+GIB = 2**30
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    """A working directory of the test's own (./profiles is looked up from it)."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    return install(monkeypatch, FakeNvml(0, init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
+
+
+async def ready(pilot, app) -> LaunchScreen:
+    await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 5, "the launch screen")
+    screen = app.screen
+    await until(pilot, lambda: screen.preview and screen._devices_ready, 10, "profiles, devices")
+    await pilot.pause()  # one more frame: the screen shows what the handlers set
+    return screen
+
+
+async def test_opens_on_the_profiles_with_quickstart_first_and_its_resolved_toml(here, no_gpu):
+    (here / "profiles").mkdir()
+    (here / "profiles" / "mine.toml").write_text(
+        '[profile]\ndescription = "a local one"\n[train]\nmax_steps = 7\n'
+    )
+    app = ConsoleApp(runs_dir=here / "runs")
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await ready(pilot, app)
+        profiles = screen.query_one("#profiles")
+        assert app.focused is profiles and profiles.highlighted == 0
+        assert [p.name for p in screen.profiles][:1] == ["quickstart"]
+        assert {"mine", "transformer"} <= {p.name for p in screen.profiles}
+        text = screen_text(app)
+        assert "resolved: quickstart" in text and 'kind = "mlp"' in text
+        assert "a local one" in text and "(local)" in text
+        # No GPU: a CPU choice, the reason, and fp16 off with its reason.
+        assert "CPU × 2 ranks" in text and "NVML library not found" in text
+        assert screen.query_one("#prec-fp16").disabled and "fp16 needs a GPU" in text
+        await pilot.press("down")
+        await until(pilot, lambda: "resolved: mine" in screen_text(app), 5, "the next preview")
+        assert "max_steps = 7" in screen_text(app)
+
+
+async def test_overrides_are_validated_as_typed_with_the_messages_of_set(here, no_gpu):
+    app = ConsoleApp(runs_dir=here / "runs")
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await ready(pilot, app)
+        field = screen.query_one("#set-max_steps")
+        assert field.placeholder == "300"
+        field.focus()
+        await pilot.press("0")
+        await until(pilot, lambda: field.has_class("-bad"), 5, "the field marked")
+        assert "--set: train.max_steps:" in screen_text(app)
+        await pilot.press("enter")  # refused: nothing is launched
+        assert not run_dirs(here / "runs") and isinstance(app.screen, LaunchScreen)
+        await pilot.press("backspace", "4", "2")
+        await until(pilot, lambda: not field.has_class("-bad"), 5, "the field cleared")
+        await until(pilot, lambda: "max_steps = 42" in screen_text(app), 5, "the preview")
+        lr = screen.query_one("#set-lr")
+        lr.focus()
+        await pilot.press(*"fast")
+        await until(pilot, lambda: "--set: train.lr:" in screen_text(app), 5, "the lr message")
+
+
+async def test_gpus_are_listed_live_toggled_with_space_and_bf16_needs_ampere(here, monkeypatch):
+    gpus = [
+        FakeGpu(0, name="NVIDIA A100-SXM4-80GB", memory_used=3 * GIB, util_gpu=41,
+                temperature=52, processes=[(999_999, GIB)]),
+        FakeGpu(1, name="Tesla V100-SXM2-32GB", memory_total=32 * GIB, capability=(7, 0)),
+    ]  # fmt: skip
+    fake = install(monkeypatch, FakeNvml(gpus))
+    app = ConsoleApp(runs_dir=here / "runs", devices_every_s=0.2)
+    async with app.run_test(size=(120, 32)) as pilot:
+        screen = await ready(pilot, app)
+        text = screen_text(app)
+        assert "GPU 0 A100-SXM4-80GB  3.0/80 GiB  41% 52°C  busy: pid 999999" in text
+        assert "GPU 1 Tesla V100-SXM2-32GB" in text
+        assert screen.devices_spec() == "0,1" and "→ GPU 0,1" in text
+        assert screen.query_one("#prec-bf16").disabled
+        assert "bf16 needs compute capability ≥ 8.0 (GPU 1 is 7.0)" in text
+        fake.gpus[0].util_gpu = 97
+        await until(pilot, lambda: "97%" in screen_text(app), 5, "a live refresh")
+        devices = screen.query_one("#device-list")
+        devices.focus()
+        devices.highlighted = 1
+        await pilot.press("space")  # GPU 1 off
+        assert screen.devices_spec() == "0" and "→ GPU 0" in screen_text(app)
+        assert not screen.query_one("#prec-bf16").disabled
+        devices.highlighted = 2
+        await pilot.press("space")  # the CPU choice clears the GPUs
+        assert screen.devices_spec().startswith("cpu:") and "→ CPU ×" in screen_text(app)
+        await pilot.press("minus", "minus", "minus")
+        assert screen.devices_spec() == "cpu:1" and "CPU × 1 rank" in screen_text(app)
+
+
+async def test_a_launch_error_is_shown_and_the_app_keeps_going(here, no_gpu):
+    blocker = here / "runs"
+    blocker.write_text("a file where the runs directory should be")
+    app = ConsoleApp(runs_dir=blocker)
+    async with app.run_test(size=(100, 32)) as pilot:
+        await ready(pilot, app)
+        await pilot.press("enter")
+        await until(pilot, lambda: "cannot create the runs directory" in screen_text(app), 10,
+                    "the launch error")  # fmt: skip
+        assert isinstance(app.screen, LaunchScreen) and not app.screen.launching
+
+
+async def test_enter_launches_quickstart_and_the_keys_control_it(here, no_gpu):
+    runs = here / "runs"
+    app = ConsoleApp(runs_dir=runs, refresh_s=0.1)
+    try:
+        async with app.run_test(size=(100, 32)) as pilot:
+            screen = await ready(pilot, app)
+            screen.query_one("#set-max_steps").value = "1000000"  # long enough to control
+            screen.query_one("#profiles").focus()
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, RunScreen), 15, "the run screen")
+            run = app.screen
+            assert run.owner
+            await until(pilot, lambda: run.snapshot and run.snapshot.step > 0, 90, "a step")
+            assert "samples/s" in screen_text(app) and "running" in screen_text(app)
+
+            await pilot.press("c")
+            requested = lambda: [  # noqa: E731
+                c for c in events_of(run.run_dir, "checkpoint") if c["reason"] == "request"
+            ]
+            await until(pilot, requested, 60, "a requested checkpoint")
+            await until(pilot, lambda: "checkpoint ✓ done" in screen_text(app), 10, "its ack")
+
+            await pilot.press("p")
+            await until(pilot, lambda: run.snapshot.state == "paused", 30, "paused")
+            await until(pilot, lambda: read_status(run.run_dir).get("state") == "paused", 10,
+                        "status.json paused")  # fmt: skip
+            await pilot.press("p")
+            await until(pilot, lambda: run.snapshot.state == "running", 30, "resumed")
+
+            await pilot.press("s", "y")
+            await until(pilot, lambda: read_status(run.run_dir).get("ended"), 60, "the end")
+            assert read_status(run.run_dir)["state"] == "stopped"
+            await until(pilot, lambda: run.snapshot.state == "stopped", 10, "stopped shown")
+            # This console launched the run: it recorded the device samples.
+            assert (run.run_dir / "telemetry.jsonl").stat().st_size > 0
+            await pilot.press("q")
+        assert app.return_code == 0
+    finally:
+        kill_runs(runs)

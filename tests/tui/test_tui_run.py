@@ -1,0 +1,221 @@
+"""The run screen and its keys, with Textual's Pilot: a recorded real run, synthetic ended
+runs, and a live run whose engine is a stand-in thread (FakeRun) answering control.jsonl."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from tui_support import (  # noqa: F401 - fixtures
+    control_lines,
+    fake_live_fixture,
+    recorded_run_fixture,
+    screen_text,
+    until,
+)
+
+from gpu_console.events import read_events
+from gpu_console.tui import synthetic
+from gpu_console.tui.app import ConsoleApp
+from gpu_console.tui.screens.modals import ConfirmScreen, HelpScreen, QuitScreen
+from gpu_console.tui.screens.run import RunScreen
+from gpu_console.tui.screens.runs import RunsScreen
+
+pytestmark = pytest.mark.asyncio
+
+
+def app_on(run_dir, **kw) -> ConsoleApp:
+    kw.setdefault("telemetry", False)
+    kw.setdefault("refresh_s", 0.05)
+    return ConsoleApp(runs_dir=run_dir.parent, run_dir=run_dir, **kw)
+
+
+async def loaded(pilot, app) -> RunScreen:
+    await until(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen.snapshot, 10,
+                "the first snapshot")  # fmt: skip
+    await pilot.pause()  # one more frame: the screen shows the snapshot
+    return app.screen
+
+
+async def test_a_recorded_quickstart_run(recorded_run):
+    app = app_on(recorded_run)
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await loaded(pilot, app)
+        s = screen.snapshot
+        assert s.state == "finished" and s.step == 300 and s.max_steps == 300
+        text = screen_text(app)
+        assert recorded_run.name in text and "finished" in text and "300/300" in text
+        assert f"{s.loss:.4f}" in text and "samples/s" in text
+        assert "interval" in text  # the checkpoints list
+        assert "eval loss" in text and "2× cpu" in text
+        # No control keys on an ended run: the footer leaves them out and they do nothing.
+        await pilot.press("c", "p", "s", "k")
+        assert control_lines(recorded_run) == [] and isinstance(app.screen, RunScreen)
+        await pilot.press("q")
+    assert app.return_code == 0
+
+
+async def test_a_failure_shows_the_rank_its_exit_code_and_its_traceback(tmp_path):
+    run = synthetic.write_run(tmp_path / "runs" / "bad-20260101-000000", state="failed")
+    app = app_on(run)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app)
+        await until(pilot, lambda: app.screen.has_class("-failed"), 5, "the failure panel")
+        text = screen_text(app)
+        assert "FAILED" in text and "rank 1" in text and "exit code 1" in text
+        assert "RuntimeError: synthetic crash at step 120" in text
+        assert "Traceback" in text
+        await pilot.press("d")  # not live: d quits with the run's code
+    assert app.return_code == 1
+
+
+async def test_w_changes_the_loss_window_and_help_and_runs_open(tmp_path):
+    run = synthetic.write_run(tmp_path / "runs" / "long-20260101-000000", steps=3000)
+    app = app_on(run)
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await loaded(pilot, app)
+        chart = screen.query_one("#loss")
+        assert "whole run" in str(chart.border_subtitle)
+        await pilot.press("w")
+        assert "last 10,000 steps" in str(chart.border_subtitle)
+        await pilot.press("w")
+        assert "last 1,000 steps" in str(chart.border_subtitle)
+        assert min(x for x, _ in chart.lines[0].points) >= 2000
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen) and "checkpoint now" in screen_text(app)
+        await pilot.press("escape")
+        await pilot.press("r")
+        assert isinstance(app.screen, RunsScreen)
+        await pilot.press("escape")
+        assert app.screen is screen
+
+
+async def test_checkpoint_pause_resume_and_their_acknowledgements(fake_live):
+    app = app_on(fake_live.run_dir)
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await loaded(pilot, app)
+        assert screen.snapshot.state == "running"
+        await pilot.press("c")
+        await until(pilot, lambda: "checkpoint ✓ done" in screen_text(app), 10, "the ack")
+        assert [c["cmd"] for c in control_lines(fake_live.run_dir)] == ["checkpoint"]
+        assert "request" in screen_text(app)  # the new checkpoint in the list
+
+        await pilot.press("p")
+        await until(pilot, lambda: screen.snapshot.state == "paused", 10, "paused")
+        assert "pause ✓ done" in screen_text(app)
+        await pilot.press("p")
+        await until(pilot, lambda: screen.snapshot.state == "running", 10, "resumed")
+        cmds = [c["cmd"] for c in control_lines(fake_live.run_dir)]
+        assert cmds == ["checkpoint", "pause", "resume"]
+
+
+async def test_s_asks_and_y_stops_the_run(fake_live):
+    app = app_on(fake_live.run_dir)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await loaded(pilot, app)
+        await pilot.press("s")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("n")  # no: nothing sent
+        assert app.screen is screen and control_lines(fake_live.run_dir) == []
+        await pilot.press("s", "y")
+        await until(pilot, lambda: screen.snapshot.state == "stopped", 10, "stopped")
+        assert [c["cmd"] for c in control_lines(fake_live.run_dir)] == ["stop"]
+        await pilot.press("q")  # ended: quits at once, with the run's exit code
+    assert app.return_code == 0
+
+
+async def test_k_asks_and_y_has_the_supervisor_terminate_the_run(fake_live):
+    app = app_on(fake_live.run_dir)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app)
+        await pilot.press("k")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        marker = fake_live.run_dir / "SIGINT-received"
+        await until(pilot, marker.exists, 10, "SIGINT at the supervisor")
+        await until(pilot, lambda: "supervisor is terminating" in screen_text(app), 5, "the ack")
+        assert control_lines(fake_live.run_dir) == []  # a kill is a signal, not a command
+
+
+async def test_q_while_live_asks_stop_detach_or_cancel(fake_live):
+    app = app_on(fake_live.run_dir)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app)
+        await pilot.press("q")
+        assert isinstance(app.screen, QuitScreen)
+        await pilot.press("n")
+        assert isinstance(app.screen, RunScreen)
+        await pilot.press("q", "d")  # detach: the run keeps going
+    assert app.return_code == 0 and control_lines(fake_live.run_dir) == []
+
+    app = app_on(fake_live.run_dir)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app)
+        await pilot.press("q", "y")  # stop it and quit
+    assert app.return_code == 0
+    assert [c["cmd"] for c in control_lines(fake_live.run_dir)] == ["stop"]
+
+
+async def test_d_detaches_and_the_run_keeps_running(fake_live):
+    app = app_on(fake_live.run_dir)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app)
+        await pilot.press("d")
+    assert app.return_code == 0
+    assert fake_live.supervisor.poll() is None and fake_live.state == "running"
+
+
+async def test_a_read_only_viewer_cannot_control_the_run(fake_live):
+    app = app_on(fake_live.run_dir, readonly=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await loaded(pilot, app)
+        assert "read-only" in screen_text(app)
+        await pilot.press("c", "p", "s", "k")
+        assert app.screen is screen and control_lines(fake_live.run_dir) == []
+        await pilot.press("q")  # a viewer quits without asking
+    assert app.return_code == 0
+
+
+async def test_the_command_palette_sends_commands_too(fake_live):
+    app = app_on(fake_live.run_dir)
+    async with app.run_test(size=(100, 32)) as pilot:
+        await loaded(pilot, app)
+        await pilot.press("ctrl+p")
+        await pilot.press(*"checkp")
+        await until(pilot, lambda: "Checkpoint now" in screen_text(app), 5, "the command")
+        await pilot.press("enter")
+        await until(pilot, lambda: control_lines(fake_live.run_dir), 5, "a control line")
+        assert control_lines(fake_live.run_dir)[0]["cmd"] == "checkpoint"
+
+
+async def test_80x24_shows_every_panel_and_no_color_is_honoured(fake_live, monkeypatch):
+    monkeypatch.setenv("NO_COLOR", "1")
+    app = app_on(fake_live.run_dir)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await loaded(pilot, app)
+        await until(pilot, lambda: screen.snapshot.step > 50, 10, "a live step")
+        assert app.no_color
+        for wid in ("#header", "#loss", "#throughput", "#lr", "#devices-box", "#log"):
+            region = screen.query_one(wid).region
+            assert region.height >= 2 and region.right <= 80 and region.bottom <= 24, wid
+        svg = app.export_screenshot()
+        # #c5c8c6 is the SVG export's own default foreground, not a colour of the app.
+        colours = set(re.findall(r"fill: (#[0-9a-f]{6})", svg)) - {"#c5c8c6"}
+        greys = {c for c in colours if c[1:3] == c[3:5] == c[5:7]}
+        assert colours == greys  # monochrome: every colour is a grey
+
+
+async def test_a_big_run_shows_fast_and_backfills_its_evals(tmp_path):
+    run = tmp_path / "runs" / "big-20260101-000000"
+    run.mkdir(parents=True)
+    (run / "run.toml").write_text("")
+    synthetic.write_big_events(run / "events.jsonl", 60_000)
+    app = app_on(run)
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await loaded(pilot, app)
+        await until(pilot, lambda: screen.snapshot.complete, 10, "the backfill")
+        events = read_events(run / "events.jsonl")
+        steps = [e["step"] for e in events if e["kind"] == "step"]
+        evals = [e["step"] for e in events if e["kind"] == "eval"]
+        assert screen.snapshot.step == steps[-1]
+        assert [x for x, _ in screen.snapshot.eval_points] == evals
