@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The writer defines the file format; it imports no torch, so the console may read it here.
+from .engine.heartbeat import DIR as HEARTBEAT_DIR
+from .engine.heartbeat import PHASES as PHASE_ORDER
 from .events import KINDS, JsonlTail
 from .runs import FINAL_STATES, read_status
 
@@ -16,18 +19,6 @@ STALL_MIN_S = 30.0
 STALL_FACTOR = 10.0
 # A rank's heartbeat thread writes about once a second; this much silence means it is frozen.
 HEARTBEAT_SILENT_S = 5.0
-HEARTBEAT_DIR = "heartbeats"  # written by gpu_console/engine/heartbeat.py (no torch here)
-PHASE_ORDER = (
-    "starting",
-    "data",
-    "compute",
-    "update",
-    "sync",
-    "eval",
-    "checkpoint",
-    "control",
-    "paused",
-)
 
 
 def pid_alive(pid: int | None) -> bool:

@@ -218,3 +218,45 @@ def pid_alive(pid: int) -> bool:
 
 def json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip().startswith("{")]
+
+
+def task_profile(tmp_path: Path, module: str, source: str, cls: str, **kw) -> Path:
+    """A fast profile whose task is ``module:cls``, written from ``source`` into tmp_path."""
+    (tmp_path / f"{module}.py").write_text(source)
+    profile = fast_profile(tmp_path, **kw)
+    profile.write_text(profile.read_text().replace('kind = "mlp"', f'kind = "{module}:{cls}"'))
+    return profile
+
+
+# Rank 1's loss is NaN on its 5th and 6th batches.
+POISONED_TASK = """
+import os
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Poisoned(MLPTask):
+    calls = 0
+
+    def compute(self, model, batch):
+        Poisoned.calls += 1
+        out = super().compute(model, batch)
+        if os.environ["RANK"] == "1" and Poisoned.calls in (5, 6):
+            out.loss = out.loss * float("nan")
+        return out
+"""
+
+# Every rank hangs in its 6th batch: a graceful stop can never reach a step boundary.
+HANGING_TASK = """
+import time
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Hanging(MLPTask):
+    calls = 0
+
+    def compute(self, model, batch):
+        Hanging.calls += 1
+        if Hanging.calls == 6:
+            time.sleep(600)
+        return super().compute(model, batch)
+"""

@@ -6,7 +6,18 @@ import os
 import signal
 import textwrap
 
-from conftest import events_of, fast_profile, only_run, pid_alive, read_status, the_run, wait_for
+from conftest import (
+    HANGING_TASK,
+    POISONED_TASK,
+    events_of,
+    fast_profile,
+    only_run,
+    pid_alive,
+    read_status,
+    task_profile,
+    the_run,
+    wait_for,
+)
 
 from gpu_console.events import append_control
 
@@ -153,30 +164,8 @@ def test_lr_scaling_and_global_batch_follow_the_world_size(procs, runs_dir, tmp_
     assert start["global_batch"] == 32 * 3 * 2
 
 
-POISONED_TASK = '''
-import os
-from gpu_console.tasks.mlp import MLPTask
-
-
-class Poisoned(MLPTask):
-    """Rank 1's loss is NaN on its 5th and 6th batches."""
-
-    calls = 0
-
-    def compute(self, model, batch):
-        Poisoned.calls += 1
-        out = super().compute(model, batch)
-        if os.environ["RANK"] == "1" and Poisoned.calls in (5, 6):
-            out.loss = out.loss * float("nan")
-        return out
-'''
-
-
 def _poisoned(tmp_path):
-    (tmp_path / "poisoned.py").write_text(POISONED_TASK)
-    profile = fast_profile(tmp_path, max_steps=12)
-    profile.write_text(profile.read_text().replace('kind = "mlp"', 'kind = "poisoned:Poisoned"'))
-    return profile
+    return task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12)
 
 
 def test_nan_policy_skip_skips_the_poisoned_updates_and_carries_on(procs, runs_dir, tmp_path):
@@ -232,28 +221,8 @@ def test_status_lists_ranks_not_their_dataloader_workers(procs, runs_dir, tmp_pa
     assert console.returncode == 0, out + err
 
 
-HANGING_TASK = '''
-import time
-from gpu_console.tasks.mlp import MLPTask
-
-
-class Hanging(MLPTask):
-    """Every rank hangs in its 6th batch: a graceful stop can never reach a step boundary."""
-
-    calls = 0
-
-    def compute(self, model, batch):
-        Hanging.calls += 1
-        if Hanging.calls == 6:
-            time.sleep(600)
-        return super().compute(model, batch)
-'''
-
-
 def _hung_run(procs, runs_dir, tmp_path):
-    (tmp_path / "hanging.py").write_text(HANGING_TASK)
-    profile = fast_profile(tmp_path, max_steps=1000)
-    profile.write_text(profile.read_text().replace('kind = "mlp"', 'kind = "hanging:Hanging"'))
+    profile = task_profile(tmp_path, "hanging", HANGING_TASK, "Hanging", max_steps=1000)
     out = open(tmp_path / "console.out", "w")  # noqa: SIM115 - the console writes it
     console = procs.start(
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path, stdout=out

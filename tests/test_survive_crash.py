@@ -6,7 +6,16 @@ import os
 import signal
 import time
 
-from conftest import events_of, fast_profile, only_run, pid_alive, read_status, run_dirs, wait_for
+from conftest import (
+    events_of,
+    fast_profile,
+    only_run,
+    pid_alive,
+    read_status,
+    run_dirs,
+    task_profile,
+    wait_for,
+)
 
 from gpu_console.state import read_heartbeats
 
@@ -27,13 +36,6 @@ class RankZeroHangs(MLPTask):
 """
 
 
-def _task_profile(tmp_path, module: str, source: str, cls: str, **kw):
-    (tmp_path / f"{module}.py").write_text(source)
-    profile = fast_profile(tmp_path, **kw)
-    profile.write_text(profile.read_text().replace('kind = "mlp"', f'kind = "{module}:{cls}"'))
-    return profile
-
-
 def _beat(run, rank) -> dict:
     return next((b for b in read_heartbeats(run) if b["rank"] == rank), {})
 
@@ -43,7 +45,7 @@ def test_kill_9_of_a_rank_fails_the_run_within_5_s_even_with_a_stuck_peer(
 ):
     """The peer is stuck where no collective error reaches it (on GPUs: NCCL waits for its
     timeout); the supervisor sees rank 1 die without ending cleanly and ends the peer."""
-    profile = _task_profile(tmp_path, "hangs", RANK_0_HANGS, "RankZeroHangs", max_steps=1000)
+    profile = task_profile(tmp_path, "hangs", RANK_0_HANGS, "RankZeroHangs", max_steps=1000)
     console = procs.start(
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path
     )
@@ -119,7 +121,7 @@ class OutOfMemory(MLPTask):
 
 
 def test_out_of_memory_ends_every_rank_with_the_peak_and_what_to_change(procs, runs_dir, tmp_path):
-    profile = _task_profile(tmp_path, "oom", OOM_TASK, "OutOfMemory", max_steps=1000)
+    profile = task_profile(tmp_path, "oom", OOM_TASK, "OutOfMemory", max_steps=1000)
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     run = only_run(runs_dir)

@@ -6,36 +6,19 @@ import os
 import signal
 
 import torch
-from conftest import events_of, fast_profile, only_run, read_status, run_dirs, wait_for
-
-POISONED_TASK = '''
-import os
-from gpu_console.tasks.mlp import MLPTask
-
-
-class Poisoned(MLPTask):
-    """Rank 1's loss is NaN on its 5th and 6th batches."""
-
-    calls = 0
-
-    def compute(self, model, batch):
-        Poisoned.calls += 1
-        out = super().compute(model, batch)
-        if os.environ["RANK"] == "1" and Poisoned.calls in (5, 6):
-            out.loss = out.loss * float("nan")
-        return out
-'''
-
-
-def _task_profile(tmp_path, module: str, source: str, cls: str, **kw):
-    (tmp_path / f"{module}.py").write_text(source)
-    profile = fast_profile(tmp_path, **kw)
-    profile.write_text(profile.read_text().replace('kind = "mlp"', f'kind = "{module}:{cls}"'))
-    return profile
+from conftest import (
+    POISONED_TASK,
+    events_of,
+    only_run,
+    read_status,
+    run_dirs,
+    task_profile,
+    wait_for,
+)
 
 
 def test_nan_policy_stop_checkpoints_the_last_finite_state_then_fails(procs, runs_dir, tmp_path):
-    profile = _task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12)
+    profile = task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12)
     result = procs.cli(
         "run",
         str(profile),
@@ -107,7 +90,7 @@ class FullDisk(MLPTask):
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(procs, runs_dir, tmp_path):
-    profile = _task_profile(
+    profile = task_profile(
         tmp_path,
         "fulldisk",
         FULL_DISK_TASK,

@@ -19,12 +19,14 @@ import time
 
 import conftest
 from conftest import (
+    HANGING_TASK,
     events_of,
     fast_profile,
     only_run,
     pid_alive,
     read_status,
     run_dirs,
+    task_profile,
     wait_for,
 )
 
@@ -184,28 +186,16 @@ def test_a_stray_signal_that_kills_torchrun_leaves_no_worker(procs, runs_dir, tm
     assert "torchrun was killed by SIGUSR2" in out
 
 
-HANGING_TASK = """
-import time
-from gpu_console.tasks.mlp import MLPTask
-
-
-class Hanging(MLPTask):
-    calls = 0
-
-    def compute(self, model, batch):
-        Hanging.calls += 1
-        if Hanging.calls == 6:
-            time.sleep(600)
-        return super().compute(model, batch)
-"""
-
-
 def test_torchrun_kills_ranks_that_cannot_stop_after_the_profiles_grace(procs, runs_dir, tmp_path):
     # torchrun's own SIGTERM→SIGKILL window is the profile's shutdown_grace_s (default 30 s,
     # also torchrun's default): with 3 s, ranks stuck in a step are killed after 3 s.
-    (tmp_path / "hanging.py").write_text(HANGING_TASK)
-    profile = fast_profile(tmp_path, extra="[distributed]\nshutdown_grace_s = 3.0\n")
-    profile.write_text(profile.read_text().replace('kind = "mlp"', 'kind = "hanging:Hanging"'))
+    profile = task_profile(
+        tmp_path,
+        "hanging",
+        HANGING_TASK,
+        "Hanging",
+        extra="[distributed]\nshutdown_grace_s = 3.0\n",
+    )
     console = procs.start(
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path
     )

@@ -39,9 +39,7 @@ class StuckData(MLPTask):
 
 
 def test_a_stuck_rank_is_flagged_stalled_named_and_dumped(procs, runs_dir, tmp_path):
-    (tmp_path / "stuck.py").write_text(STUCK_DATA)
-    profile = fast_profile(tmp_path, max_steps=1000)
-    profile.write_text(profile.read_text().replace('kind = "mlp"', 'kind = "stuck:StuckData"'))
+    profile = conftest.task_profile(tmp_path, "stuck", STUCK_DATA, "StuckData", max_steps=1000)
     env = conftest.test_env(GPU_CONSOLE_STALL_S="3")  # the 30 s minimum, shortened for the test
     out_path = tmp_path / "console.out"
     with open(out_path, "w") as out:
