@@ -11,7 +11,9 @@ One invocation runs, alternately and R times each (ABAB...):
                minimal DDP loop;
 
 each with its ranks pinned (rank i on its own cores, as many threads) and unpinned
-(torchrun's default: one thread, no affinity). Both are measured the same way: rank 0's
+(torchrun's default: one thread, no affinity), the plain loop with the engine's AdamW
+implementation; plus the plain loop as PyTorch and torchrun leave it (unpinned, AdamW's
+own default implementation). Both are measured the same way: rank 0's
 steady-state steps/s from the end of the first ~10% of steps to the end of the last one,
 startup excluded (the engine from the wall-clock ``t`` of its ``step`` events, the plain
 loop from its own ``perf_counter``). Periodic eval and checkpoints are off in the engine
@@ -21,7 +23,7 @@ Pairs compared (ratios are per round, engine / plain, then the median over round
 
   equal settings, pinned     engine (cpu_affinity = true)  / plain --pin     target >= 0.97
   equal settings, unpinned   engine (cpu_affinity = false) / plain           target >= 0.97
-  defaults                   engine (profile defaults)     / plain           target >= 1.3
+  defaults                   engine (profile defaults)     / plain defaults  target >= 1.3
 
 Each run also records the other load on the machine while it ran (busy cores not ours);
 the pairs are summarised over all rounds and over the quiet ones (``--retry-noisy N``
@@ -135,10 +137,12 @@ class Setup:
     engine_sets: list[str]
     plain_args: list[str]
     affinity_default: bool
+    optimizer_impl: str  # the engine's resolved AdamW implementation
 
 
 def make_setup(profile_name: str, steps: int, log_every: int | None) -> Setup:
     """Resolve the profile once; both sides get the same values from it."""
+    from gpu_console.engine.optimizer import resolve_impl
     from gpu_console.profile import load_profile
 
     base = load_profile(profile_name)
@@ -190,6 +194,7 @@ def make_setup(profile_name: str, steps: int, log_every: int | None) -> Setup:
         sets,
         plain_args,
         d.cpu_affinity,
+        resolve_impl(p.train.optimizer_impl, "cpu"),
     )
 
 
@@ -241,10 +246,13 @@ def run_engine(s: Setup, affinity: bool | None, workdir: Path) -> dict:
     }
 
 
-def run_plain(s: Setup, pin: bool, workdir: Path) -> dict:
+def run_plain(s: Setup, pin: bool, workdir: Path, pytorch_defaults: bool = False) -> dict:
+    """The plain loop with the engine's settings, or as PyTorch and torchrun leave it."""
     out = Path(tempfile.mkstemp(prefix="plain-", suffix=".json", dir=workdir)[1])
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}"]
     argv += ["--standalone", str(PLAIN), *s.plain_args, f"--out={out}"]
+    if not pytorch_defaults:
+        argv.append(f"--optimizer-impl={s.optimizer_impl}")
     if pin:
         argv.append("--pin")
     t0 = time.perf_counter()
@@ -356,6 +364,7 @@ def main() -> int:
         ("plain pinned", "plain", True),
         ("engine unpinned", "engine", False),
         ("plain unpinned", "plain", False),
+        ("plain defaults", "defaults", False),
     ]
     default_label = "engine pinned" if s.affinity_default else "engine unpinned"
     results: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
@@ -375,7 +384,7 @@ def main() -> int:
                     if side == "engine":
                         res = run_engine(s, placement, work)
                     else:
-                        res = run_plain(s, bool(placement), work)
+                        res = run_plain(s, bool(placement), work, side == "defaults")
                     res["attempts"] = attempt + 1
                     if _quiet(res) or attempt == a.retry_noisy:
                         break
@@ -404,7 +413,7 @@ def main() -> int:
     pairs = [
         ("equal settings, pinned", "engine pinned", "plain pinned", TARGET_EQUAL),
         ("equal settings, unpinned", "engine unpinned", "plain unpinned", TARGET_EQUAL),
-        ("defaults", default_label, "plain unpinned", TARGET_DEFAULTS),
+        ("defaults", default_label, "plain defaults", TARGET_DEFAULTS),
     ]
     summary = {label: spread([r["steps_per_s"] for r in results[label]]) for label in results}
     pair_out = []
@@ -453,7 +462,10 @@ def main() -> int:
         f"(quiet: both runs of the round saw under {QUIET_CORES} cores of other load; the "
         "machine's other work slows the two sides unevenly)"
     )
-    print(f"(defaults: '{default_label}' is the engine with the profile's own placement)")
+    print(
+        f"(defaults: '{default_label}' is the engine as the profile sets it, AdamW "
+        f"{s.optimizer_impl}; 'plain defaults' is torchrun's placement and AdamW's own choice)"
+    )
     same = math.isclose(losses["engine pinned"], losses["plain pinned"], rel_tol=1e-5)
     print(
         "final loss: "

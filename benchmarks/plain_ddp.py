@@ -1,7 +1,7 @@
 """A minimal hand-written DDP training loop: the baseline the engine is measured against.
 
     python -m torch.distributed.run --nproc-per-node 2 --standalone benchmarks/plain_ddp.py \
-        [--steps N] [--pin] [--out FILE]
+        [--steps N] [--pin] [--optimizer-impl IMPL] [--out FILE]
 
 The model and the data are the engine's own (``gpu_console.tasks.mlp``), built the same way
 (same seeds, batch size, AdamW, gradient clipping, warmup + cosine schedule, DataLoader
@@ -12,7 +12,9 @@ memory logging, signal handling. Nothing is logged while timing.
 
 ``--pin`` places each rank the way the engine's ``distributed.cpu_affinity`` does: this
 rank's share of the cores and as many threads. Without it, ranks run wherever the kernel
-puts them with torchrun's default of one thread (OMP_NUM_THREADS=1).
+puts them with torchrun's default of one thread (OMP_NUM_THREADS=1). ``--optimizer-impl``
+picks AdamW's implementation as the engine's ``train.optimizer_impl`` does; without it,
+PyTorch chooses (on CPU: a Python loop over the parameters).
 
 Rank 0 times the steady state itself (``perf_counter`` from the end of step
 ``--warmup-steps`` to the end of the last step) and prints one JSON line (and writes it to
@@ -25,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -51,6 +54,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--task", default="{}", help="MLPConfig fields as JSON")
     ap.add_argument("--ddp", default="{}", help="DistributedDataParallel keyword args as JSON")
     ap.add_argument("--pin", action="store_true", help="pin each rank to its own cores")
+    ap.add_argument(
+        "--optimizer-impl",
+        choices=("default", "fused", "foreach", "for-loop"),
+        default="default",
+        help="AdamW implementation (default: PyTorch's own choice, a Python loop on CPU)",
+    )
     ap.add_argument("--out", default=None, help="also write the result JSON here")
     return ap.parse_args()
 
@@ -88,7 +97,10 @@ def main() -> None:
         num_workers=0,
         generator=torch.Generator().manual_seed(a.data_seed),
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+    impl = {"default": {}, "fused": {"fused": True}, "foreach": {"foreach": True}}.get(
+        a.optimizer_impl, {"foreach": False}
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay, **impl)
 
     def factor(s: int) -> float:
         if s < a.lr_warmup:
@@ -130,6 +142,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "cores": cores,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "optimizer_impl": a.optimizer_impl,
         }
         line = json.dumps(result)
         print(line, flush=True)
@@ -137,6 +150,11 @@ def main() -> None:
             with open(a.out, "w") as f:
                 f.write(line + "\n")
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown: after a clean destroy_process_group, one run
+    # in about ten here still aborted a rank in a C++ static destructor ("terminate called
+    # without an active exception"), failing the benchmark after its result was written.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

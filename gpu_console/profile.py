@@ -64,6 +64,10 @@ class TrainConfig:
     max_steps: int = opt(300, "optimizer steps in the whole run", min=1)
     lr: float = opt(1e-3, "peak learning rate (before lr_scaling)", gt=0.0)
     weight_decay: float = opt(0.01, "AdamW weight decay", min=0.0)
+    optimizer_impl: Literal["auto", "fused", "foreach", "for-loop"] = opt(
+        "auto",
+        "AdamW kernel: auto (fused where torch has one for the device), fused, foreach, for-loop",
+    )
     warmup_steps: int = opt(0, "linear warmup from 0 to lr", min=0)
     schedule: Literal["constant", "linear", "cosine"] = opt(
         "cosine", "learning-rate decay after warmup"
@@ -75,7 +79,9 @@ class TrainConfig:
         "auto", "auto: bf16 where supported, fp16 + GradScaler on older GPUs, fp32 on CPU"
     )
     eval_every: int = opt(0, "evaluate every N steps (0 = only at the end)", min=0)
-    log_every: int = opt(10, "steps between step events (and the only loss sync)", min=1)
+    log_every: int = opt(
+        10, "steps between step events (their numbers ride with the gradients' all-reduce)", min=1
+    )
     seed: int = opt(0, "model-init and dropout seed (rank r uses seed + r for dropout)")
     nan_policy: Literal["stop", "skip", "ignore"] = opt(
         "stop",

@@ -1,12 +1,14 @@
 """Control between steps: console commands and scheduler signals, agreed by every rank.
 
 The first rank of each node reads that node's ``control.jsonl`` (on one machine: rank 0
-reads the run's file); signals can reach any rank (see :mod:`.signals`). At a check, one
-small all_reduce(MAX) carries each reader's command, every rank's signal flag and the
-readers' choice of the next check step, so all ranks act on the same step. When readers on
-two nodes hold different commands at once, the higher code wins and the other command stays
-queued for the next check. Checks are spaced by measured step time (about every
-``interval_s``), so fast steps do not pay a collective each.
+reads the run's file); signals can reach any rank (see :mod:`.signals`). At a check, every
+rank's row of an exchange (see :mod:`.exchange`) carries its reader's command, its signal
+flag and the readers' choice of the next check step, so all ranks act on the same step.
+Every log step is a check, for free: its exchange rides with the gradients' all-reduce.
+When log steps are further apart than ``interval_s``, checks in between (spaced by the
+measured step time) make one small collective each. When readers on two nodes hold
+different commands at once, the higher code wins and the other command stays queued for
+the next check.
 """
 
 from __future__ import annotations
@@ -17,15 +19,11 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 from ..events import CONTROL_COMMANDS, JsonlTail
 from . import signals
 
 CODES = {cmd: i + 1 for i, cmd in enumerate(CONTROL_COMMANDS)}
 NAMES = {v: k for k, v in CODES.items()}
-NEVER = 2**62
 
 
 @dataclass
@@ -36,9 +34,8 @@ class Decision:
 
 
 class Control:
-    def __init__(self, run_dir: Path, is_reader: bool, device: torch.device, interval_s: float):
+    def __init__(self, run_dir: Path, is_reader: bool, interval_s: float):
         self.is_reader = is_reader
-        self.device = device
         self.interval_s = interval_s
         path = Path(run_dir) / "control.jsonl"
         self.tail = JsonlTail(path) if is_reader else None
@@ -47,7 +44,7 @@ class Control:
         self.next_check = 1
         self._last_check_t = time.perf_counter()
         self._last_check_step = 0
-        self._buf = torch.zeros(3, dtype=torch.int64, device=device)
+        self._cmd: dict | None = None  # the command proposed at the current check
         self.rejected: list[dict] = []
         self.warnings: list[str] = []  # for the events (the loop logs and clears them)
 
@@ -82,33 +79,41 @@ class Control:
                 self.rejected.append(cmd)
 
     def due(self, step: int) -> bool:
+        """Whether the step ``step`` (counted from 1) is a check: the same on every rank."""
         return step >= self.next_check
 
-    def check(self, step: int, force: bool = False) -> Decision:
-        """Collective. Call on every rank when :meth:`due` is true (or ``force``)."""
-        cmd = None
+    def proposal(self, step: int) -> tuple[int, int, int]:
+        """This rank's part of the check at ``step``: (command code, signalled, next check).
+
+        A reader takes its next command and proposes when to look again, from the measured
+        step time; other ranks propose nothing (0).
+        """
+        code = next_check = 0
+        self._cmd = None
         if self.is_reader:
             self._read_commands()
-            cmd = self.pending.popleft() if self.pending else None
+            self._cmd = self.pending.popleft() if self.pending else None
             now = time.perf_counter()
             steps = max(1, step - self._last_check_step)
             per_step = (now - self._last_check_t) / steps
             ahead = 1 if self.pending else max(1, int(self.interval_s / max(per_step, 1e-6)))
             self._last_check_t, self._last_check_step = now, step
-            self._buf[0] = CODES[cmd["cmd"]] if cmd else 0
-            self._buf[2] = -(step + min(ahead, 10_000))  # negated: MAX picks the soonest
-        else:
-            self._buf[0] = 0
-            self._buf[2] = -NEVER
-        self._buf[1] = int(self.signalled)
-        dist.all_reduce(self._buf, op=dist.ReduceOp.MAX)
-        code, signalled, next_check = (int(v) for v in self._buf.tolist())
+            code = CODES[self._cmd["cmd"]] if self._cmd else 0
+            next_check = step + min(ahead, 10_000)
+        return code, int(self.signalled), next_check
+
+    def decide(self, step: int, proposals: list[tuple[int, int, int]]) -> Decision:
+        """Every rank's proposals → the decision, the same on every rank."""
+        code = max(p[0] for p in proposals)
+        signalled = any(p[1] for p in proposals)
+        soonest = min((p[2] for p in proposals if p[2]), default=step + 1)
         # After a command, look again at the next step: another may be queued on some node.
-        self.next_check = step + 1 if code else -next_check
+        self.next_check = step + 1 if code else max(soonest, step + 1)
+        cmd, self._cmd = self._cmd, None
         mine = cmd is not None and CODES[cmd["cmd"]] == code
         if cmd is not None and not mine:
             self.pending.appendleft(cmd)  # another node's command won; ours goes next
-        return Decision(NAMES.get(code), cmd["id"] if mine else None, bool(signalled))
+        return Decision(NAMES.get(code), cmd["id"] if mine else None, signalled)
 
 
 def _owned_by_me(path: Path) -> bool:

@@ -1,7 +1,8 @@
 """The training loop: read it top to bottom.
 
 setup → (resume) → for each step: grad_accum micro-steps, clip, update, schedule → at
-log_every one small collective for loss and memory → eval / checkpoint / control at their
+log_every steps and control checks, the ranks' numbers (loss, memory, commands, signals)
+ride with the gradients' all-reduce (exchange.py) → eval / checkpoint / control at their
 boundaries → end: eval, checkpoint, status. Rank 0 alone writes events (on several nodes:
 the first rank of each node, into its node's run directory).
 
@@ -41,8 +42,10 @@ from ..runs import latest_checkpoint
 from ..tasks.base import Task
 from . import checkpoint, precision, signals
 from . import distributed as distmod
+from . import optimizer as optim
 from .control import Control
 from .data import Batches, DataPosition, make_loader
+from .exchange import Exchange, Row
 from .heartbeat import Heartbeat
 from .metrics import memory_sample
 from .reporter import Reporter
@@ -172,11 +175,8 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
     torch.manual_seed(p.train.seed)  # identical init on every rank
     model = task.build_model().to(d.device)
     lr = scaled_lr(p.train.lr, d.world_size, p.distributed.lr_scaling)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=lr,
-        weight_decay=p.train.weight_decay,
-        fused=d.device.type == "cuda",
+    optimizer = optim.build(
+        model.parameters(), lr, p.train.weight_decay, p.train.optimizer_impl, d.device.type
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, p.train))
     scaler = precision.make_scaler(prec, d.device.type)
@@ -210,8 +210,10 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
         out.log("info", f"resumed from {resume} at step {step}")
 
     ddp = distmod.wrap(model, p.distributed, d)
+    exchange = Exchange(d.rank, d.world_size, d.device)
+    ddp.register_comm_hook(None, exchange.hook)
     batches = Batches(train_loader, position)
-    control = Control(run_dir, d.local_rank == 0, d.device, CONTROL_INTERVAL_S)
+    control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
     autocast = precision.autocast(prec, d.device.type)
     params = [q for q in model.parameters() if q.requires_grad]
 
@@ -273,6 +275,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
         rank_0=rank_0,
         global_batch=p.data.batch_size * p.train.grad_accum * d.world_size,
         lr=lr,
+        optimizer=f"AdamW ({optim.resolve_impl(p.train.optimizer_impl, d.device.type)})",
         ddp=_ddp_settings(ddp),
         threads=torch.get_num_threads(),
         versions={"torch": torch.__version__, "cuda": torch.version.cuda},
@@ -280,7 +283,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
     out.status("running")
 
     window = Window(loss_sum=torch.zeros((), device=d.device))
-    last_loss = torch.zeros((), device=d.device)
+    zero = torch.zeros((), device=d.device)
     grad_norm = torch.zeros((), device=d.device)
     accum = p.train.grad_accum
     max_norm = p.train.clip_grad_norm if p.train.clip_grad_norm > 0 else math.inf
@@ -289,28 +292,46 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
     stop_bad = p.train.nan_policy == "stop" and scaler is None
     paused = False
 
+    def log_step(n: int) -> bool:
+        return n % p.train.log_every == 0 or n == p.train.max_steps
+
     # -- the loop ------------------------------------------------------------------------
     while step < p.train.max_steps:
-        if not paused:
-            last_loss.zero_()
+        if paused:
+            beat.set(step, "paused")
+            if d.local_rank == 0:
+                time.sleep(CONTROL_INTERVAL_S)  # the other ranks wait in the exchange
+            rows = exchange.exchange_now([zero, zero], [0] * 5 + list(control.proposal(step)))
+        else:
+            # A log step's numbers ride with its gradients' all-reduce: every rank knows the
+            # log steps beforehand, so all carry the table at the same steps, and a resumed
+            # run carries it at the same steps as an uninterrupted one.
+            logging = log_step(step + 1)
+            last_loss = None
             for micro in range(accum):
                 beat.set(step + 1, "data")  # the step in progress
                 batch = move(batches.next(), d.device)
                 beat.set(step + 1, "compute")
-                sync = contextlib.nullcontext() if micro == accum - 1 else ddp.no_sync()
-                with sync:
+                final = micro == accum - 1
+                with contextlib.nullcontext() if final else ddp.no_sync():
                     with autocast:
                         result = task.compute(ddp, batch)
-                    loss = result.loss / accum
+                    loss = result.loss if accum == 1 else result.loss / accum
+                    part = loss.detach()
+                    last_loss = part if last_loss is None else last_loss + part
+                    window.samples += result.samples
+                    window.tokens += result.tokens
+                    if final and logging:
+                        exchange.prepare(
+                            [last_loss, window.loss_sum + last_loss],
+                            [window.samples, window.tokens, *memory_sample(d.device)]
+                            + list(control.proposal(step + 1)),
+                        )
                     (scaler.scale(loss) if scaler else loss).backward()
-                last_loss += loss.detach()
-                window.samples += result.samples
-                window.tokens += result.tokens
             beat.set(step + 1, "update")
             if scaler is not None:
                 scaler.unscale_(optimizer)
-            logging_next = (step + 1) % p.train.log_every == 0 or step + 1 == p.train.max_steps
-            if max_norm < math.inf or logging_next or skip_bad or stop_bad:
+            if max_norm < math.inf or logging or skip_bad or stop_bad:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             # The norm is of the all-reduced gradients, the same on every rank, so every rank
             # skips (or stops before) the same update with no collective of its own (but a
@@ -333,10 +354,12 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
             window.loss_sum += last_loss
             window.steps += 1
 
-            if step % p.train.log_every == 0 or step == p.train.max_steps:
+            rows = None
+            if logging:
                 beat.set(step, "sync")
+                rows = exchange.gather()
                 try:
-                    _log_step(out, d, p, step, batches, scheduler, last_loss, grad_norm, window)
+                    _log_step(out, d, p, step, batches, scheduler, rows, grad_norm, window)
                 except NonFiniteLoss as e:
                     _fail_non_finite(out, d, p, step, save, model, e)
                 window = Window(loss_sum=torch.zeros((), device=d.device))
@@ -345,18 +368,20 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
                 _evaluate(out, d, task, ddp, eval_loader, autocast, step)
             if p.checkpoint.every_steps and step % p.checkpoint.every_steps == 0:
                 save("interval")
+            if rows is None:
+                # Between log steps (when they are further apart than the control interval),
+                # a check of its own: one small collective, at a step rank 0's clock chose.
+                if not control.due(step):
+                    continue
+                beat.set(step, "control")
+                rows = exchange.exchange_now([zero, zero], [0] * 5 + list(control.proposal(step)))
 
-        if not (paused or control.due(step)):
-            continue
-        beat.set(step, "paused" if paused else "control")
-        if paused and d.local_rank == 0:
-            time.sleep(CONTROL_INTERVAL_S)  # the other ranks wait in the check's collective
-        decision = control.check(step)
+        decision = control.decide(step, [(r.cmd, r.signalled, r.next_check) for r in rows])
         while control.warnings:
             out.log("warning", control.warnings.pop(0))
         if decision.signalled:
             out.log("warning", f"signal received: stopping at step {step}")
-            return _stop(out, p, step, save, "signal")
+            return _stop(out, p, step, save, "signal", exchange.counts())
         if decision.cmd is None:
             continue
         _ack(out, decision, "received", step)
@@ -374,7 +399,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
         elif decision.cmd == "stop":
             control.stopping()
             _ack(out, decision, "done", step)
-            return _stop(out, p, step, save, "stop")
+            return _stop(out, p, step, save, "stop", exchange.counts())
         _ack(out, decision, "done", step)
 
     # -- the end (skipping what the last step's boundaries already did) ----------------------
@@ -385,7 +410,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
         p.checkpoint.every_steps and step % p.checkpoint.every_steps == 0
     ):
         save("end")
-    out.status("finished", reason="max_steps reached")
+    out.status("finished", reason="max_steps reached", exchanges=exchange.counts())
 
 
 def _ack(out: Reporter, decision, state: str, step: int) -> None:
@@ -394,12 +419,12 @@ def _ack(out: Reporter, decision, state: str, step: int) -> None:
         out.event("control", id=decision.cmd_id, cmd=decision.cmd, state=state, step=step)
 
 
-def _stop(out: Reporter, p: Profile, step: int, save, reason: str) -> None:
+def _stop(out: Reporter, p: Profile, step: int, save, reason: str, exchanges: dict) -> None:
     out.status("stopping", reason=reason)
     saved = save(reason) if p.checkpoint.on_stop else True
     # ``checkpointed`` is false only when a checkpoint was due and could not be written: the
     # supervisor then records the stop as interrupted (exit 130), not as a clean stop.
-    out.status("stopped", reason=reason, checkpointed=saved)
+    out.status("stopped", reason=reason, checkpointed=saved, exchanges=exchanges)
 
 
 def _stop_non_finite(out, d, p: Profile, step: int, save, last_loss, grad_norm) -> None:
@@ -476,22 +501,13 @@ def _gib(n: int) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
 
-def _log_step(out, d, p, step, batches, scheduler, last_loss, grad_norm, window: Window) -> None:
-    """The one collective of a log interval: loss, counts and memory of every rank.
-
-    A single all_gather of one float64 row per rank (summed here, in rank order): small gloo
-    collectives cost ~1 ms each on CPU, so two of them were the engine's main overhead.
-    """
-    row = [last_loss.item(), window.loss_sum.item(), window.samples, window.tokens]
-    row += memory_sample(d.device)
-    mine = torch.tensor(row, dtype=torch.float64, device=d.device)
-    rows = [torch.empty_like(mine) for _ in range(d.world_size)]
-    dist.all_gather(rows, mine)
-    table = [r.tolist() for r in rows]
-    loss, loss_sum, samples, tokens = (sum(r[i] for r in table) for i in range(4))
-    mems = [[int(v) for v in r[4:7]] for r in table]
+def _log_step(out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, window) -> None:
+    """A step event from every rank's numbers, which came with the step's exchange."""
+    loss = sum(r.last_loss for r in rows) / d.world_size
+    loss_sum = sum(r.loss_sum for r in rows)
+    samples = sum(r.samples for r in rows)
+    tokens = sum(r.tokens for r in rows)
     elapsed = max(time.perf_counter() - window.started, 1e-9)
-    loss = loss / d.world_size
     if not math.isfinite(loss) and p.train.nan_policy == "stop":
         first = step - window.steps + 1
         where = f"step {step}" if first == step else f"steps {first}-{step}"
@@ -508,8 +524,8 @@ def _log_step(out, d, p, step, batches, scheduler, last_loss, grad_norm, window:
         "samples_per_s": samples / elapsed,
         "step_time_s": elapsed / max(window.steps, 1),
         "memory": [
-            {"rank": r, "allocated": a, "reserved": b, "peak": c}
-            for r, (a, b, c) in enumerate(mems)
+            {"rank": i, "allocated": r.allocated, "reserved": r.reserved, "peak": r.peak}
+            for i, r in enumerate(rows)
         ],
     }
     if tokens:

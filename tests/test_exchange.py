@@ -1,0 +1,157 @@
+"""The ranks' numbers ride with the gradients' all-reduce (gpu_console/engine/exchange.py).
+
+Checked three ways: the table's encoding survives the sum exactly; under real torchrun
+(3 ranks, so the world size is not a power of two), the hook's gradients are bit for bit
+plain DDP's and every rank's row arrives; and in real runs, log steps make no collective of
+their own while control checks between sparse log steps still answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from conftest import REPO, events_of, fast_profile, read_status, the_run, wait_for
+
+from gpu_console.engine.exchange import WIDTH, Row, decode, encode_ints
+from gpu_console.events import append_control
+
+
+def _table(world: int, rank: int, floats: list[float], ints: list[int]) -> torch.Tensor:
+    table = torch.zeros(world, WIDTH)
+    table[rank] = torch.tensor(floats + encode_ints(ints))
+    return table
+
+
+def test_rows_survive_the_sum_exactly():
+    """Summing every rank's table (what the all-reduce does) gathers the rows, big ints exact."""
+    big = [2**45 + 12345, 2**40 + 1, 3 * 2**33 + 7, 0, 1, 4, 1, 2**31 + 5]
+    rows_in = [
+        ([0.1234567, 12.5], big),
+        ([float("nan"), 3.0], [1, 2, 3, 4, 5, 0, 0, 0]),
+        ([2.5, float("inf")], [10**12, 0, 7, 7, 7, 2, 0, 123456789]),
+    ]
+    total = sum(_table(3, r, f, i) for r, (f, i) in enumerate(rows_in))
+    rows = decode(total)
+    assert rows[0] == Row(torch.tensor(0.1234567).item(), 12.5, *big)
+    assert rows[1].samples == 1 and rows[1].peak == 5 and rows[1].last_loss != rows[1].last_loss
+    assert rows[2].samples == 10**12 and rows[2].next_check == 123456789
+    assert rows[2].loss_sum == float("inf")
+
+
+WORKER = r"""
+import json, os, sys
+from gpu_console.engine.signals import die_with_parent
+die_with_parent()
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from gpu_console.engine.exchange import Exchange
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+out = {}
+
+def model(dtype):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.GELU(), torch.nn.Linear(33, 5))
+    return m.to(dtype)
+
+def grads(ddp, seed, dtype):
+    g = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(16, 7, generator=g, dtype=dtype)
+    ddp(x).square().mean().backward()
+    flat = torch.cat([p.grad.flatten() for p in ddp.parameters()])
+    ddp.zero_grad(set_to_none=True)
+    return flat
+
+for dtype, name in ((torch.float32, "f32"), (torch.float64, "f64")):
+    plain = DDP(model(dtype))
+    hooked = DDP(model(dtype))
+    ex = Exchange(rank, world, torch.device("cpu"))
+    hooked.register_comm_hook(None, ex.hook)
+    # A step without a table: the hook must be plain DDP, bit for bit.
+    same = torch.equal(grads(plain, 1, dtype), grads(hooked, 1, dtype))
+    # A step with a table: gradients still right, and every rank's row arrives.
+    ref = grads(plain, 2, dtype)
+    ex.prepare([torch.tensor(0.5 + rank), torch.tensor(10.0 * rank)],
+               [100 + rank, 2**40 + rank, rank, 2 * rank, 3 * rank, rank % 2, 0, 0])
+    got = grads(hooked, 2, dtype)
+    rows = ex.gather()
+    out[name] = {
+        "bitwise_without_table": same,
+        "close_with_table": torch.allclose(ref, got, rtol=1e-6, atol=0),
+        "rows": [[r.last_loss, r.loss_sum, r.samples, r.tokens, r.reserved, r.cmd] for r in rows],
+        "counts": ex.counts(),
+    }
+with open(os.path.join(sys.argv[1], f"rank-{rank}.json"), "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+"""
+
+
+def test_hook_matches_plain_ddp_and_gathers_every_rank(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    # torchrun ends on its own; its ranks die with it (PR_SET_PDEATHSIG) if it is killed.
+    proc = subprocess.run(
+        [*argv, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    expected_rows = [
+        [0.5 + r, 10.0 * r, 100 + r, 2**40 + r, 2 * r, r % 2] for r in range(3)
+    ]  # fmt: skip
+    for rank in range(3):
+        result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        f32, f64 = result["f32"], result["f64"]
+        for res in (f32, f64):
+            assert res["bitwise_without_table"] and res["close_with_table"]
+            assert res["rows"] == expected_rows
+        assert f32["counts"] == {"carried": 1, "separate": 0}
+        # float64 gradients cannot carry the float32 table: one collective of its own.
+        assert f64["counts"] == {"carried": 0, "separate": 1}
+
+
+def test_log_steps_make_no_collective_of_their_own(procs, runs_dir, tmp_path):
+    profile = fast_profile(tmp_path, max_steps=30)
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = the_run(runs_dir)
+    steps = events_of(run, "step")
+    assert [e["step"] for e in steps] == list(range(1, 31))  # log_every = 1
+    finished = events_of(run, "status")[-1]
+    assert finished["state"] == "finished"
+    assert finished["exchanges"] == {"carried": 30, "separate": 0}
+    assert all(e["loss"] == e["loss"] and len(e["memory"]) == 2 for e in steps)
+
+
+def test_control_between_sparse_log_steps_still_answers(procs, runs_dir, tmp_path):
+    """No log step for a million steps: checks come on the control interval instead."""
+    profile = fast_profile(tmp_path, max_steps=1_000_000, extra="")
+    text = profile.read_text().replace("log_every = 1\n", "log_every = 1000000\n")
+    profile.write_text(text)
+    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
+    run = wait_for(lambda: the_run(runs_dir), what="the run directory")
+    wait_for(
+        lambda: any(e["state"] == "running" for e in events_of(run, "status")),
+        what="the run to be running",
+    )
+
+    def acks(cid):
+        return [e["state"] for e in events_of(run, "control") if e["id"] == cid]
+
+    cid = append_control(run, "checkpoint")
+    wait_for(lambda: acks(cid) == ["received", "done"], what="checkpoint acknowledged")
+    assert [c["reason"] for c in events_of(run, "checkpoint")] == ["request"]
+    cid = append_control(run, "stop")
+    out, err = console.communicate(timeout=120)
+    assert console.returncode == 0, out + err
+    assert acks(cid) == ["received", "done"]
+    stopped = events_of(run, "status")[-1]
+    assert stopped["state"] == "stopped" and read_status(run)["state"] == "stopped"
+    assert not events_of(run, "step")
+    assert stopped["exchanges"]["carried"] == 0 and stopped["exchanges"]["separate"] >= 2
