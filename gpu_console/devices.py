@@ -25,6 +25,13 @@ class Placement:
     nproc: int
     cuda_visible_devices: str | None = None
 
+    def cpu_threads_per_rank(self) -> int:
+        """Each CPU rank's share of the usable cores: none idle, none oversubscribed.
+
+        torchrun's own default is one thread per rank however many cores there are.
+        """
+        return max(1, len(os.sched_getaffinity(0)) // max(self.nproc, 1))
+
     def describe(self) -> str:
         if self.device_type == "cpu":
             return f"cpu × {self.nproc} ranks"

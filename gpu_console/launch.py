@@ -176,6 +176,8 @@ def worker_env(placement: Placement) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices or ""
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
+        # A thread count the user set stands; torchrun would otherwise set 1.
+        env.setdefault("OMP_NUM_THREADS", str(placement.cpu_threads_per_rank()))
     return env
 
 

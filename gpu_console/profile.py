@@ -104,7 +104,9 @@ class DistributedConfig:
     max_restarts: int = opt(0, "torchrun restarts of the worker group before failing", min=0)
     collective_timeout_s: float = opt(300.0, "a collective that waits longer fails", gt=0.0)
     shutdown_grace_s: float = opt(30.0, "seconds between SIGTERM and SIGKILL on stop", gt=0.0)
-    cpu_affinity: bool = opt(True, "CPU ranks: pin each rank to its own cores and threads")
+    cpu_affinity: bool = opt(
+        False, "CPU ranks: pin each rank to its own cores (threads match each rank's share anyway)"
+    )
 
 
 @dataclass

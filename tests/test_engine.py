@@ -5,6 +5,7 @@ Every test here starts real processes (2 CPU ranks on gloo) and waits on events.
 
 from __future__ import annotations
 
+import os
 import signal
 import stat
 import sys
@@ -45,6 +46,8 @@ def test_quickstart_learns_and_leaves_a_complete_run_directory(procs, runs_dir):
     start = events_of(run, "start")[0]
     assert start["world_size"] == 2 and start["device_type"] == "cpu"
     assert start["precision"] == "fp32" and start["backend"] == "gloo"
+    assert start["optimizer"] == "AdamW (fused)"  # train.optimizer_impl = "auto" on CPU
+    assert start["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)  # each rank's share
     assert [s["rank"] for s in steps[-1]["memory"]] == [0, 1]
     assert all(m["peak"] > 0 for m in steps[-1]["memory"])
     assert [e["state"] for e in events_of(run, "status")] == ["starting", "running", "finished"]

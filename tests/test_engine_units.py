@@ -1,8 +1,8 @@
 """Fast in-process unit tests of the engine's pieces at their seams.
 
-Schedules (also through a real ``LambdaLR``), precision resolution, sharded resumable data,
-checkpoints in a one-process gloo group, the supervisor's failure summary and the headless
-summary. No subprocesses, no network, no sleeps.
+Schedules (also through a real ``LambdaLR``), precision resolution, the optimizer's
+kernels, sharded resumable data, checkpoints in a one-process gloo group, the supervisor's
+failure summary and the headless summary. No subprocesses, no network, no sleeps.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from gpu_console import headless, supervisor
 from gpu_console.engine import checkpoint, precision
+from gpu_console.engine import optimizer as optim
 from gpu_console.engine.data import Batches, DataPosition, ShardSampler, make_loader
 from gpu_console.engine.schedule import lr_factor, scaled_lr
 from gpu_console.profile import DataConfig, TrainConfig
@@ -194,6 +195,38 @@ def test_autocast_bf16_on_cpu_runs_matmuls_in_bf16():
     assert a.dtype == torch.float32
     assert out.dtype == torch.bfloat16
     assert (a @ b).dtype == torch.float32  # only inside the context
+
+
+# -- optimizer ------------------------------------------------------------------------------
+
+
+def test_auto_optimizer_is_fused_on_cpu_and_cuda_and_explicit_choices_stand():
+    assert optim.resolve_impl("auto", "cpu") == "fused"
+    assert optim.resolve_impl("auto", "cuda") == "fused"
+    for impl in ("fused", "foreach", "for-loop"):
+        assert optim.resolve_impl(impl, "cpu") == impl
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "for-loop"])
+def test_every_optimizer_impl_takes_the_same_adamw_step(impl):
+    """The kernels differ; the update is AdamW's, to float rounding, whichever runs it."""
+
+    def run(impl: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+        opt = optim.build(model.parameters(), 1e-2, 0.1, impl, "cpu")
+        assert opt.defaults["fused"] is (True if impl == "fused" else None)
+        assert opt.defaults["foreach"] is (None if impl == "fused" else impl == "foreach")
+        x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+        for _ in range(5):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return [q.detach().clone() for q in model.parameters()]
+
+    reference = run("for-loop")
+    for got, want in zip(run(impl), reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # -- data -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_console import devices, runs
+from gpu_console import devices, launch, runs
 from gpu_console.devices import DeviceSpec, DeviceSpecError, Placement, parse_devices, place
 from gpu_console.events import EventWriter, JsonlTail, append_control, read_events
 from gpu_console.runs import RunDirError
@@ -338,6 +338,20 @@ def test_auto_without_gpus_is_two_cpu_ranks_here():
 def test_default_cpu_ranks_follow_the_usable_cores(monkeypatch, cores, ranks):
     monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: cores)
     assert place(DeviceSpec("auto"), 0) == Placement("cpu", ranks)
+
+
+@pytest.mark.parametrize("cores, nproc, threads", [(16, 2, 8), (16, 3, 5), (2, 2, 1), (2, 4, 1)])
+def test_cpu_ranks_get_their_share_of_the_cores_as_threads(monkeypatch, cores, nproc, threads):
+    monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    placement = Placement("cpu", nproc)
+    assert placement.cpu_threads_per_rank() == threads
+    assert launch.worker_env(placement)["OMP_NUM_THREADS"] == str(threads)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
+    assert launch.worker_env(placement)["OMP_NUM_THREADS"] == "3"
+    # GPU ranks keep torchrun's own default.
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert "OMP_NUM_THREADS" not in launch.worker_env(Placement("cuda", 2, "0,1"))
 
 
 def test_place_cpu_and_gpus():
