@@ -97,9 +97,12 @@ def main() -> None:
         num_workers=0,
         generator=torch.Generator().manual_seed(a.data_seed),
     )
-    impl = {"default": {}, "fused": {"fused": True}, "foreach": {"foreach": True}}.get(
-        a.optimizer_impl, {"foreach": False}
-    )
+    impl = {
+        "default": {},
+        "fused": {"fused": True},
+        "foreach": {"foreach": True},
+        "for-loop": {"foreach": False},
+    }[a.optimizer_impl]
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay, **impl)
 
     def factor(s: int) -> float:

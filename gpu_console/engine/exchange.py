@@ -134,7 +134,9 @@ class Exchange:
     def counts(self) -> dict[str, int]:
         return {"carried": self.carried, "separate": self.separate}
 
-    def exchange_now(self, floats: list[torch.Tensor], ints: list[int]) -> list[Row]:
-        """Outside a step (paused, or no gradients to ride with): prepare and gather."""
-        self.prepare(floats, ints)
+    def control_only(self, proposal: tuple[int, int, int]) -> list[Row]:
+        """A control check outside a log step (paused, or between sparse log steps): one
+        collective of its own, carrying only the control proposal (the rest zeros)."""
+        zero = torch.zeros((), device=self.device)
+        self.prepare([zero] * len(FLOATS), [0] * (len(INTS) - 3) + list(proposal))
         return self.gather()

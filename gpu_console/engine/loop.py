@@ -283,7 +283,6 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
     out.status("running")
 
     window = Window(loss_sum=torch.zeros((), device=d.device))
-    zero = torch.zeros((), device=d.device)
     grad_norm = torch.zeros((), device=d.device)
     accum = p.train.grad_accum
     max_norm = p.train.clip_grad_norm if p.train.clip_grad_norm > 0 else math.inf
@@ -301,7 +300,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
             beat.set(step, "paused")
             if d.local_rank == 0:
                 time.sleep(CONTROL_INTERVAL_S)  # the other ranks wait in the exchange
-            rows = exchange.exchange_now([zero, zero], [0] * 5 + list(control.proposal(step)))
+            rows = exchange.control_only(control.proposal(step))
         else:
             # A log step's numbers ride with its gradients' all-reduce: every rank knows the
             # log steps beforehand, so all carry the table at the same steps, and a resumed
@@ -374,7 +373,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
                 if not control.due(step):
                     continue
                 beat.set(step, "control")
-                rows = exchange.exchange_now([zero, zero], [0] * 5 + list(control.proposal(step)))
+                rows = exchange.control_only(control.proposal(step))
 
         decision = control.decide(step, [(r.cmd, r.signalled, r.next_check) for r in rows])
         while control.warnings:

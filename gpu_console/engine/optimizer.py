@@ -13,8 +13,6 @@ from collections.abc import Iterable
 
 import torch
 
-IMPLS = ("auto", "fused", "foreach", "for-loop")
-
 
 def resolve_impl(requested: str, device_type: str) -> str:
     """``auto`` → ``fused`` where this torch has a fused AdamW for the device, else foreach."""
