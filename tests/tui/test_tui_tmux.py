@@ -19,7 +19,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, events_of, fast_profile, only_run, read_status, wait_for
+from conftest import (
+    REPO,
+    events_of,
+    fast_profile,
+    only_run,
+    read_events,
+    read_status,
+    run_dirs,
+    wait_for,
+)
 from conftest import test_env as environment
 from tui_support import kill_runs
 
@@ -83,6 +92,17 @@ def console(tmp_path, *args: str) -> tuple[Tmux, Path]:
     return tmux, exit_file
 
 
+def diagnosis(tmux: Tmux, runs: Path) -> str:
+    """What a failing wait saw: the pane, and each run's state and last events."""
+    parts = ["pane:", tmux.pane()]
+    for run in run_dirs(runs):
+        parts.append(f"{run.name}: status {read_status(run)}")
+        parts.extend(str(e) for e in read_events(run)[-8:])
+        for log in sorted((run / "logs").glob("*")) if (run / "logs").is_dir() else []:
+            parts.append(f"{log.name}: {log.read_text(errors='replace')[-1500:]}")
+    return "\n".join(parts)
+
+
 def test_the_real_binary_in_tmux(tmp_path):
     runs = tmp_path / "runs"
     tmux, exit_file = console(tmp_path, "--runs-dir", str(runs))
@@ -128,6 +148,8 @@ def test_the_real_binary_in_tmux(tmp_path):
         tmux.keys("q")
         wait_for(exit_file.exists, 30, "the console to exit")
         assert exit_file.read_text().strip() == "0"
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{diagnosis(tmux, runs)}") from None
     finally:
         tmux.end()
         kill_runs(runs)
