@@ -15,9 +15,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import (
     REPO,
@@ -92,9 +94,23 @@ def console(tmp_path, *args: str) -> tuple[Tmux, Path]:
     return tmux, exit_file
 
 
+def busiest(n: int = 8) -> str:
+    """The processes using the most CPU over half a second (what else held the machine)."""
+    procs = list(psutil.process_iter(["pid", "cmdline"]))
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.cpu_percent(None)
+    time.sleep(0.5)  # the measuring interval of cpu_percent, not a wait on the test's subject
+    usage = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            usage.append((p.cpu_percent(None), p.pid, " ".join(p.info["cmdline"] or [])[:160]))
+    return "\n".join(f"{c:5.0f}% {pid} {cmd}" for c, pid, cmd in sorted(usage, reverse=True)[:n])
+
+
 def diagnosis(tmux: Tmux, runs: Path) -> str:
     """What a failing wait saw: the pane, and each run's state and last events."""
-    parts = ["pane:", tmux.pane()]
+    parts = ["pane:", tmux.pane(), "busiest processes:", busiest()]
     for run in run_dirs(runs):
         parts.append(f"{run.name}: status {read_status(run)}")
         parts.extend(str(e) for e in read_events(run)[-8:])
