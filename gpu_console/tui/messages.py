@@ -56,6 +56,7 @@ class Preview:
     precision: str = "auto"
     devices: str = "auto"
     values: dict[str, Any] = field(default_factory=dict)  # the override fields' profile values
+    sets: list[str] = field(default_factory=list)  # the overrides this preview resolved
 
 
 class PreviewReady(Message):

@@ -11,6 +11,7 @@ from test_telemetry_fake import FakeGpu, FakeNvml, install
 from tui_support import kill_runs, screen_text, until
 
 from gpu_console.tui.app import ConsoleApp
+from gpu_console.tui.messages import Preview, PreviewReady
 from gpu_console.tui.screens.launch import LaunchScreen
 from gpu_console.tui.screens.run import RunScreen
 
@@ -80,6 +81,29 @@ async def test_overrides_are_validated_as_typed_with_the_messages_of_set(here, n
         lr.focus()
         await pilot.press(*"fast")
         await until(pilot, lambda: "--set: train.lr:" in screen_text(app), 5, "the lr message")
+
+
+async def test_a_preview_of_overrides_since_retyped_is_dropped(here, no_gpu):
+    # Resolving runs in thread workers that always run to their end, so the answer for an
+    # older text can arrive after the newest one; it must not show, nor block a launch.
+    app = ConsoleApp(runs_dir=here / "blocked")
+    (here / "blocked").write_text("a file: a launch that gets past the problems fails here")
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await ready(pilot, app)
+        field = screen.query_one("#set-max_steps")
+        field.focus()
+        await pilot.press("4", "2")
+        await until(pilot, lambda: "max_steps = 42" in screen_text(app), 5, "the preview")
+        stale = Preview(screen.selected_path(), sets=["train.max_steps=4x"])
+        stale.problems = ["--set: train.max_steps: expected an integer (got '4x')"]
+        screen.post_message(PreviewReady(stale))
+        await pilot.pause()
+        await pilot.pause()
+        assert "expected an integer" not in screen_text(app) and not field.has_class("-bad")
+        assert screen.preview.sets == ["train.max_steps=42"]
+        await pilot.press("enter")  # the launch goes ahead (and fails on the runs directory)
+        await until(pilot, lambda: "cannot create the runs directory" in screen_text(app), 10,
+                    "the launch attempted")  # fmt: skip
 
 
 async def test_gpus_are_listed_live_toggled_with_space_and_bf16_needs_ampere(here, monkeypatch):

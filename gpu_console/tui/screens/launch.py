@@ -201,7 +201,7 @@ class LaunchScreen(Screen):
     def _resolve(self, path: Path, sets: list[str]) -> None:
         from ...profile import ProfileError, load_profile
 
-        preview = Preview(path)
+        preview = Preview(path, sets=list(sets))
         try:
             base = load_profile(str(path))
             preview.values = {
@@ -222,8 +222,10 @@ class LaunchScreen(Screen):
 
     def on_preview_ready(self, message: PreviewReady) -> None:
         p = message.preview
-        if p.path != self.selected_path():
-            return  # an answer for a profile no longer highlighted
+        if p.path != self.selected_path() or p.sets != self.overrides():
+            # An answer for a profile no longer highlighted, or for overrides since retyped:
+            # thread workers run to their end, so an older answer may arrive after a newer one.
+            return
         changed_profile = self.preview is None or self.preview.path != p.path
         self.preview = p
         for fid, key, _ in FIELDS:
@@ -424,7 +426,10 @@ class LaunchScreen(Screen):
         path = self.selected_path()
         if path is None or self.launching:
             return
-        problems = list(self.preview.problems) if self.preview else []
+        # A preview of other overrides (the newest still resolving) does not judge this launch:
+        # prepare() below checks everything again.
+        current = self.preview is not None and self.preview.sets == self.overrides()
+        problems = list(self.preview.problems) if current else []
         devices = self.devices_spec() if self._devices_ready else None
         if self._devices_ready and devices is None:
             problems.append("devices: select at least one (Space toggles)")
