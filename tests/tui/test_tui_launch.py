@@ -85,7 +85,8 @@ async def test_overrides_are_validated_as_typed_with_the_messages_of_set(here, n
 
 async def test_a_preview_of_overrides_since_retyped_is_dropped(here, no_gpu):
     # Resolving runs in thread workers that always run to their end, so the answer for an
-    # older text can arrive after the newest one; it must not show, nor block a launch.
+    # older text can arrive after the newest one; it must not show, nor block a launch. (Typing
+    # 1000000 into max steps passes through 1 and 10, below quickstart's warmup_steps.)
     app = ConsoleApp(runs_dir=here / "blocked")
     (here / "blocked").write_text("a file: a launch that gets past the problems fails here")
     async with app.run_test(size=(100, 32)) as pilot:
@@ -101,6 +102,10 @@ async def test_a_preview_of_overrides_since_retyped_is_dropped(here, no_gpu):
         await pilot.pause()
         assert "expected an integer" not in screen_text(app) and not field.has_class("-bad")
         assert screen.preview.sets == ["train.max_steps=42"]
+        # Enter pressed while the newest answer is still resolving: the one before it (here a
+        # real problem of max_steps 4: below warmup_steps) does not judge the launch.
+        screen.preview = Preview(screen.selected_path(), sets=["train.max_steps=4"])
+        screen.preview.problems = ["train.warmup_steps: must not exceed train.max_steps=4"]
         await pilot.press("enter")  # the launch goes ahead (and fails on the runs directory)
         await until(pilot, lambda: "cannot create the runs directory" in screen_text(app), 10,
                     "the launch attempted")  # fmt: skip
