@@ -12,18 +12,23 @@ One invocation runs, alternately and R times each (ABAB...):
 
 each with its ranks pinned (rank i on its own cores, as many threads) and unpinned
 (torchrun's default: one thread, no affinity), the plain loop with the engine's AdamW
-implementation; plus the plain loop as PyTorch and torchrun leave it (unpinned, AdamW's
-own default implementation). Both are measured the same way: rank 0's
-steady-state steps/s from the end of the first ~10% of steps to the end of the last one,
-startup excluded (the engine from the wall-clock ``t`` of its ``step`` events, the plain
-loop from its own ``perf_counter``). Periodic eval and checkpoints are off in the engine
-runs: the plain loop does neither, and their cost is not the loop's.
+implementation and the engine summing gradients with gloo as the plain loop does; plus the
+engine as the profile sets it (its CPU ranks sum gradients through shared memory) and the
+plain loop as PyTorch and torchrun leave it (unpinned, AdamW's own default implementation).
+Both are measured the same way: rank 0's steady-state steps/s from the end of the first
+~10% of steps to the end of the last one, startup excluded (the engine from the wall-clock
+``t`` of its ``step`` events, the plain loop from its own ``perf_counter``). Periodic eval
+and checkpoints are off in the engine runs: the plain loop does neither, and their cost is
+not the loop's.
 
 Pairs compared (ratios are per round, engine / plain, then the median over rounds):
 
-  equal settings, pinned     engine (cpu_affinity = true)  / plain --pin     target >= 0.97
-  equal settings, unpinned   engine (cpu_affinity = false) / plain           target >= 0.97
-  defaults                   engine (profile defaults)     / plain defaults  target >= 1.3
+  equal settings, pinned     engine (cpu_affinity = true, cpu_reduce = gloo)  / plain --pin
+                                                                   target >= 0.97
+  equal settings, unpinned   engine (cpu_affinity = false, cpu_reduce = gloo) / plain
+                                                                   target >= 0.97
+  defaults                   engine (profile defaults: shared-memory reduce)  / plain defaults
+                                                                   target >= 1.3
 
 Each run also records the other load on the machine while it ran (busy cores not ours);
 the pairs are summarised over all rounds and over the quiet ones (``--retry-noisy N``
@@ -199,13 +204,15 @@ def make_setup(profile_name: str, steps: int, log_every: int | None) -> Setup:
 
 
 def run_engine(s: Setup, affinity: bool | None, workdir: Path) -> dict:
-    """The real CLI; ``affinity`` None leaves the profile's default."""
+    """The real CLI; ``affinity`` None leaves every setting at the profile's default, else
+    the plain loop's settings: that placement and gradients summed by gloo."""
     runs_dir = Path(tempfile.mkdtemp(prefix="runs-", dir=workdir))
     argv = [sys.executable, "-m", "gpu_console", "run", s.profile, "--headless"]
     argv += ["--runs-dir", str(runs_dir), "--devices", f"cpu:{NPROC}", "--precision", "fp32"]
     sets = list(s.engine_sets)
     if affinity is not None:
         sets.append(f"distributed.cpu_affinity={str(affinity).lower()}")
+        sets.append("distributed.cpu_reduce=gloo")
     for item in sets:
         argv += ["--set", item]
     t0 = time.perf_counter()
@@ -357,16 +364,16 @@ def main() -> int:
         flush=True,
     )
 
-    # (label, side, placement); the engine's defaults are run separately only if its default
-    # placement differs from what the pinned engine run already measures.
+    # (label, side, placement); placement None: the engine as the profile sets it.
     configs: list[tuple[str, str, bool | None]] = [
         ("engine pinned", "engine", True),
         ("plain pinned", "plain", True),
         ("engine unpinned", "engine", False),
         ("plain unpinned", "plain", False),
+        ("engine defaults", "engine", None),
         ("plain defaults", "defaults", False),
     ]
-    default_label = "engine pinned" if s.affinity_default else "engine unpinned"
+    default_label = "engine defaults"
     results: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
 
     # The CLI's own cost first: a few seconds, and a broken CLI fails before the long part.
@@ -463,8 +470,10 @@ def main() -> int:
         "machine's other work slows the two sides unevenly)"
     )
     print(
-        f"(defaults: '{default_label}' is the engine as the profile sets it, AdamW "
-        f"{s.optimizer_impl}; 'plain defaults' is torchrun's placement and AdamW's own choice)"
+        f"(equal settings: the engine sums gradients with gloo, as the plain loop does; "
+        f"defaults: the engine as the profile sets it, AdamW {s.optimizer_impl}, "
+        f"{'pinned' if s.affinity_default else 'unpinned'}, gradients summed through shared "
+        "memory; 'plain defaults' is torchrun's placement and AdamW's own choice)"
     )
     same = math.isclose(losses["engine pinned"], losses["plain pinned"], rel_tol=1e-5)
     print(

@@ -104,6 +104,10 @@ class DistributedConfig:
     max_restarts: int = opt(0, "torchrun restarts of the worker group before failing", min=0)
     collective_timeout_s: float = opt(300.0, "a collective that waits longer fails", gt=0.0)
     shutdown_grace_s: float = opt(30.0, "seconds between SIGTERM and SIGKILL on stop", gt=0.0)
+    cpu_reduce: Literal["shared-memory", "gloo"] = opt(
+        "shared-memory",
+        "CPU ranks on one machine sum gradients through shared memory (else gloo, said why)",
+    )
     cpu_affinity: bool = opt(
         False, "CPU ranks: pin each rank to its own cores (threads match each rank's share anyway)"
     )

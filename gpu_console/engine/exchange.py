@@ -8,10 +8,12 @@ their own. That matters on CPU: a gloo collective costs about 1.5 ms of CPU here
 small it is, a quickstart step about 5 ms, and a separate collective every ten steps was
 the engine's main overhead against a plain loop (benchmarks/overhead.py).
 
-Every other step the hook does exactly what DDP's built-in all-reduce does (scale by
-1/world_size while the gradients are in the bucket, then sum), so gradients are bit for
-bit those of plain DDP. Where no bucket can carry the table (no float32 gradients, or DDP
-never calls the hook), :meth:`Exchange.gather` makes one collective of its own instead.
+Every other step the hook does what DDP's built-in all-reduce does (scale by 1/world_size
+while the gradients are in the bucket, then sum), so gradients are bit for bit those of
+plain DDP. CPU ranks on one machine sum through shared memory instead (shared_reduce.py):
+the same bits at two ranks, and the same bits on every rank at any number. Where no
+bucket can carry the table (no float32 gradients, or DDP never calls the hook),
+:meth:`Exchange.gather` makes one collective of its own instead.
 
 Integers (sample counts, memory bytes, step numbers) travel as two float32 halves, each
 exact, so nothing is rounded on the way.
@@ -69,8 +71,9 @@ def decode(table: torch.Tensor) -> list[Row]:
 class Exchange:
     """The DDP communication hook and the table it may carry."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device):
+    def __init__(self, rank: int, world_size: int, device: torch.device, shared=None):
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.shared = shared  # a SharedReduce for CPU ranks on one machine, else None (gloo)
         self._pending: torch.Tensor | None = None  # this step's table, before the all-reduce
         self._result: torch.Tensor | None = None  # the summed table, after it
         self.carried = 0  # tables that rode with the gradients' all-reduce
@@ -85,20 +88,26 @@ class Exchange:
         buf.mul_(1.0 / self.world_size)
         table = self._pending
         if table is None or buf.dtype != torch.float32:
-            fut = dist.all_reduce(buf, async_op=True).get_future()
-            return fut.then(lambda f: f.value()[0])
+            return self._all_reduce(buf)
         self._pending = None
         n = buf.numel()
-        joined = torch.cat([buf, table.flatten()])
-        fut = dist.all_reduce(joined, async_op=True).get_future()
 
         def split(f: torch.futures.Future) -> torch.Tensor:
-            out = f.value()[0]
+            out = f.value()
             self._result = out[n:].view(self.world_size, WIDTH)
             return out[:n]
 
         self.carried += 1
-        return fut.then(split)
+        return self._all_reduce(torch.cat([buf, table.flatten()])).then(split)
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.futures.Future:
+        """A future of the sum over ranks of ``t``: through shared memory when the ranks
+        share one (float32 only, the same choice on every rank), else gloo or NCCL."""
+        if self.shared is not None and t.dtype == torch.float32:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(self.shared.all_reduce(t))
+            return fut
+        return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
 
     # -- a step's exchange -------------------------------------------------------------------
 
@@ -125,9 +134,8 @@ class Exchange:
             table, self._pending = self._pending, None
             if table is None:
                 raise RuntimeError("Exchange.gather() without prepare()")
-            dist.all_reduce(table)
+            self._result = self._all_reduce(table).wait()
             self.separate += 1
-            self._result = table
         rows, self._result = decode(self._result), None
         return rows
 

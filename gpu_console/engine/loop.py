@@ -50,6 +50,7 @@ from .heartbeat import Heartbeat
 from .metrics import memory_sample
 from .reporter import Reporter
 from .schedule import lr_factor, scaled_lr
+from .shared_reduce import SharedReduce
 
 CONTROL_INTERVAL_S = 0.25
 
@@ -210,7 +211,12 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
         out.log("info", f"resumed from {resume} at step {step}")
 
     ddp = distmod.wrap(model, p.distributed, d)
-    exchange = Exchange(d.rank, d.world_size, d.device)
+    shared, why_not = None, "distributed.cpu_reduce = gloo"
+    if p.distributed.cpu_reduce == "shared-memory":
+        shared, why_not = SharedReduce.create(
+            d, p.distributed.collective_timeout_s, os.path.basename(run_dir)
+        )
+    exchange = Exchange(d.rank, d.world_size, d.device, shared)
     ddp.register_comm_hook(None, exchange.hook)
     batches = Batches(train_loader, position)
     control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
@@ -277,6 +283,8 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
         lr=lr,
         optimizer=f"AdamW ({optim.resolve_impl(p.train.optimizer_impl, d.device.type)})",
         ddp=_ddp_settings(ddp),
+        # How gradients are summed: what a CPU run's speed depends on most.
+        reduce="shared memory" if shared else f"{d.backend} ({why_not})",
         threads=torch.get_num_threads(),
         versions={"torch": torch.__version__, "cuda": torch.version.cuda},
     )
