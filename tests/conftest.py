@@ -228,6 +228,23 @@ def task_profile(tmp_path: Path, module: str, source: str, cls: str, **kw) -> Pa
     return profile
 
 
+# For worker scripts run under torchrun (they need ``torch`` and ``rank`` defined): a small
+# model, and one step's all-reduced gradients, flattened, from rank-dependent data.
+DDP_STEP = """
+def model(dtype):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.GELU(), torch.nn.Linear(33, 5))
+    return m.to(dtype)
+
+def grads(ddp, seed, dtype):
+    g = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(16, 7, generator=g, dtype=dtype)
+    ddp(x).square().mean().backward()
+    flat = torch.cat([p.grad.flatten() for p in ddp.parameters()])
+    ddp.zero_grad(set_to_none=True)
+    return flat
+"""
+
 # Rank 1's loss is NaN on its 5th and 6th batches.
 POISONED_TASK = """
 import os

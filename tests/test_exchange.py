@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import REPO, events_of, fast_profile, read_status, the_run, wait_for
+from conftest import DDP_STEP, REPO, events_of, fast_profile, read_status, the_run, wait_for
 
 from gpu_console.engine.exchange import WIDTH, Row, decode, encode_ints
 from gpu_console.events import append_control
@@ -42,7 +42,8 @@ def test_rows_survive_the_sum_exactly():
     assert rows[2].loss_sum == float("inf")
 
 
-WORKER = r"""
+WORKER = (
+    r"""
 import json, os, sys
 from gpu_console.engine.signals import die_with_parent
 die_with_parent()
@@ -54,18 +55,9 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 out = {}
 
-def model(dtype):
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.GELU(), torch.nn.Linear(33, 5))
-    return m.to(dtype)
-
-def grads(ddp, seed, dtype):
-    g = torch.Generator().manual_seed(seed + rank)
-    x = torch.randn(16, 7, generator=g, dtype=dtype)
-    ddp(x).square().mean().backward()
-    flat = torch.cat([p.grad.flatten() for p in ddp.parameters()])
-    ddp.zero_grad(set_to_none=True)
-    return flat
+"""
+    + DDP_STEP
+    + r"""
 
 for dtype, name in ((torch.float32, "f32"), (torch.float64, "f64")):
     plain = DDP(model(dtype))
@@ -90,6 +82,7 @@ with open(os.path.join(sys.argv[1], f"rank-{rank}.json"), "w") as f:
     json.dump(out, f)
 dist.destroy_process_group()
 """
+)
 
 
 def test_hook_matches_plain_ddp_and_gathers_every_rank(tmp_path):

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, events_of, fast_profile, the_run
+from conftest import DDP_STEP, REPO, events_of, fast_profile, the_run
 
 from gpu_console.engine import shared_reduce
 from gpu_console.engine.shared_reduce import unavailable
@@ -39,7 +39,8 @@ def test_where_shared_memory_is_not_used_says_why(monkeypatch, tmp_path):
     assert "not writable" in unavailable("cpu", 2, 2)
 
 
-WORKER = r"""
+WORKER = (
+    r"""
 import json, os, sys, glob
 from types import SimpleNamespace
 from gpu_console.engine.signals import die_with_parent
@@ -55,7 +56,7 @@ shared_reduce.CHUNK = int(sys.argv[2])  # small: a tensor takes several rounds
 label = sys.argv[3]
 d = SimpleNamespace(rank=rank, world_size=world, local_world_size=world, device=torch.device("cpu"))
 shared, why = shared_reduce.SharedReduce.create(d, 60.0, label)
-out = {"why": why, "left_in_shm": glob.glob(f"/dev/shm/gpu-console-{label}-*")}
+out = {"why": why}
 
 def same_everywhere(t):
     parts = [torch.empty_like(t) for _ in range(world)]
@@ -79,18 +80,9 @@ for n in (1, shared_reduce.CHUNK - 1, shared_reduce.CHUNK, 3 * shared_reduce.CHU
     })
 out["sums"] = sums
 
-def model(dtype):
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.GELU(), torch.nn.Linear(33, 5))
-    return m.to(dtype)
-
-def grads(ddp, seed, dtype):
-    g = torch.Generator().manual_seed(seed + rank)
-    x = torch.randn(16, 7, generator=g, dtype=dtype)
-    ddp(x).square().mean().backward()
-    flat = torch.cat([p.grad.flatten() for p in ddp.parameters()])
-    ddp.zero_grad(set_to_none=True)
-    return flat
+"""
+    + DDP_STEP
+    + r"""
 
 for dtype, name in ((torch.float32, "f32"), (torch.float64, "f64")):
     plain = DDP(model(dtype))
@@ -119,11 +111,13 @@ if rank == 0:
         out["timeout"] = None
     except RuntimeError as e:
         out["timeout"] = str(e)
-dist.barrier()
+dist.barrier()  # rank 0 is past create() by now, where it unlinks the file
+out["left_in_shm"] = glob.glob(f"/dev/shm/gpu-console-{label}-*")
 with open(os.path.join(sys.argv[1], f"rank-{rank}.json"), "w") as f:
     json.dump(out, f)
 dist.destroy_process_group()
 """
+)
 
 
 @pytest.mark.parametrize("world", [2, 3])
