@@ -157,6 +157,46 @@ def test_sums_and_gradients_match_gloo_on_every_rank(tmp_path, world):
     assert not list(Path("/dev/shm").glob(f"gpu-console-{label}-*"))
 
 
+DEATH_WORKER = r"""
+import json, os, sys
+from types import SimpleNamespace
+from gpu_console.engine.signals import die_with_parent
+die_with_parent()
+import torch, torch.distributed as dist
+from gpu_console.engine import shared_reduce
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+d = SimpleNamespace(rank=rank, world_size=world, local_world_size=world, device=torch.device("cpu"))
+shared, _ = shared_reduce.SharedReduce.create(d, 300.0, sys.argv[2])
+if rank == 1:
+    os._exit(0)  # gone without a word, as a crashed rank is
+try:
+    shared.all_reduce(torch.ones(3))
+    error = None
+except RuntimeError as e:
+    error = str(e)
+with open(os.path.join(sys.argv[1], "rank-0.json"), "w") as f:
+    json.dump({"error": error, "pid_of_1": shared._pids[1]}, f)
+os._exit(0)  # no teardown: the peer of this process group is gone
+"""
+
+
+def test_a_rank_that_ends_is_noticed_from_its_pid_not_the_timeout(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(DEATH_WORKER)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    argv += [str(script), str(tmp_path), f"test-{os.getpid()}-death"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads((tmp_path / "rank-0.json").read_text())
+    # Noticed well before the 300 s timeout: the subprocess deadline above is 120 s.
+    assert res["error"] == (
+        f"shared-memory all-reduce: rank 1 (pid {res['pid_of_1']}) ended while rank 0 waited for it"
+    )
+
+
 def _losses(run: Path) -> list[tuple[float, float]]:
     return [(e["loss"], e["grad_norm"]) for e in events_of(run, "step")]
 

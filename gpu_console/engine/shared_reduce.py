@@ -19,8 +19,9 @@ The protocol, per round of at most :data:`CHUNK` floats per rank:
   in order, as other cores see them (TSO), so a raised flag means its slot is written. Other
   machines need fences that Python cannot issue, so they keep gloo (:func:`unavailable`).
 
-A rank that never arrives is reported after ``timeout_s``, like a collective's timeout. A
-stopped peer normally ends the others sooner: torchrun stops the whole group.
+A rank that ends while the others wait for it (a crash) is noticed from its pid within a
+fraction of a second, as gloo notices a closed socket; a rank alive but never arriving is
+reported after ``timeout_s``, like a collective's timeout.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ import torch.distributed as dist
 CHUNK = 1 << 18  # floats per rank per round: 1 MiB
 SHM = "/dev/shm"
 SPINS = 2000  # checks with a yield between them before the wait starts to sleep
+LOOK_EVERY_S = 0.2  # how often a waiting rank checks that the ranks it waits for still run
 
 
 def region_bytes(world: int) -> int:
-    return 2 * world * CHUNK * 4 + 8 * world
+    return 2 * world * CHUNK * 4 + 8 * world * 2  # the slots, then a flag and a pid per rank
 
 
 def unavailable(device_type: str, world: int, local_world: int) -> str | None:
@@ -73,6 +75,8 @@ class SharedReduce:
         n = 2 * world * CHUNK
         self._slots = torch.frombuffer(mm, dtype=torch.float32, count=n).view(2, world, CHUNK)
         self._flags = memoryview(mm)[4 * n : 4 * n + 8 * world].cast("q")
+        self._pids = memoryview(mm)[4 * n + 8 * world : 4 * n + 16 * world].cast("q")
+        self._pids[rank] = os.getpid()  # every rank's is in before create()'s last collective
         self.seq = 0
 
     @classmethod
@@ -108,6 +112,7 @@ class SharedReduce:
                     os.close(fd)
             except OSError as e:
                 reason = f"rank {d.rank} cannot map {path}: {e.strerror}"
+        reducer = cls(d.rank, d.world_size, timeout_s, mm) if mm is not None else None
         # Every rank learns whether every rank mapped it, before rank 0 removes the name.
         failed = torch.tensor([0 if mm is not None else 1], dtype=torch.int64)
         dist.all_reduce(failed)
@@ -115,10 +120,8 @@ class SharedReduce:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         if failed.item():
-            if mm is not None:
-                mm.close()
             return None, reason or "a rank could not map the shared region"
-        return cls(d.rank, d.world_size, timeout_s, mm), None
+        return reducer, None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of the float32 tensor ``x``, in a new tensor (x is unchanged)."""
@@ -142,6 +145,7 @@ class SharedReduce:
         flags = self._flags
         spins = 0
         deadline = None
+        next_look = 0.0
         pause = 20e-6
         while min(flags) < seq:
             spins += 1
@@ -159,5 +163,25 @@ class SharedReduce:
                     f"shared-memory all-reduce: rank(s) {late} did not arrive within "
                     f"{self.timeout_s:g} s (distributed.collective_timeout_s)"
                 )
+            if now >= next_look:
+                # gloo notices a dead peer from its closed socket; here, from its pid. Without
+                # this a rank would wait for torchrun's SIGKILL after a peer crashed.
+                next_look = now + LOOK_EVERY_S
+                for r in range(self.world):
+                    if flags[r] < seq and not _alive(self._pids[r]):
+                        raise RuntimeError(
+                            f"shared-memory all-reduce: rank {r} (pid {self._pids[r]}) ended "
+                            f"while rank {self.rank} waited for it"
+                        )
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: not gone, not a zombie (torchrun reaps a dead rank late)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
