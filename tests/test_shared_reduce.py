@@ -116,6 +116,7 @@ out["left_in_shm"] = glob.glob(f"/dev/shm/gpu-console-{label}-*")
 with open(os.path.join(sys.argv[1], f"rank-{rank}.json"), "w") as f:
     json.dump(out, f)
 dist.destroy_process_group()
+os._exit(0)  # past torch 2.13/gloo's occasional abort at interpreter teardown (as the engine)
 """
 )
 
