@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from gpu_console.engine.optimizer import adamw_kwargs
 from gpu_console.tasks.base import batch_collate
 from gpu_console.tasks.configs import MLPConfig
 from gpu_console.tasks.mlp import MLPTask
@@ -97,12 +98,7 @@ def main() -> None:
         num_workers=0,
         generator=torch.Generator().manual_seed(a.data_seed),
     )
-    impl = {
-        "default": {},
-        "fused": {"fused": True},
-        "foreach": {"foreach": True},
-        "for-loop": {"foreach": False},
-    }[a.optimizer_impl]
+    impl = {} if a.optimizer_impl == "default" else adamw_kwargs(a.optimizer_impl)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay, **impl)
 
     def factor(s: int) -> float:

@@ -15,12 +15,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import DDP_STEP, REPO, events_of, fast_profile, the_run
 
 from gpu_console.engine import shared_reduce
-from gpu_console.engine.shared_reduce import unavailable
+from gpu_console.engine.shared_reduce import SharedReduce, unavailable
 
 pytestmark = pytest.mark.skipif(
     unavailable("cpu", 2, 2) is not None, reason="this machine cannot reduce through /dev/shm"
@@ -37,6 +39,15 @@ def test_where_shared_memory_is_not_used_says_why(monkeypatch, tmp_path):
     monkeypatch.undo()
     monkeypatch.setattr(shared_reduce, "SHM", str(tmp_path / "missing"))
     assert "not writable" in unavailable("cpu", 2, 2)
+
+
+def test_ranks_that_rule_it_out_themselves_make_no_collective():
+    # No process group here: a collective would raise. On GPUs it would be NCCL's, and NCCL
+    # refuses the CPU tensors this one uses.
+    gpus = SimpleNamespace(rank=0, world_size=2, local_world_size=2, device=torch.device("cuda"))
+    assert SharedReduce.create(gpus, 1.0, "test") == (None, "the ranks are not on CPU")
+    nodes = SimpleNamespace(rank=0, world_size=4, local_world_size=2, device=torch.device("cpu"))
+    assert SharedReduce.create(nodes, 1.0, "test")[1] == "the ranks are on more than one machine"
 
 
 WORKER = (

@@ -27,6 +27,11 @@ def resolve_impl(requested: str, device_type: str) -> str:
     return "fused" if fused else "foreach"
 
 
+def adamw_kwargs(impl: str) -> dict[str, bool]:
+    """AdamW's keyword for a resolved implementation: fused, foreach or for-loop."""
+    return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+
+
 def build(
     params: Iterable[torch.nn.Parameter],
     lr: float,
@@ -34,6 +39,5 @@ def build(
     impl: str,
     device_type: str,
 ) -> torch.optim.AdamW:
-    impl = resolve_impl(impl, device_type)
-    kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    kwargs = adamw_kwargs(resolve_impl(impl, device_type))
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **kwargs)

@@ -49,6 +49,11 @@ def region_bytes(world: int) -> int:
 
 def unavailable(device_type: str, world: int, local_world: int) -> str | None:
     """Why these ranks cannot reduce through shared memory; None when they can."""
+    return _ranks_reason(device_type, world, local_world) or _shm_reason(world)
+
+
+def _ranks_reason(device_type: str, world: int, local_world: int) -> str | None:
+    """What rules it out whoever asks: the same answer on every rank."""
     if device_type != "cpu":
         return "the ranks are not on CPU"
     if world < 2:
@@ -57,6 +62,11 @@ def unavailable(device_type: str, world: int, local_world: int) -> str | None:
         return "the ranks are on more than one machine"
     if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return "it needs Linux on x86-64 (its memory ordering)"
+    return None
+
+
+def _shm_reason(world: int) -> str | None:
+    """What /dev/shm rules out now: asked on rank 0 only, which tells the others."""
     if not os.access(SHM, os.W_OK):
         return f"{SHM} is not writable"
     st = os.statvfs(SHM)
@@ -85,11 +95,14 @@ class SharedReduce:
 
         Rank 0 decides and creates the file (mode 0600); every rank maps it; rank 0 unlinks it
         once all have, so nothing is left in /dev/shm even if the run is killed later. Every
-        rank returns the same answer.
+        rank returns the same answer. Where the ranks themselves rule it out (GPUs, several
+        machines), every rank knows so alone: no collective, none that NCCL would refuse.
         """
-        reason = unavailable(d.device.type, d.world_size, d.local_world_size)
+        reason = _ranks_reason(d.device.type, d.world_size, d.local_world_size)
+        if reason is not None:
+            return None, reason
         path = None
-        if d.rank == 0 and reason is None:
+        if d.rank == 0 and (reason := _shm_reason(d.world_size)) is None:
             path = os.path.join(SHM, f"gpu-console-{label}-{uuid.uuid4().hex[:12]}")
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
