@@ -228,6 +228,26 @@ def task_profile(tmp_path: Path, module: str, source: str, cls: str, **kw) -> Pa
     return profile
 
 
+# A run a test must act on before it ends: each step sleeps PACE_S seconds (0 when unset), so
+# the run's length has a floor that a fast, idle machine cannot shorten. Numerics are the MLP's.
+PACED_TASK = """
+import os
+import time
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Paced(MLPTask):
+    def compute(self, model, batch):
+        time.sleep(float(os.environ.get("PACE_S", "0")))
+        return super().compute(model, batch)
+"""
+
+
+def paced_profile(tmp_path: Path, **kw) -> Path:
+    """A fast profile of the paced task (run it with ``cwd=tmp_path``)."""
+    return task_profile(tmp_path, "paced", PACED_TASK, "Paced", **kw)
+
+
 # For worker scripts run under torchrun (they need ``torch`` and ``rank`` defined): a small
 # model, and one step's all-reduced gradients, flattened, from rank-dependent data.
 DDP_STEP = """

@@ -11,11 +11,13 @@ import stat
 import sys
 from pathlib import Path
 
+import conftest
 import pytest
 from conftest import (
     events_of,
     fast_profile,
     only_run,
+    paced_profile,
     pid_alive,
     read_status,
     the_run,
@@ -101,18 +103,32 @@ def test_run_toml_reproduces_the_run(procs, runs_dir, tmp_path):
 
 
 def test_ctrl_c_stops_with_a_checkpoint_and_resume_is_bit_exact(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=400, extra="[checkpoint]\nkeep_last = 0\n")
+    profile = paced_profile(tmp_path, max_steps=400, extra="[checkpoint]\nkeep_last = 0\n")
     dropout = ["--set", "task.dropout=0.1"]  # dropout draws from every rank's RNG stream
 
     reference = procs.cli(
-        "run", str(profile), "--headless", "--runs-dir", str(runs_dir / "ref"), *dropout
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir / "ref"),
+        *dropout,
+        cwd=tmp_path,
     )
     assert reference.returncode == 0, reference.stderr
     expected = losses(only_run(runs_dir / "ref"))
     assert len(expected) == 400
 
+    # Paced at 20 ms a step, the 400 steps take 8 s or more: Ctrl-C lands long before the end.
     console = procs.start(
-        "run", str(profile), "--headless", "--runs-dir", str(runs_dir / "stopped"), *dropout
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir / "stopped"),
+        *dropout,
+        cwd=tmp_path,
+        env=conftest.test_env(PACE_S="0.02"),
     )
     run = wait_for(
         lambda: the_run(runs_dir / "stopped"),
@@ -136,7 +152,13 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resume_is_bit_exact(procs, runs_dir,
         assert not pid_alive(status["pids"][key])
 
     resumed = procs.cli(
-        "run", "--resume", str(run), "--headless", "--runs-dir", str(runs_dir / "resumed")
+        "run",
+        "--resume",
+        str(run),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir / "resumed"),
+        cwd=tmp_path,
     )
     assert resumed.returncode == 0, resumed.stderr
     after = losses(only_run(runs_dir / "resumed"))

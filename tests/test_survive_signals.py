@@ -23,6 +23,7 @@ from conftest import (
     events_of,
     fast_profile,
     only_run,
+    paced_profile,
     pid_alive,
     read_status,
     run_dirs,
@@ -67,7 +68,7 @@ def _stopped_by_signal(run, console, status):
 
 def test_hanging_up_the_console_terminal_never_stops_training(procs, runs_dir, tmp_path):
     """The console runs on a pseudo-terminal as in an SSH session; closing it sends SIGHUP."""
-    profile = fast_profile(tmp_path, max_steps=300)
+    profile = paced_profile(tmp_path, max_steps=300)  # 300 steps of 20 ms: the hang-up is early
     master, slave = pty.openpty()
 
     def controlling_terminal() -> None:  # a session of its own, the pty as its terminal
@@ -82,7 +83,7 @@ def test_hanging_up_the_console_terminal_never_stops_training(procs, runs_dir, t
         stdout=slave,
         stderr=slave,
         preexec_fn=controlling_terminal,
-        env=conftest.test_env(),
+        env=conftest.test_env(PACE_S="0.02"),
         cwd=tmp_path,
     )
     procs.started.append(console)
