@@ -55,7 +55,7 @@ def test_checkpoint_pause_resume_and_stop_through_the_control_file(procs, runs_d
     wait_for(lambda: _acks(run, cid) == ["received", "done"], what="checkpoint while paused")
     assert events_of(run, "checkpoint")[-1]["step"] == paused_at
     assert events_of(run, "step")[-1]["step"] <= paused_at
-    assert read_status(run)["state"] == "paused"
+    wait_for(lambda: read_status(run).get("state") == "paused", what="status.json paused")
 
     cid = append_control(run, "resume")
     wait_for(lambda: _acks(run, cid) == ["received", "done"], what="resume acknowledged")

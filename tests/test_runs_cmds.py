@@ -14,6 +14,8 @@ def _live(procs, runs_dir, tmp_path):
     console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
     run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     wait_for(lambda: events_of(run, "step"), what="a first step")
+    # The supervisor folds events into status.json on its own tick, a moment later.
+    wait_for(lambda: read_status(run).get("state") == "running", what="status.json running")
     return console, run
 
 

@@ -40,7 +40,7 @@ def _beat(run, rank) -> dict:
     return next((b for b in read_heartbeats(run) if b["rank"] == rank), {})
 
 
-def test_kill_9_of_a_rank_fails_the_run_within_5_s_even_with_a_stuck_peer(
+def test_kill_9_of_a_rank_fails_the_run_in_seconds_even_with_a_stuck_peer(
     procs, runs_dir, tmp_path
 ):
     """The peer is stuck where no collective error reaches it (on GPUs: NCCL waits for its
@@ -60,7 +60,9 @@ def test_kill_9_of_a_rank_fails_the_run_within_5_s_even_with_a_stuck_peer(
     os.kill(_beat(run, 1)["pid"], signal.SIGKILL)
     final = wait_for(lambda: (s := read_status(run)).get("ended") and s, 30, "the run's end")
     took = time.monotonic() - killed
-    assert took < 5.0, f"failed after {took:.1f}s"
+    # ~3 s when idle (2 s of it the peers' grace); without the reap torchrun would wait its
+    # 30 s shutdown grace for the stuck rank. The margin is for a loaded machine.
+    assert took < 15.0, f"failed after {took:.1f}s"
     assert final["state"] == "failed"
     assert final["failure"]["rank"] == 1
     assert final["failure"]["summary"] == "rank 1 exited with code -9 (killed by SIGKILL)"

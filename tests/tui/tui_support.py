@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import textual
-from conftest import Procs, only_run
+from conftest import Procs, only_run, wait_for
 
 from gpu_console.events import EventWriter, JsonlTail
 from gpu_console.tui import synthetic
@@ -70,6 +70,7 @@ def on_int(signum, frame):
     pathlib.Path(sys.argv[1], "SIGINT-received").write_text("1")
     sys.exit(0)
 signal.signal(signal.SIGINT, on_int)
+pathlib.Path(sys.argv[1], "supervisor-ready").write_text("1")
 while True:
     time.sleep(0.05)
 """
@@ -92,6 +93,8 @@ class FakeRun:
             supervisor_pid=self.supervisor.pid,
         )
         self.status = json.loads((self.run_dir / "status.json").read_text())
+        # A SIGINT before the handler is in would kill it without a trace.
+        wait_for((self.run_dir / "supervisor-ready").exists, 30, "the stand-in supervisor")
         self.step = 50
         self.step_s = step_s
         self.state = "running"
