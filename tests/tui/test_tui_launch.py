@@ -111,6 +111,23 @@ async def test_a_preview_of_overrides_since_retyped_is_dropped(here, no_gpu):
                     "the launch attempted")  # fmt: skip
 
 
+async def test_a_preview_of_the_profile_highlighted_before_does_not_judge_the_launch(here, no_gpu):
+    app = ConsoleApp(runs_dir=here / "blocked")
+    (here / "blocked").write_text("a file: a launch that gets past the problems fails here")
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await ready(pilot, app)
+        other = next(p.path for p in screen.profiles if p.path != screen.selected_path())
+        # Enter before the highlighted profile's own answer: the other profile's problem stays
+        # with the other profile.
+        screen.preview = Preview(other, sets=screen.overrides())
+        screen.preview.problems = ["train.lr: must be > 0 (got 0.0)"]
+        screen.query_one("#set-max_steps").focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: "cannot create the runs directory" in screen_text(app), 10,
+                    "the launch attempted")  # fmt: skip
+        assert "train.lr" not in screen_text(app)
+
+
 async def test_gpus_are_listed_live_toggled_with_space_and_bf16_needs_ampere(here, monkeypatch):
     gpus = [
         FakeGpu(0, name="NVIDIA A100-SXM4-80GB", memory_used=3 * GIB, util_gpu=41,

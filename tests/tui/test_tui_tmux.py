@@ -114,8 +114,9 @@ def diagnosis(tmux: Tmux, runs: Path) -> str:
     for run in run_dirs(runs):
         parts.append(f"{run.name}: status {read_status(run)}")
         parts.extend(str(e) for e in read_events(run)[-8:])
-        for log in sorted((run / "logs").glob("*")) if (run / "logs").is_dir() else []:
-            parts.append(f"{log.name}: {log.read_text(errors='replace')[-1500:]}")
+        for log in sorted((run / "logs").rglob("*.log")):  # the supervisor's, torchrun's, ranks'
+            name = log.relative_to(run / "logs")
+            parts.append(f"{name}: {log.read_text(errors='replace')[-1500:]}")
     return "\n".join(parts)
 
 

@@ -220,11 +220,15 @@ class LaunchScreen(Screen):
             preview.problems = [f"{path}: {type(e).__name__}: {e}"]
         self.post_message(PreviewReady(preview))
 
+    def _is_current(self, p: Preview) -> bool:
+        """Whether ``p`` answers for what the screen shows now: the highlighted profile and
+        the overrides as typed. Thread workers run to their end, so an older answer may
+        arrive after a newer one."""
+        return p.path == self.selected_path() and p.sets == self.overrides()
+
     def on_preview_ready(self, message: PreviewReady) -> None:
         p = message.preview
-        if p.path != self.selected_path() or p.sets != self.overrides():
-            # An answer for a profile no longer highlighted, or for overrides since retyped:
-            # thread workers run to their end, so an older answer may arrive after a newer one.
+        if not self._is_current(p):
             return
         changed_profile = self.preview is None or self.preview.path != p.path
         self.preview = p
@@ -426,9 +430,9 @@ class LaunchScreen(Screen):
         path = self.selected_path()
         if path is None or self.launching:
             return
-        # A preview of other overrides (the newest still resolving) does not judge this launch:
-        # prepare() below checks everything again.
-        current = self.preview is not None and self.preview.sets == self.overrides()
+        # A preview of another profile or other overrides (the newest still resolving) does not
+        # judge this launch: prepare() below checks everything again.
+        current = self.preview is not None and self._is_current(self.preview)
         problems = list(self.preview.problems) if current else []
         devices = self.devices_spec() if self._devices_ready else None
         if self._devices_ready and devices is None:
