@@ -357,6 +357,8 @@ def summary_table(st: RunState, run_dir: Path) -> Table:
     row("devices", f"{st.world_size or '-'} × {st.device_type or '-'}, {st.precision or '-'}")
     for rank, peak in sorted(st.peak_memory.items()):
         row(f"peak memory rank {rank}", human_bytes(peak))
+    for what, value in gpu_rows(st):
+        row(what, value)
     row("wall time", human_duration(st.elapsed_s()))
     restarts = st.status.get("restarts")
     if restarts:
@@ -379,6 +381,13 @@ def summary_table(st: RunState, run_dir: Path) -> Table:
             row("traceback", "\n".join(tb[-6:]))
     row("run dir", str(run_dir))
     return table
+
+
+def gpu_rows(st: RunState) -> list[tuple[str, str]]:
+    """One row per GPU of the run, from its telemetry; none on a run without GPUs."""
+    from .telemetry.figures import describe, title
+
+    return [(title(g), describe(g)) for g in st.gpus]
 
 
 def exit_code(st: RunState, interrupted: bool) -> int:

@@ -1,7 +1,8 @@
 """``python -m gpu_console.supervisor RUN_DIR``: owns torchrun and records how the run ended.
 
 Started by the console in a session of its own, so a closed terminal never ends training.
-It is the sole writer of ``status.json``: its state mirrors the engine's ``status`` events,
+It is the sole writer of ``status.json`` and ``telemetry.jsonl`` (a thread of its own, see
+:mod:`.telemetry.recorder`): its state mirrors the engine's ``status`` events,
 plus pids, times, the exit code and, on failure, which rank failed and its traceback.
 
 No process of the run outlives it: it is a child subreaper (orphaned workers reparent to
@@ -42,6 +43,7 @@ import psutil
 from . import runs
 from .events import JsonlTail
 from .state import read_heartbeats
+from .telemetry.recorder import Recorder
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -91,6 +93,7 @@ class Supervisor:
         self.reap: set[int] = set()  # peers of a crashed rank, killed at reap_at
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES)
         self.engine_checkpointed = True
+        self.recorder = Recorder(run_dir)  # telemetry.jsonl, from start to the final status
 
     # -- signals -------------------------------------------------------------------------
     def on_graceful(self, signum: int, frame) -> None:
@@ -228,6 +231,7 @@ class Supervisor:
                 cwd=self.meta.get("cwd") or None,
             )
         self.status["pids"]["torchrun"] = self.proc.pid
+        self.recorder.start()  # after the fork: preexec_fn is not safe beside a running thread
         self.write_status()
         while self.proc.poll() is None:
             time.sleep(TICK_S)
@@ -259,6 +263,7 @@ class Supervisor:
                 time.sleep(0.05)
 
     def finish(self, code: int) -> int:
+        self.recorder.stop()  # its last sample and summary land before the status says ended
         engine_state = self.status["state"]
         self.status["exit_code"] = code
         self.status["ended"] = time.time()

@@ -29,6 +29,7 @@ class FakeGpu:
     temperature: int = 35
     power_mw: int = 60_000
     power_limit_mw: int = 400_000
+    energy_mj: int = 5_000_000  # nvmlDeviceGetTotalEnergyConsumption (mJ since driver load)
     fan: int = 30
     sm_clock: int = 210
     sm_clock_max: int = 1410
@@ -194,6 +195,9 @@ class FakeNvml:
     def nvmlDeviceGetPowerManagementLimit(self, h):
         return self._enter("nvmlDeviceGetPowerManagementLimit", h).power_limit_mw
 
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        return self._enter("nvmlDeviceGetTotalEnergyConsumption", h).energy_mj
+
     def nvmlDeviceGetFanSpeed(self, h):
         return self._enter("nvmlDeviceGetFanSpeed", h).fan
 
@@ -238,6 +242,7 @@ GPU_FIELDS = {
     "temperature_c",
     "power_w",
     "power_limit_w",
+    "energy_mj",
     "fan_percent",
     "sm_clock_mhz",
     "sm_clock_max_mhz",
@@ -263,6 +268,7 @@ def assert_gpu_json(gpu: dict, fake_gpu: FakeGpu) -> None:
     assert gpu["temperature_c"] == fake_gpu.temperature
     assert gpu["power_w"] == round(fake_gpu.power_mw / 1000, 1)
     assert gpu["power_limit_w"] == round(fake_gpu.power_limit_mw / 1000, 1)
+    assert gpu["energy_mj"] == fake_gpu.energy_mj
     assert gpu["fan_percent"] == fake_gpu.fan
     assert gpu["sm_clock_mhz"] == fake_gpu.sm_clock
     assert gpu["sm_clock_max_mhz"] == fake_gpu.sm_clock_max

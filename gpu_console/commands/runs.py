@@ -23,7 +23,7 @@ import psutil
 
 from ..events import append_control, read_events
 from ..runs import FINAL_STATES, RunDirError, find_run, read_status
-from ..state import derived_state, read_heartbeats
+from ..state import derived_state, gpu_figures, read_heartbeats
 
 DUMP_TIMEOUT_S = 30.0
 
@@ -114,7 +114,9 @@ def checkpoint_after(run: Path, cid: str) -> dict[str, Any] | None:
 
 
 def to_json(rows: list[dict[str, Any]]) -> str:
-    return json.dumps(rows, indent=2)
+    """``ls --json``: each run with its GPUs' figures (``[]`` without GPUs), read here only:
+    the table, ``attach`` and the runs screen list runs without them."""
+    return json.dumps([{**r, "gpus": gpu_figures(Path(r["path"]))} for r in rows], indent=2)
 
 
 def py_spy() -> str | None:

@@ -7,13 +7,18 @@ a sampler at 1 Hz does not pay for the same failure every second. A GPU that fal
 bus is marked ``lost`` and left alone until :func:`shutdown`. Without a driver,
 :func:`status` says why in words a person reads.
 
-Tests replace :data:`pynvml` (the module handle) with a fake: that is the only seam.
+Tests replace :data:`pynvml` (the module handle) with a fake: that is the only seam. A test
+that runs the product in a subprocess (the supervisor) sets ``GPU_CONSOLE_FAKE_NVML`` to
+``module:callable``; the first use of NVML then takes the handle from that callable instead
+(a test seam, read here at the boundary and nowhere else).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
+import os
 import threading
 from dataclasses import dataclass, fields
 from typing import Any
@@ -117,6 +122,7 @@ class GpuSample:
     temperature_c: Int = NA
     power_w: Float = NA
     power_limit_w: Float = NA
+    energy_mj: Int = NA  # millijoules since the driver loaded (Volta and newer)
     fan_percent: Int = NA
     sm_clock_mhz: Int = NA
     sm_clock_max_mhz: Int = NA
@@ -169,12 +175,26 @@ def _explain(err: BaseException) -> str:
     return f"NVML failed to start: {text or name}"
 
 
+FAKE_ENV = "GPU_CONSOLE_FAKE_NVML"
+
+
+def _fake_from_env() -> None:
+    """Swap in the handle that ``$GPU_CONSOLE_FAKE_NVML`` (``module:callable``) names."""
+    global pynvml
+    spec = os.environ.get(FAKE_ENV)
+    if spec and not _state.get("fake"):
+        module, _, attr = spec.partition(":")
+        pynvml = getattr(importlib.import_module(module), attr)()
+        _state["fake"] = True
+
+
 def _ensure() -> bool:
     with _lock:
         if _state["initialised"]:
             return True
         if _state["reason"] is not None:
             return False
+        _fake_from_env()
         if pynvml is None:
             _state["reason"] = "nvidia-ml-py is not installed"
             return False
@@ -331,6 +351,7 @@ def sample_gpu(index: int) -> GpuSample:
                     h,
                 )
             ),
+            energy_mj=_int(_read("nvmlDeviceGetTotalEnergyConsumption", index, h)),
             fan_percent=_int(_read("nvmlDeviceGetFanSpeed", index, h)),
             sm_clock_mhz=_int(_read("nvmlDeviceGetClockInfo", index, h, _CLOCK_SM)),
             clock_event_reasons=NA if reasons is NA else _reason_names(int(reasons)),

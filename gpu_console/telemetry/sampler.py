@@ -1,20 +1,18 @@
-"""The background sampler: GPU and host samples at a steady rate, kept in ring buffers.
+"""One sample of the GPUs and the host (:func:`take_sample`), and the console's in-memory
+sampler: samples at a steady rate, kept in ring buffers, never written anywhere.
 
-The console runs one while it runs a run or is attached to one. Only the console that owns
-the run writes ``telemetry.jsonl`` (one writer, held by an advisory lock, so a second owner
-degrades to a viewer instead of interleaving lines); a viewer keeps its history in memory.
-Sampling has a thread of its own: a slow driver call or a /proc walk never delays a frame.
+A console samples for itself only where no run records anything (the launch screen, a run
+from before the supervisor recorded): a run's history is ``telemetry.jsonl``, written by
+its supervisor (:mod:`.recorder`). Sampling has a thread of its own: a slow driver call or a
+/proc walk never delays a frame.
 
 A ``telemetry.jsonl`` line: ``{"v": 1, "t", "kind": "sample", "nvml": {"available",
-"reason"}, "gpus": [...], "host": {...}, "ranks": [...], "cost_s"}``.
+"reason"}, "gpus": [...], "host": {...}, "ranks": [...], "cost_s", "every_s"}``; the last
+line of an ended run is ``{"kind": "summary", "gpus": [...]}`` (see :mod:`.recorder`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
-import os
 import threading
 import time
 from collections import deque
@@ -69,7 +67,7 @@ class Sampler:
     """Samples every ``interval_s`` on a daemon thread; keeps ``history`` points per metric.
 
     ``run_dir``: the run whose processes are sampled (pids from its ``status.json``, re-read
-    each tick, as workers restart); ``owner``: append to its ``telemetry.jsonl``.
+    each tick, as workers restart).
     """
 
     def __init__(
@@ -78,7 +76,6 @@ class Sampler:
         *,
         interval_s: float = 1.0,
         history: int = 600,
-        owner: bool = False,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0 (got {interval_s})")
@@ -87,25 +84,20 @@ class Sampler:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.interval_s = interval_s
         self.history_len = history
-        self.owner = owner and self.run_dir is not None
         self.latest: dict[str, Any] | None = None
         self.samples = 0
         self.last_error: str | None = None  # the newest failure of a tick, one line
-        self.write_error: str | None = None
         self._host = HostSampler()
         self._status: nvml.NvmlStatus | None = None
         self._series: dict[str, deque] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._fd: int | None = None
 
     # -- life ----------------------------------------------------------------------------
     def start(self) -> Sampler:
         if self._thread is not None:
             return self
-        if self.owner:
-            self._open()
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="telemetry-sampler", daemon=True)
         self._thread.start()
@@ -116,10 +108,6 @@ class Sampler:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)  # also releases the lock
-            self._fd = None
 
     def __enter__(self) -> Sampler:
         return self.start()
@@ -130,25 +118,6 @@ class Sampler:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def writing(self) -> bool:
-        return self._fd is not None
-
-    def _open(self) -> None:
-        path = self.run_dir / FILE
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError as e:
-            self.write_error = f"{path}: cannot open ({e.strerror})"
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            self.write_error = f"{path}: another console is writing it; viewing only"
-            return
-        self._fd = fd
 
     def _loop(self) -> None:
         next_at = time.monotonic()
@@ -165,14 +134,12 @@ class Sampler:
 
     # -- sampling ------------------------------------------------------------------------
     def sample_once(self) -> dict[str, Any]:
-        """Take one sample now: record it in the ring buffers and, as owner, append it."""
+        """Take one sample now and record it in the ring buffers."""
         if self._status is None or not self._status.available:
             self._status = nvml.status()  # the driver does not change under a running console
         pids = self._pids()
         sample = take_sample(self._host, pids, self._status)
         self._record(sample)
-        if self._fd is not None:
-            self._append(sample)
         self.latest = sample
         self.samples += 1
         return sample
@@ -181,14 +148,6 @@ class Sampler:
         if self.run_dir is None:
             return None
         return read_run_pids(self.run_dir)
-
-    def _append(self, sample: dict[str, Any]) -> None:
-        line = (json.dumps(sample, separators=(",", ":")) + "\n").encode()
-        try:
-            os.write(self._fd, line)  # one write per line, O_APPEND: a reader sees whole lines
-            self.write_error = None
-        except OSError as e:
-            self.write_error = f"{self.run_dir / FILE}: {e.strerror}"
 
     def _record(self, sample: dict[str, Any]) -> None:
         t = sample["t"]

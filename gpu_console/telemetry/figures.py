@@ -1,0 +1,36 @@
+"""One line per GPU of a run, from :meth:`gpu_console.state.TelemetryFold.gpus`: what the
+headless summary, ``status`` and the run screen say the GPUs did (plain text, no imports)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GIB = 2**30
+SOURCES = {"counter": "NVML energy counter", "power": "integrated power"}
+
+
+def describe(fig: dict[str, Any], name: bool = True) -> str:
+    """``NVIDIA H100 80GB HBM3: util 87 %, peak 71.2 GiB / 80 GiB, max 74 °C, 312 Wh
+    (NVML energy counter)``; a reading no sample had is left out, never shown as 0."""
+    parts = []
+    util = fig.get("util_mean")
+    if isinstance(util, (int, float)):
+        parts.append(f"util {util:.0f} %")
+    peak, total = fig.get("memory_peak"), fig.get("memory_total")
+    if isinstance(peak, int):
+        parts.append(f"peak {peak / GIB:.1f} GiB" + (f" / {total / GIB:.0f} GiB" if total else ""))
+    temp = fig.get("temperature_max")
+    if isinstance(temp, (int, float)):
+        parts.append(f"max {temp:.0f} °C")
+    wh = fig.get("energy_wh")
+    if isinstance(wh, (int, float)):
+        digits = 0 if wh >= 100 else 1 if wh >= 1 else 3
+        source = SOURCES.get(fig.get("energy_source") or "", "")
+        parts.append(f"{wh:.{digits}f} Wh" + (f" ({source})" if source else ""))
+    text = ", ".join(parts) or "no readings"
+    return f"{fig.get('name') or 'GPU'}: {text}" if name else text
+
+
+def title(fig: dict[str, Any]) -> str:
+    index = fig.get("index")
+    return f"GPU {index}" if index is not None else f"GPU {fig.get('uuid')}"
