@@ -74,7 +74,11 @@ def _ranks() -> list[tuple[int, int]]:
             cmd = p.cmdline()
             parent = p.parent()
             # A rank is torchrun's child (its data-loader workers are forks of it).
-            if "gpu_console.engine" in cmd and parent and "torch.distributed.run" in parent.cmdline():
+            if (
+                "gpu_console.engine" in cmd
+                and parent
+                and "torch.distributed.run" in parent.cmdline()
+            ):
                 out.append((p.pid, int(p.environ()["LOCAL_RANK"])))
         except (psutil.Error, ValueError, KeyError):
             continue

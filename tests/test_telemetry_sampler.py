@@ -1,10 +1,12 @@
-"""The background sampler: its thread, ring buffers, and the run's telemetry.jsonl."""
+"""The background sampler (thread, ring buffers) and the supervisor's recorder of the run's
+telemetry.jsonl, through the fake-NVML seam."""
 
 from __future__ import annotations
 
 import json
 import statistics
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +15,7 @@ from test_telemetry_fake import GIB, FakeNvml, assert_gpu_json, install
 from test_telemetry_host import trees  # noqa: F401 - a fixture
 
 from gpu_console.telemetry.host import HostSampler, RunPids
+from gpu_console.telemetry.recorder import Recorder
 from gpu_console.telemetry.sampler import FILE, Sampler, read_samples, take_sample
 
 HOST_FIELDS = {
@@ -29,14 +32,31 @@ HOST_FIELDS = {
 
 @pytest.fixture
 def run(tmp_path, trees):  # noqa: F811
-    """A run directory whose status.json names a real process tree as the supervisor."""
+    """A run directory whose status.json names a real process tree as the supervisor, on
+    GPUs 0 and 1 (meta.json's placement)."""
     tree = trees()
     path = tmp_path / "run-1"
     path.mkdir()
     (path / "status.json").write_text(
         json.dumps({"state": "running", "pids": {"supervisor": tree.pid, "workers": []}})
     )
+    placement = {"device_type": "cuda", "nproc": 2, "cuda_visible_devices": "0,1"}
+    (path / "meta.json").write_text(json.dumps({"placement": placement}))
     return SimpleNamespace(path=path, tree=tree)
+
+
+@pytest.fixture
+def recorders():
+    made: list[Recorder] = []
+
+    def make(*args, **kwargs) -> Recorder:
+        r = Recorder(*args, **kwargs)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.stop()
 
 
 @pytest.fixture
@@ -53,16 +73,16 @@ def sampler_factory():
         s.stop()
 
 
-def test_the_owner_appends_every_field_to_telemetry_jsonl(monkeypatch, run, sampler_factory):
+def test_the_recorder_appends_every_field_to_telemetry_jsonl(monkeypatch, run, recorders):
     fake = install(monkeypatch, FakeNvml(2))
     fake.gpus[1].processes = [(run.tree.pid, 2 * GIB)]
-    sampler = sampler_factory(run.path, interval_s=0.02, owner=True).start()
-    assert sampler.running and sampler.writing
+    recorder = recorders(run.path, interval_s=0.02).start()
+    assert recorder.writing
     wait_for(lambda: len(read_samples(run.path)) >= 5, what="five samples on disk")
-    sampler.stop()
-    assert not sampler.running and not sampler.writing
+    recorder.stop()
+    assert not recorder.writing
     lines = read_samples(run.path)
-    assert len(lines) == sampler.samples  # one line per sample, none torn
+    assert len(lines) == recorder.ticks + 1  # every tick, and the last one at stop; none torn
     for line in lines:
         assert (line["v"], line["kind"]) == (1, "sample")
         assert line["nvml"] == {"available": True, "reason": ""}
@@ -75,13 +95,14 @@ def test_the_owner_appends_every_field_to_telemetry_jsonl(monkeypatch, run, samp
         assert procs[run.tree.pid]["rss"] > 0
         assert line["ranks"] == []
         assert line["cost_s"] >= 0
+        assert line["every_s"] == 0.02
     assert lines[-1]["t"] >= lines[0]["t"]
     assert isinstance(lines[-1]["host"]["processes"][0]["cpu_percent"], float)
 
 
-def test_a_viewer_keeps_history_in_memory_only(monkeypatch, run, sampler_factory):
+def test_the_console_sampler_keeps_history_in_memory_only(monkeypatch, run, sampler_factory):
     install(monkeypatch, FakeNvml(1))
-    sampler = sampler_factory(run.path, interval_s=0.02, owner=False).start()
+    sampler = sampler_factory(run.path, interval_s=0.02).start()
     wait_for(lambda: sampler.samples >= 3, what="three samples")
     sampler.stop()
     assert not (run.path / FILE).exists()
@@ -89,16 +110,16 @@ def test_a_viewer_keeps_history_in_memory_only(monkeypatch, run, sampler_factory
     assert len(sampler.history("gpu0.util_gpu")) == sampler.samples
 
 
-def test_one_writer_a_second_owner_only_views(monkeypatch, run, sampler_factory):
+def test_one_writer_a_second_recorder_writes_nothing(monkeypatch, run, recorders):
     install(monkeypatch, FakeNvml(1))
-    first = sampler_factory(run.path, interval_s=0.05, owner=True).start()
-    second = sampler_factory(run.path, interval_s=0.05, owner=True).start()
+    first = recorders(run.path, interval_s=0.05).start()
+    second = recorders(run.path, interval_s=0.05).start()
     assert first.writing and not second.writing
-    assert "another console is writing it" in second.write_error
-    wait_for(lambda: second.samples >= 2, what="the viewer sampling")
+    assert "another process is recording it" in second.write_error
+    wait_for(lambda: second.ticks >= 2, what="the second one sampling")
     first.stop()
     second.stop()
-    assert len(read_samples(run.path)) == first.samples
+    assert len(read_samples(run.path)) == first.ticks + 1
 
 
 def test_ring_buffers_are_bounded_and_departed_processes_dropped(monkeypatch, run):
@@ -122,18 +143,19 @@ def test_ring_buffers_are_bounded_and_departed_processes_dropped(monkeypatch, ru
     assert sampler.history("no.such.metric") == []
 
 
-def test_a_gpu_lost_while_the_thread_runs(monkeypatch, run, sampler_factory):
+def test_a_gpu_lost_while_the_thread_runs(monkeypatch, run, recorders):
     fake = install(monkeypatch, FakeNvml(2))
-    sampler = sampler_factory(run.path, interval_s=0.02, owner=True).start()
-    wait_for(lambda: sampler.samples >= 2, what="samples before the loss")
+    recorder = recorders(run.path, interval_s=0.02).start()
+    wait_for(lambda: recorder.ticks >= 2, what="samples before the loss")
     fake.gpus[1].lost = True
     wait_for(
-        lambda: sampler.latest and sampler.latest["gpus"][1]["lost"], what="the loss in a sample"
+        lambda: recorder.latest and recorder.latest["gpus"][1]["lost"],
+        what="the loss in a sample",
     )
-    seen = sampler.samples
-    wait_for(lambda: sampler.samples >= seen + 3, what="sampling to go on")
-    assert sampler.running and sampler.last_error is None
-    sampler.stop()
+    seen = recorder.ticks
+    wait_for(lambda: recorder.ticks >= seen + 3, what="sampling to go on")
+    assert recorder.last_error is None
+    recorder.stop()
     lines = read_samples(run.path)
     lost = [line["gpus"][1] for line in lines if line["gpus"][1]["lost"]]
     assert lost and all(g["uuid"] == fake.gpus[1].uuid and g["util_gpu"] is None for g in lost)
@@ -151,13 +173,13 @@ def test_a_failing_tick_is_reported_and_the_thread_survives(monkeypatch, tmp_pat
     wait_for(lambda: sampler.samples >= 2, what="samples after the fault")
 
 
-def test_without_nvml_the_host_is_still_sampled(monkeypatch, run, sampler_factory):
+def test_without_nvml_the_host_is_still_sampled(monkeypatch, run, recorders):
     import pynvml
 
     install(monkeypatch, FakeNvml(2, init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
-    sampler = sampler_factory(run.path, interval_s=0.02, owner=True).start()
+    recorder = recorders(run.path, interval_s=0.02).start()
     wait_for(lambda: len(read_samples(run.path)) >= 2, what="host-only samples")
-    sampler.stop()
+    recorder.stop()
     line = read_samples(run.path)[-1]
     assert line["nvml"]["available"] is False
     assert "library not found" in line["nvml"]["reason"]
@@ -176,7 +198,8 @@ def test_bad_settings_are_refused():
         Sampler(interval_s=0)
     with pytest.raises(ValueError, match="history"):
         Sampler(history=0)
-    assert not Sampler(owner=True).owner  # nothing to own without a run directory
+    with pytest.raises(ValueError, match="interval_s"):
+        Recorder(Path("nowhere"), interval_s=0)
 
 
 def test_one_sample_of_a_run_tree_stays_cheap(trees):  # noqa: F811

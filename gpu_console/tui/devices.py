@@ -1,8 +1,10 @@
 """The device panel's data: NVML and per-rank host samples for one run (no Textual, no torch).
 
-Samples come from the telemetry :class:`~gpu_console.telemetry.sampler.Sampler` (the only
-path to NVML) or from the run's ``telemetry.jsonl``; this module only folds them into
-short histories and per-device cards.
+Samples come from the run's ``telemetry.jsonl``, which the run's supervisor records for its
+whole life: a console only reads it (short histories, per-device cards, and the per-GPU
+figures of :class:`~gpu_console.state.TelemetryFold`). Only for a live run that nobody
+records (a run from before the supervisor recorded) does it sample for itself, in memory,
+with the telemetry :class:`~gpu_console.telemetry.sampler.Sampler`.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from ..events import JsonlTail
+from ..state import TelemetryFold
 from . import reader
 
-FRESH_SAMPLE_S = 5.0  # a telemetry.jsonl sample younger than this: another console samples
+# A newest sample older than this (or than twice the interval it stands for): nobody records.
+FRESH_SAMPLE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -37,24 +41,22 @@ class DeviceView:
     cards: list[DeviceCard]
     sample_t: float | None = None
     note: str = ""
+    gpus: tuple[dict[str, Any], ...] = ()  # per GPU over the run: TelemetryFold.gpus()
 
 
 class DeviceFeed:
-    """Device samples for the run screen: the console's own Sampler while the run is live
-    (writing ``telemetry.jsonl`` only when this console owns the run), or the samples that
-    another console records in that file, or, once the run has ended, the file's last ones."""
+    """Device samples for the run screen, from the run's ``telemetry.jsonl`` (launched here,
+    attached to, or ended); an in-memory Sampler only while a live run has no recorder."""
 
     def __init__(
         self,
         run_dir: Path,
         *,
-        owner: bool,
         interval_s: float = 1.0,
         history: int = 60,
         enabled: bool = True,
     ):
         self.run_dir = run_dir
-        self.owner = owner
         self.interval_s = interval_s
         self.enabled = enabled
         self.sampler = None
@@ -65,30 +67,40 @@ class DeviceFeed:
         self._seen = 0
         self._file_offset: int | None = None
         self._file_checked = False
+        self._file_t: float | None = None  # the newest sample read from the file
+        self._file_every_s = 0.0
+        self._stale_since: float | None = None
+        self.figures = TelemetryFold(run_dir)
 
     def update(self, live: bool, last_step: dict[str, Any]) -> bool:
         if not self.enabled:
             return False
-        if not live:
-            self.close()
-            if not self._file_checked and self.latest is None:
-                self._file_checked = True
-                return self._read_file(initial=True)
-            return False
-        if self.owner or self.sampler is not None:
-            return self._from_sampler(owner=self.owner)
-        # A viewer reads what the owning console records; if nobody records, it samples.
-        got = self._read_file(initial=not self._file_checked)
+        got = self.figures.poll()
+        got |= self._read_file(initial=not self._file_checked)
         self._file_checked = True
-        if self.latest and time.time() - (self.latest.get("t") or 0) < FRESH_SAMPLE_S:
+        if not live or self._recorded():
+            self.close()
+            self._stale_since = None
             return got
-        return self._from_sampler(owner=False)
+        # Live, and nothing fresh in the file: give the supervisor time for its first sample.
+        now = time.monotonic()
+        self._stale_since = self._stale_since or now
+        if now - self._stale_since >= FRESH_SAMPLE_S:
+            return self._from_sampler() or got
+        return got
 
-    def _from_sampler(self, owner: bool) -> bool:
+    def _recorded(self) -> bool:
+        """The run's supervisor is recording: its newest sample is as fresh as it promised."""
+        if self._file_t is None:
+            return False
+        limit = max(FRESH_SAMPLE_S, 2 * self._file_every_s + 1.0)
+        return time.time() - self._file_t < limit
+
+    def _from_sampler(self) -> bool:
         if self.sampler is None:
             from ..telemetry.sampler import Sampler
 
-            self.sampler = Sampler(self.run_dir, interval_s=self.interval_s, owner=owner).start()
+            self.sampler = Sampler(self.run_dir, interval_s=self.interval_s).start()
             self.source = "live"
         n = self.sampler.samples
         if n == self._seen or self.sampler.latest is None:
@@ -109,7 +121,9 @@ class DeviceFeed:
         for s in samples[-self.history :]:
             self._fold(s)
         if samples:
-            self.source = "file"
+            self.source = "live" if self.sampler is not None else "file"
+            self._file_t = samples[-1].get("t")
+            self._file_every_s = float(samples[-1].get("every_s") or 0.0)
         return bool(samples)
 
     def _fold(self, sample: dict[str, Any]) -> None:
@@ -133,6 +147,7 @@ class DeviceFeed:
         if self.sampler is not None:
             self.sampler.stop(timeout=2.0)
             self.sampler = None
+            self.source = "file" if self._file_t is not None else "none"
 
     def view(
         self, device_type: str | None, last_step: dict[str, Any], meta: dict[str, Any]
@@ -192,7 +207,7 @@ class DeviceFeed:
                 cards.append(DeviceCard(f"rank {r}", None, [info], hist))
         note = ""
         if self.source == "none" and self.enabled:
-            note = "no device samples (a console records them while it is attached)"
+            note = "no device samples recorded for this run"
         return DeviceView(
             source=self.source,
             nvml_available=bool(nv.get("available")),
@@ -200,6 +215,7 @@ class DeviceFeed:
             cards=cards,
             sample_t=sample.get("t"),
             note=note,
+            gpus=tuple(self.figures.gpus()),
         )
 
 

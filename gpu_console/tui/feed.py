@@ -242,7 +242,7 @@ class RunFeed:
         self,
         run_dir: Path,
         *,
-        owner: bool = False,
+        owner: bool = False,  # launched here; the supervisor records telemetry either way
         supervisor: subprocess.Popen | None = None,
         clock: Callable[[], float] = time.time,
         sample_interval_s: float = 1.0,
@@ -261,9 +261,7 @@ class RunFeed:
         self._seen_logs: deque[str] = deque(maxlen=64)
         self._new_logs: list[LogLine] = []
         self._log_mark = 0
-        self.devices = DeviceFeed(
-            self.run_dir, owner=owner, interval_s=sample_interval_s, enabled=telemetry
-        )
+        self.devices = DeviceFeed(self.run_dir, interval_s=sample_interval_s, enabled=telemetry)
         self.meta = read_json(self.run_dir / "meta.json") or {}
         self.sampled = False
 

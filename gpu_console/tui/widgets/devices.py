@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from ...telemetry.figures import describe, title
 from ..devices import DeviceCard, DeviceView
 from .panel import TextPanel
 from .text import bar, human_bytes, spark
@@ -101,7 +102,18 @@ def devices_text(view: DeviceView, width: int) -> Text:
         out.append_text(gpu_card(card, width) if card.gpu is not None else cpu_card(card, width))
     if not view.cards:
         out.append("\nno ranks yet", style="dim")
+    for fig in view.gpus:
+        out.append("\n")
+        out.append_text(figures_line(fig))
     return out
+
+
+def figures_line(fig: dict) -> Text:
+    """What one GPU did over the run so far (the run's telemetry, folded)."""
+    t = Text(no_wrap=True, overflow="ellipsis")
+    t.append(f"{title(fig)} over the run ", style="bold")
+    t.append(describe(fig, name=False))
+    return t
 
 
 class DevicePanel(TextPanel):
