@@ -9,23 +9,25 @@ GIB = 2**30
 SOURCES = {"counter": "NVML energy counter", "power": "integrated power"}
 
 
-def describe(fig: dict[str, Any], name: bool = True) -> str:
+def describe(fig: dict[str, Any], name: bool = True, short: bool = False) -> str:
     """``NVIDIA H100 80GB HBM3: util 87 %, peak 71.2 GiB / 80 GiB, max 74 °C, 312 Wh
-    (NVML energy counter)``; a reading no sample had is left out, never shown as 0."""
+    (NVML energy counter)``; a reading no sample had is left out, never shown as 0.
+    ``short`` (a card's title line): no memory total and no energy source."""
     parts = []
     util = fig.get("util_mean")
     if isinstance(util, (int, float)):
         parts.append(f"util {util:.0f} %")
     peak, total = fig.get("memory_peak"), fig.get("memory_total")
     if isinstance(peak, int):
-        parts.append(f"peak {peak / GIB:.1f} GiB" + (f" / {total / GIB:.0f} GiB" if total else ""))
+        of = f" / {total / GIB:.0f} GiB" if total and not short else ""
+        parts.append(f"peak {peak / GIB:.1f} GiB{of}")
     temp = fig.get("temperature_max")
     if isinstance(temp, (int, float)):
         parts.append(f"max {temp:.0f} °C")
     wh = fig.get("energy_wh")
     if isinstance(wh, (int, float)):
         digits = 0 if wh >= 100 else 1 if wh >= 1 else 3
-        source = SOURCES.get(fig.get("energy_source") or "", "")
+        source = "" if short else SOURCES.get(fig.get("energy_source") or "", "")
         parts.append(f"{wh:.{digits}f} Wh" + (f" ({source})" if source else ""))
     text = ", ".join(parts) or "no readings"
     return f"{fig.get('name') or 'GPU'}: {text}" if name else text

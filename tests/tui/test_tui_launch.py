@@ -204,7 +204,7 @@ async def test_enter_launches_quickstart_and_the_keys_control_it(here, no_gpu):
             await until(pilot, lambda: read_status(run.run_dir).get("ended"), 60, "the end")
             assert read_status(run.run_dir)["state"] == "stopped"
             await until(pilot, lambda: run.snapshot.state == "stopped", 10, "stopped shown")
-            # This console launched the run: it recorded the device samples.
+            # The run's supervisor recorded the device samples (this console only read them).
             assert (run.run_dir / "telemetry.jsonl").stat().st_size > 0
             await pilot.press("q")
         assert app.return_code == 0

@@ -224,6 +224,7 @@ def picture_telemetry(run_dir: Path, fake, samples: int = 40, t0: float = synthe
             gpu.memory_used = int((38.0 + g * 1.5 + (i % 5) * 0.1) * gib)
             gpu.temperature = 61 + (i // 4 + g) % 9
             gpu.power_mw = 280_000 + ((i * 37 + g * 11) % 90) * 1000
+            gpu.energy_mj = 9_000_000 + i * 300_000  # 300 J a sample (one a second)
             gpu.processes = [(pids[g], int((36.2 + g * 1.5) * gib))]
         sample = {
             "v": 1,

@@ -20,7 +20,7 @@ def _pct(v) -> str:
     return "  -%" if not isinstance(v, (int, float)) else f"{v:3.0f}%"
 
 
-def gpu_card(card: DeviceCard, width: int) -> Text:
+def gpu_card(card: DeviceCard, width: int, fig: dict | None = None) -> Text:
     g = card.gpu or {}
     h = card.history
     sw = max(4, min(16, (width - 60) // 2))
@@ -29,6 +29,8 @@ def gpu_card(card: DeviceCard, width: int) -> Text:
     t.append(f"{card.title} ", style="bold")
     t.append(f"{g.get('name') or '?'}", style="bold #87afff")
     t.append(f" · {ranks}", style="dim")
+    if fig:
+        t.append(f"   run: {describe(fig, name=False, short=True)}", style="dim")
     if g.get("lost"):
         t.append("  LOST: the GPU stopped answering", style="bold #ff5f5f")
         return t
@@ -96,13 +98,17 @@ def devices_text(view: DeviceView, width: int) -> Text:
         out.append(f"no GPU: {reason}; per-rank CPU and RSS", style="dim")
     elif view.note:
         out.append(view.note, style="dim")
+    figures = {f.get("uuid"): f for f in view.gpus}
     for card in view.cards:
         if out:
             out.append("\n")
-        out.append_text(gpu_card(card, width) if card.gpu is not None else cpu_card(card, width))
+        if card.gpu is not None:
+            out.append_text(gpu_card(card, width, figures.pop(card.gpu.get("uuid"), None)))
+        else:
+            out.append_text(cpu_card(card, width))
     if not view.cards:
         out.append("\nno ranks yet", style="dim")
-    for fig in view.gpus:
+    for fig in figures.values():  # GPUs of the run without a card of their own
         out.append("\n")
         out.append_text(figures_line(fig))
     return out
@@ -111,8 +117,9 @@ def devices_text(view: DeviceView, width: int) -> Text:
 def figures_line(fig: dict) -> Text:
     """What one GPU did over the run so far (the run's telemetry, folded)."""
     t = Text(no_wrap=True, overflow="ellipsis")
-    t.append(f"{title(fig)} over the run ", style="bold")
-    t.append(describe(fig, name=False))
+    t.append(f"{title(fig)} ", style="bold")
+    t.append(f"{fig.get('name') or '?'}", style="bold #87afff")
+    t.append(f"   run: {describe(fig, name=False, short=True)}", style="dim")
     return t
 
 
