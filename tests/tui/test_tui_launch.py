@@ -184,6 +184,8 @@ async def test_enter_launches_quickstart_and_the_keys_control_it(here, no_gpu):
             run = app.screen
             assert run.owner
             await until(pilot, lambda: run.snapshot and run.snapshot.step > 0, 90, "a step")
+            # The devices panel reads what the run's supervisor records; it samples nothing.
+            await until(pilot, lambda: run.snapshot.devices.source == "file", 30, "recorded")
             assert "samples/s" in screen_text(app) and "running" in screen_text(app)
 
             await pilot.press("c")
