@@ -410,6 +410,25 @@ class TelemetryFold:
         self.nvml: dict[str, Any] = {}
         self.samples = 0
 
+    def skip_to_summary(self) -> bool:
+        """Where the file ends with a summary line (an ended run), take it and skip the
+        samples before it: no need to parse a long run's file to show its figures."""
+        if self.tail is None or self.tail.offset:
+            return False
+        try:
+            with open(self.tail.path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - 2**16))
+                data = f.read()
+            end = json.loads(data[: data.rfind(b"\n")].rpartition(b"\n")[2])
+        except (OSError, ValueError):
+            return False
+        if not (isinstance(end, dict) and end.get("kind") == "summary"):
+            return False
+        self.apply(end)
+        self.tail.offset = size - len(data) + data.rfind(b"\n") + 1
+        return True
+
     def poll(self) -> bool:
         """Fold what is new in the file; True if anything was."""
         lines = self.tail.read() if self.tail is not None else []
@@ -459,17 +478,7 @@ def _gpu_key(g: dict[str, Any]) -> str:
 def gpu_figures(run_dir: Path) -> list[dict[str, Any]]:
     """A run's per-GPU figures, read once (``ls``): from the summary line that ends the file
     when there is one (an ended run: no need to parse the samples), else by folding it all."""
-    path = Path(run_dir) / TELEMETRY_FILE
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 2**16))
-            last = f.read().rstrip(b"\n").rpartition(b"\n")[2]
-        end = json.loads(last)
-    except (OSError, ValueError):
-        end = None
     fold = TelemetryFold(run_dir)
-    if isinstance(end, dict) and end.get("kind") == "summary":
-        fold.apply(end)
-    else:
+    if not fold.skip_to_summary():
         fold.poll()
     return fold.gpus()

@@ -268,11 +268,15 @@ def test_the_recorder_thins_the_file_and_its_summary_still_covers_every_tick(tmp
     assert fig["util_mean"] == pytest.approx(50, abs=0.1)
     assert fig["energy_source"] == "counter"
     assert fig["energy_wh"] == pytest.approx(ticks * 360 / 3600)  # 360 J a second
-    # A reader takes the summary as is.
+    # A reader takes the summary as is: read in full, or only the summary (an ended run).
     assert gpu_figures(tmp_path) == lines[-1]["gpus"]
     fold = TelemetryFold(tmp_path)
     fold.poll()
     assert fold.gpus() == lines[-1]["gpus"]
+    quick = TelemetryFold(tmp_path)
+    assert quick.skip_to_summary() and quick.samples == 0  # no sample line parsed
+    assert quick.gpus() == lines[-1]["gpus"] and not quick.poll()
+    assert not TelemetryFold(tmp_path / "nowhere").skip_to_summary()
 
 
 def test_a_continued_run_goes_on_from_what_the_file_holds(tmp_path):

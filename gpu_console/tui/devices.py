@@ -75,6 +75,8 @@ class DeviceFeed:
     def update(self, live: bool, last_step: dict[str, Any]) -> bool:
         if not self.enabled:
             return False
+        if not live and not self._file_checked:
+            self.figures.skip_to_summary()  # an ended run: its figures without the samples
         got = self.figures.poll()
         got |= self._read_file(initial=not self._file_checked)
         self._file_checked = True
