@@ -371,3 +371,49 @@ def test_a_lost_gpu_and_missing_readings_are_not_zeros():
     assert fig["energy_wh"] is None and fig["energy_source"] is None
     assert describe(fig) == "NVIDIA A100-SXM4-80GB: no readings"
     assert TelemetryFold().gpus() == []
+
+
+# -- on a real GPU -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cuda():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+@pytest.mark.gpu
+def test_a_headless_gpu_run_records_its_gpu(cuda, procs, runs_dir, tmp_path):
+    from gpu_console.telemetry import nvml
+
+    profile = fast_profile(tmp_path, max_steps=200)
+    env = cli_env(COLUMNS="200")
+    done = procs.cli(
+        "run", str(profile), "--headless", "--devices", "0", "--runs-dir", str(runs_dir), env=env
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = only_run(runs_dir)
+    uuid = nvml.uuids()[0]
+    samples = read_samples(run)
+    assert samples and all([g["uuid"] for g in s["gpus"]] == [uuid] for s in samples)
+    assert any(r["rank"] == 0 and r["uuid"] == uuid for s in samples for r in s["ranks"])
+    (fig,) = gpu_figures(run)
+    assert fig["uuid"] == uuid and fig["samples"] == len(samples)
+    assert fig["memory_peak"] > 0 and fig["energy_wh"] > 0
+    assert fig["energy_source"] in ("counter", "power")
+    listed = procs.cli("ls", "--json", "--runs-dir", str(runs_dir), env=env)
+    assert json.loads(listed.stdout)[0]["gpus"] == [fig]
+    assert describe(fig) in done.stdout
+
+
+def test_a_recorder_after_a_killed_one_starts_on_a_line_of_its_own(tmp_path):
+    torn = json.dumps(gpu(1.0, util_gpu=10)) + "\n" + '{"t": 2.0, "kind": "sample", "gp'
+    (tmp_path / FILE).write_text(torn)
+    recorder = Recorder(tmp_path, sample=lambda: gpu(3.0, util_gpu=30))
+    recorder._open()
+    recorder._setup()
+    recorder.tick()
+    recorder._close()
+    assert [s["t"] for s in read_samples(tmp_path)] == [1.0, 3.0]

@@ -126,7 +126,7 @@ class Recorder:
 
     def _open(self) -> None:
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
             self.write_error = f"{self.path}: cannot open ({e.strerror})"
             return
@@ -137,6 +137,11 @@ class Recorder:
             self.write_error = f"{self.path}: another process is recording it"
             return
         self._fd = fd
+        # A supervisor killed mid-line left a torn line: start on a line of our own.
+        with contextlib.suppress(OSError):
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                os.write(fd, b"\n")
 
     def _close(self) -> None:
         if self._fd is not None:
