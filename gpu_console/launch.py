@@ -223,6 +223,8 @@ def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int]:
                 f"--resume: {run}: the run is still live (state {status.get('state')}); "
                 f"stop it first (gpu-console stop {run})"
             )
+    if not os.access(run, os.W_OK | os.X_OK):
+        raise LaunchError(f"--resume: {run}: not writable (a resumed run continues in it)")
     ckpt = runs.latest_checkpoint(run)
     if ckpt is None:
         raise LaunchError(f"--resume: {run}: has no complete checkpoint to resume from")
@@ -444,30 +446,32 @@ def continue_run(
             "torchrun": meta.get("torchrun"),
         }]  # fmt: skip
     n = len(sessions)  # the session that ended
-    history = run_dir / "history"
-    history.mkdir(mode=0o700, exist_ok=True)
-    shutil.copy2(run_dir / "run.toml", history / f"run-{n}.toml")
-    if (run_dir / runs.STATUS).exists():
-        shutil.copy2(run_dir / runs.STATUS, history / f"status-{n}.json")
-    logs = run_dir / "logs"
-    logs.mkdir(exist_ok=True)
-    old_logs = logs / f"session-{n}"
-    old_logs.mkdir(exist_ok=True)
-    for entry in logs.iterdir():
-        if not re.fullmatch(r"session-\d+", entry.name):
-            os.replace(entry, old_logs / entry.name)
-    shutil.rmtree(run_dir / "heartbeats", ignore_errors=True)
-    runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
-    session = _session(
-        run_dir, profile, placement, resume_from, argv, None, run_cwd(run_dir) or os.getcwd()
-    )
-    meta["sessions"] = [*sessions, session]
-    runs.atomic_write_json(run_dir / "meta.json", meta)
-    # The new supervisor writes status.json from scratch; until it does, no reader may take
-    # the previous session's end (state, exit code, failure) for this one's.
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(run_dir / runs.STATUS)
-    proc = spawn_supervisor(run_dir, placement)
+    try:
+        history = run_dir / "history"
+        history.mkdir(mode=0o700, exist_ok=True)
+        shutil.copy2(run_dir / "run.toml", history / f"run-{n}.toml")
+        if (run_dir / runs.STATUS).exists():
+            shutil.copy2(run_dir / runs.STATUS, history / f"status-{n}.json")
+        logs = run_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        old_logs = logs / f"session-{n}"
+        old_logs.mkdir(exist_ok=True)
+        for entry in logs.iterdir():
+            if not re.fullmatch(r"session-\d+", entry.name):
+                os.replace(entry, old_logs / entry.name)
+        shutil.rmtree(run_dir / "heartbeats", ignore_errors=True)
+        runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
+        cwd = run_cwd(run_dir) or os.getcwd()
+        session = _session(run_dir, profile, placement, resume_from, argv, None, cwd)
+        meta["sessions"] = [*sessions, session]
+        runs.atomic_write_json(run_dir / "meta.json", meta)
+        # The new supervisor writes status.json from scratch; until it does, no reader may
+        # take the previous session's end (state, exit code, failure) for this one's.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(run_dir / runs.STATUS)
+        proc = spawn_supervisor(run_dir, placement)
+    except OSError as e:
+        raise runs.RunDirError(f"{run_dir}: cannot continue the run ({e})") from None
     return Launched(run_dir, proc, placement)
 
 

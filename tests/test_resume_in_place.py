@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+import conftest
 from conftest import (
     events_of,
     fast_profile,
@@ -19,7 +20,6 @@ from conftest import (
     read_status,
     run_dirs,
     task_profile,
-    test_env,
     the_run,
     wait_for,
 )
@@ -214,7 +214,7 @@ def test_sessions_failures_are_their_own(procs, runs_dir, tmp_path):
 
     first = procs.cli(
         "run", str(profile), "--headless", *rd, cwd=tmp_path,
-        env=test_env(CRASH_ONCE=str(tmp_path / "flag-1"), CRASH_AT="10",
+        env=conftest.test_env(CRASH_ONCE=str(tmp_path / "flag-1"), CRASH_AT="10",
                      CRASH_MSG="first session boom"),
     )  # fmt: skip
     assert first.returncode == 1, first.stdout + first.stderr
@@ -226,7 +226,7 @@ def test_sessions_failures_are_their_own(procs, runs_dir, tmp_path):
     # Session 2: resumed, then stopped cleanly; the first session's failure is history.
     console = procs.start(
         "run", "--resume", str(run), "--headless", *rd, cwd=tmp_path,
-        env=test_env(PACE_S="0.02"),
+        env=conftest.test_env(PACE_S="0.02"),
     )  # fmt: skip
     wait_for(lambda: len(events_of(run, "start")) == 2, what="the second session's start")
     wait_for(lambda: read_status(run).get("state") == "running", what="status.json running")
@@ -245,7 +245,7 @@ def test_sessions_failures_are_their_own(procs, runs_dir, tmp_path):
     # first session's RuntimeError, whose error file and torchrun lines are in session-1.
     third = procs.cli(
         "run", "--resume", str(run), "--headless", *rd, cwd=tmp_path,
-        env=test_env(CRASH_ONCE=str(tmp_path / "flag-3"), CRASH_AT="3", CRASH_KILL="1"),
+        env=conftest.test_env(CRASH_ONCE=str(tmp_path / "flag-3"), CRASH_AT="3", CRASH_KILL="1"),
     )  # fmt: skip
     assert third.returncode == 1, third.stdout + third.stderr
     status = read_status(run)
@@ -262,24 +262,25 @@ def test_sessions_failures_are_their_own(procs, runs_dir, tmp_path):
 
 
 def test_resume_refuses_a_run_whose_supervisor_is_alive(procs, runs_dir, tmp_path):
-    """Status says running and its supervisor's pid is alive: refused, nothing written."""
-    run = runs_dir / "live-20260101-000000"
+    """Status says stopped but its supervisor's pid is alive: refused, nothing written."""
+    # Outside runs_dir: the teardown kills the pids of the runs under runs_dir.
+    run = tmp_path / "elsewhere" / "live-20260101-000000"
     ckpt = run / "checkpoints" / "step-00000004"
     ckpt.mkdir(parents=True)
     (run / "run.toml").write_text(fast_profile(tmp_path).read_text())
     (ckpt / "meta.json").write_text('{"step": 4}')
     (ckpt / "state.pt").write_bytes(b"")
     (run / "checkpoints" / "LATEST").write_text("step-00000004\n")
-    # The stand-in for a live supervisor: this test's own process.
+    # The stand-in for a supervisor still at work: this test's own process.
     (run / "status.json").write_text(
         json.dumps({"state": "stopped", "pids": {"supervisor": os.getpid()}})
     )
     before = _snapshot(run)
-    result = procs.cli("run", "--resume", run.name, "--headless", "--runs-dir", str(runs_dir))
+    result = procs.cli("run", "--resume", str(run), "--headless", "--runs-dir", str(runs_dir))
     assert result.returncode == 2, result.stdout + result.stderr
     (line,) = result.stderr.splitlines()
     assert line == (
         f"gpu-console: --resume: {run}: the run is still live (state stopped); "
         f"stop it first (gpu-console stop {run})"
     )
-    assert _snapshot(run) == before and run_dirs(runs_dir) == [run]
+    assert _snapshot(run) == before and not runs_dir.exists()
