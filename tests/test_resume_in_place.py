@@ -284,3 +284,28 @@ def test_resume_refuses_a_run_whose_supervisor_is_alive(procs, runs_dir, tmp_pat
         f"stop it first (gpu-console stop {run})"
     )
     assert _snapshot(run) == before and not runs_dir.exists()
+
+
+def test_a_reader_acts_only_on_its_sessions_new_commands(tmp_path):
+    """Commands before this session's launch, or acknowledged before a restart, are history."""
+    from gpu_console.engine.control import CODES, Control
+    from gpu_console.events import EventWriter, append_control
+
+    run = tmp_path / "run"
+    run.mkdir()
+    append_control(run, "stop")  # the command that ended the previous session
+    since = (run / "control.jsonl").stat().st_size
+    events = EventWriter(run / "events.jsonl")
+    events.emit("status", state="stopped", step=7)
+    events_from = (run / "events.jsonl").stat().st_size
+    meta = {"id": "run", "sessions": [{}, {"control_from": since, "events_from": events_from}]}
+    (run / "meta.json").write_text(json.dumps(meta))
+    # This session: a checkpoint taken up before a restart of the group, then a pause.
+    done = append_control(run, "checkpoint")
+    events.emit("control", id=done, cmd="checkpoint", state="received", step=9)
+    events.close()
+    append_control(run, "pause")
+
+    control = Control(run, is_reader=True, interval_s=0.25)
+    assert control.proposal(10)[0] == CODES["pause"]
+    assert control.proposal(11)[0] == 0

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..events import CONTROL_COMMANDS, JsonlTail, read_events
+from ..events import CONTROL_COMMANDS, JsonlTail
 from ..runs import current_session, read_json
 from . import signals
 
@@ -125,16 +125,25 @@ class Control:
         return Decision(NAMES.get(code), cmd["id"] if mine else None, signalled)
 
 
+def _session(run_dir: Path) -> dict:
+    meta = read_json(Path(run_dir) / "meta.json")
+    return current_session(meta) if isinstance(meta, dict) else {}
+
+
+def _offset(session: dict, key: str) -> int:
+    value = session.get(key)
+    return value if isinstance(value, int) and value > 0 else 0
+
+
 def _session_offset(run_dir: Path) -> int:
     """Where this session's commands begin in control.jsonl (0 for a run's first session)."""
-    meta = read_json(Path(run_dir) / "meta.json")
-    offset = current_session(meta).get("control_from") if isinstance(meta, dict) else 0
-    return offset if isinstance(offset, int) and offset > 0 else 0
+    return _offset(_session(run_dir), "control_from")
 
 
 def _acknowledged(run_dir: Path) -> set[str]:
-    """Ids of the commands an earlier engine of this run already took up."""
-    events = read_events(Path(run_dir) / "events.jsonl")
+    """Ids of the commands an earlier engine of this session (before a restart) took up."""
+    start = _offset(_session(run_dir), "events_from")
+    events = JsonlTail(Path(run_dir) / "events.jsonl", start).read()
     return {e["id"] for e in events if e.get("kind") == "control" and isinstance(e.get("id"), str)}
 
 
