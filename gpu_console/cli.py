@@ -76,7 +76,9 @@ def run(
         None, "--set", help="Override a profile key: --set train.lr=3e-4 (repeatable)."
     ),
     resume: str | None = typer.Option(
-        None, "--resume", help="Continue from the newest checkpoint of this run (dir or name)."
+        None,
+        "--resume",
+        help="Continue this run (dir or name) from its newest checkpoint, in its own directory.",
     ),
     runs_dir: Path | None = RunsDirOpt,
     name: str | None = typer.Option(None, "--name", help="Run name (default: profile name)."),
@@ -119,6 +121,8 @@ def run(
     from . import headless as reporter  # after the checks: a bad input fails before Rich loads
 
     launched = launch.start(prof, placement, folder, resume_from, nodes=nodes)
+    if launched.run_dir.parent.resolve() != folder.resolve():
+        folder = launched.run_dir.parent  # a resumed run lives where it always has
     if headless or not (sys.stdin.isatty() and sys.stdout.isatty()):
         # Without a terminal (a pipe, CI, nohup) the console reports as text.
         raise typer.Exit(reporter.follow(launched.run_dir, launched.supervisor))

@@ -6,6 +6,7 @@ exists removes it, so a user mistake never leaves a half-made run behind. No tor
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import math
@@ -88,7 +89,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_user_task(profile: Profile, source: str, overridden: set[str]) -> Profile:
+def check_user_task(
+    profile: Profile, source: str, overridden: set[str], cwd: str | None = None
+) -> Profile:
     """Validate a user task's keys in a subprocess: its module may import torch."""
     if profile.task_kind in BUILTIN:
         return profile
@@ -102,7 +105,7 @@ def check_user_task(profile: Profile, source: str, overridden: set[str]) -> Prof
         ],
         capture_output=True,
         text=True,
-        cwd=os.getcwd(),
+        cwd=cwd or os.getcwd(),
         timeout=300,
     )
     try:
@@ -181,6 +184,75 @@ def worker_env(placement: Placement) -> dict[str, str]:
     return env
 
 
+def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int]:
+    """``--resume RUN``: the run, its newest complete checkpoint and that checkpoint's step.
+
+    Refused (nothing written) when RUN is not a run, has no complete checkpoint, or may
+    still be live: its status cannot be read, says it is not over, or one of its processes
+    is still alive.
+    """
+    try:
+        run = runs.find_run(arg, runs_dir)
+    except runs.RunDirError as e:
+        raise LaunchError(f"--resume: {e}") from None
+    status_path = run / runs.STATUS
+    status: object = {}
+    if status_path.exists():
+        try:
+            status = json.loads(status_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            why = e.strerror if isinstance(e, OSError) else "not valid JSON"
+            raise LaunchError(
+                f"--resume: {status_path}: cannot be read ({why}); "
+                "cannot tell whether the run is still live"
+            ) from None
+        if not isinstance(status, dict):
+            raise LaunchError(
+                f"--resume: {status_path}: not a JSON object; "
+                "cannot tell whether the run is still live"
+            )
+    from .state import pid_alive
+
+    if not status.get("ended"):
+        # Not recorded as over: over only if none of its processes is left (a lost run).
+        pids = status.get("pids") if isinstance(status.get("pids"), dict) else {}
+        workers = pids.get("workers") if isinstance(pids.get("workers"), list) else []
+        left = [pids.get("supervisor"), pids.get("torchrun"), *workers]
+        if any(isinstance(p, int) and pid_alive(p) for p in left):
+            raise LaunchError(
+                f"--resume: {run}: the run is still live (state {status.get('state')}); "
+                f"stop it first (gpu-console stop {run})"
+            )
+    if not os.access(run, os.W_OK | os.X_OK):
+        raise LaunchError(f"--resume: {run}: not writable (a resumed run continues in it)")
+    ckpt = runs.latest_checkpoint(run)
+    if ckpt is None:
+        raise LaunchError(f"--resume: {run}: has no complete checkpoint to resume from")
+    if not (ckpt / "state.pt").is_file():
+        raise LaunchError(f"--resume: {ckpt}: its state.pt is missing")
+    meta = runs.read_json(ckpt / "meta.json")
+    step = meta.get("step") if isinstance(meta, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise LaunchError(f"--resume: {ckpt / 'meta.json'}: no step in it (got {show(step)})")
+    return run, ckpt, step
+
+
+def resumed_name(run: Path) -> str:
+    """The name a run was launched under (run.toml's ``profile.name``)."""
+    from .profile import parse_toml
+
+    meta = parse_toml(run / "run.toml").get("profile")
+    name = meta.get("name") if isinstance(meta, dict) else None
+    return name if isinstance(name, str) and name else run.name
+
+
+def run_cwd(run: Path) -> str | None:
+    """Where the run was first launched: a user task's module is found from there again."""
+    meta = runs.read_json(run / "meta.json")
+    cwd = meta.get("cwd") if isinstance(meta, dict) else None
+    return cwd if isinstance(cwd, str) and os.path.isdir(cwd) else None
+
+
 def prepare(
     profile_arg: str | None,
     *,
@@ -192,15 +264,10 @@ def prepare(
     name: str | None = None,
 ) -> tuple[Profile, Placement, Path | None]:
     """Everything that can be wrong with a launch, checked before anything is written."""
-    resume_from = None
+    resume_from = resume_run = None
+    resume_step = 0
     if resume is not None:
-        try:
-            resume_run = runs.find_run(resume, runs_dir)
-        except runs.RunDirError as e:
-            raise LaunchError(f"--resume: {e}") from None
-        resume_from = runs.latest_checkpoint(resume_run)
-        if resume_from is None:
-            raise LaunchError(f"--resume: {resume_run}: has no complete checkpoint to resume from")
+        resume_run, resume_from, resume_step = resume_target(resume, runs_dir)
         if profile_arg is None:
             profile_arg = str(resume_run / "run.toml")
     if profile_arg is None:
@@ -222,9 +289,27 @@ def prepare(
         return LaunchError(f"{origin}: {key}: {problem} (got {show(value)})")
 
     profile = load_profile(profile_arg, sets)
-    if name:
+    task_cwd = None
+    if resume_run is not None:
+        # The run continues in its own directory, under its own name.
+        run_name = resumed_name(resume_run)
+        if name and name != run_name:
+            raise LaunchError(
+                f"--name: a resumed run continues in its own directory under its own name "
+                f"({run_name}); leave --name out (got {name!r})"
+            )
+        profile.profile.name = run_name
+        if resume_step >= profile.train.max_steps:
+            raise bad(
+                "train.max_steps",
+                f"the newest checkpoint is at step {resume_step}: nothing left to train; "
+                "raise it (--set train.max_steps=N)",
+                profile.train.max_steps,
+            )
+        task_cwd = run_cwd(resume_run)
+    elif name:
         profile.profile.name = name
-    profile = check_user_task(profile, source, set_keys | set(flags))
+    profile = check_user_task(profile, source, set_keys | set(flags), cwd=task_cwd)
     try:
         placement = resolve_placement(profile.hardware.devices)
     except DeviceSpecError as e:
@@ -252,42 +337,141 @@ def start(
     argv: list[str] | None = None,
     nodes: Nodes | None = None,
 ) -> Launched:
-    """Create the run directory, write run.toml and meta.json, start the supervisor."""
+    """Create the run directory, write run.toml and meta.json, start the supervisor.
+
+    ``--resume`` on one machine continues in the resumed run's own directory (its
+    ``checkpoints/<step>`` names it), wherever ``runs_dir`` points: see :func:`continue_run`.
+    On several nodes each node's console makes a run directory of its own, as at launch.
+    """
+    if resume_from is not None and nodes is None:
+        return continue_run(profile, placement, resume_from.parent.parent, resume_from, argv)
     run_dir = runs.create_run_dir(runs_dir, profile.profile.name or "run")
     try:
         runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
-        argv_torchrun = torchrun_argv(run_dir, profile, placement, free_port(), nodes)
+        session = _session(run_dir, profile, placement, resume_from, argv, nodes, os.getcwd())
         meta = {
             "id": run_dir.name,
-            "command": argv if argv is not None else sys.argv,
-            "cwd": os.getcwd(),
-            "host": socket.gethostname(),
+            "command": session["command"],
+            "cwd": session["cwd"],
+            "host": session["host"],
             "user": getpass.getuser(),
-            "created": time.time(),
-            "versions": {
-                "python": sys.version.split()[0],
-                "torch": _version("torch"),
-                "gpu_console": _version("gpu-console"),
-            },
-            "placement": {
-                "device_type": placement.device_type,
-                "nproc": placement.nproc,
-                "cuda_visible_devices": placement.cuda_visible_devices,
-            },
-            "world_size": placement.nproc * (nodes.max_nodes if nodes else 1),
-            "nodes": (
-                {"nnodes": nodes.nnodes, "node_rank": nodes.node_rank, "endpoint": nodes.endpoint}
-                if nodes
-                else None
-            ),
-            "resume_from": str(resume_from.resolve()) if resume_from else None,
-            "torchrun": argv_torchrun,
+            "created": session["started"],
+            "versions": session["versions"],
+            "placement": session["placement"],
+            "world_size": session["world_size"],
+            "nodes": session["nodes"],
+            "resume_from": session["resume_from"],
+            "torchrun": session["torchrun"],
+            "sessions": [session],
         }
         runs.atomic_write_json(run_dir / "meta.json", meta)
         proc = spawn_supervisor(run_dir, placement)
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
+    return Launched(run_dir, proc, placement)
+
+
+def _session(
+    run_dir: Path,
+    profile: Profile,
+    placement: Placement,
+    resume_from: Path | None,
+    argv: list[str] | None,
+    nodes: Nodes | None,
+    cwd: str,
+) -> dict:
+    """One launch of a run: what meta.json's ``sessions`` records, and what it runs."""
+
+    def size(name: str) -> int:
+        try:
+            return (run_dir / name).stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    return {
+        "command": argv if argv is not None else sys.argv,
+        "cwd": cwd,
+        "host": socket.gethostname(),
+        "started": time.time(),
+        "versions": {
+            "python": sys.version.split()[0],
+            "torch": _version("torch"),
+            "gpu_console": _version("gpu-console"),
+        },
+        "placement": {
+            "device_type": placement.device_type,
+            "nproc": placement.nproc,
+            "cuda_visible_devices": placement.cuda_visible_devices,
+        },
+        "world_size": placement.nproc * (nodes.max_nodes if nodes else 1),
+        "nodes": (
+            {"nnodes": nodes.nnodes, "node_rank": nodes.node_rank, "endpoint": nodes.endpoint}
+            if nodes
+            else None
+        ),
+        "resume_from": str(resume_from.resolve()) if resume_from else None,
+        "torchrun": torchrun_argv(run_dir, profile, placement, free_port(), nodes),
+        # Where this session's events and commands begin: its supervisor folds only its own
+        # events, its engine acts only on commands sent after it was launched.
+        "events_from": size("events.jsonl"),
+        "control_from": size("control.jsonl"),
+    }
+
+
+def continue_run(
+    profile: Profile,
+    placement: Placement,
+    run_dir: Path,
+    resume_from: Path,
+    argv: list[str] | None = None,
+) -> Launched:
+    """A new session of an ended run, in its own directory (``prepare`` checked it is over).
+
+    Nothing of the previous session is lost, and nothing of it is mistaken for the new one:
+    its run.toml and status.json go to ``history/`` (``run-N.toml``, ``status-N.json``), its
+    logs (torchrun's, the ranks', the supervisor's) to ``logs/session-N/``, which the
+    failure diagnosis does not read; its heartbeats are removed (the new session may have
+    fewer ranks). events.jsonl, control.jsonl, checkpoints/ and telemetry go on appending.
+    """
+    meta = runs.read_json(run_dir / "meta.json")
+    meta = meta if isinstance(meta, dict) else {"id": run_dir.name}
+    sessions = meta.get("sessions")
+    if not isinstance(sessions, list) or not sessions:
+        # A run launched before sessions were recorded: its launch was the first session.
+        keys = ("command", "cwd", "host", "versions", "placement", "world_size", "nodes")
+        sessions = [{k: meta.get(k) for k in keys} | {
+            "started": meta.get("created"),
+            "resume_from": meta.get("resume_from"),
+            "torchrun": meta.get("torchrun"),
+        }]  # fmt: skip
+    n = len(sessions)  # the session that ended
+    try:
+        history = run_dir / "history"
+        history.mkdir(mode=0o700, exist_ok=True)
+        shutil.copy2(run_dir / "run.toml", history / f"run-{n}.toml")
+        if (run_dir / runs.STATUS).exists():
+            shutil.copy2(run_dir / runs.STATUS, history / f"status-{n}.json")
+        logs = run_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        old_logs = logs / f"session-{n}"
+        old_logs.mkdir(exist_ok=True)
+        for entry in logs.iterdir():
+            if not re.fullmatch(r"session-\d+", entry.name):
+                os.replace(entry, old_logs / entry.name)
+        shutil.rmtree(run_dir / "heartbeats", ignore_errors=True)
+        runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
+        cwd = run_cwd(run_dir) or os.getcwd()
+        session = _session(run_dir, profile, placement, resume_from, argv, None, cwd)
+        meta["sessions"] = [*sessions, session]
+        runs.atomic_write_json(run_dir / "meta.json", meta)
+        # The new supervisor writes status.json from scratch; until it does, no reader may
+        # take the previous session's end (state, exit code, failure) for this one's.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(run_dir / runs.STATUS)
+        proc = spawn_supervisor(run_dir, placement)
+    except OSError as e:
+        raise runs.RunDirError(f"{run_dir}: cannot continue the run ({e})") from None
     return Launched(run_dir, proc, placement)
 
 

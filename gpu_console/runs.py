@@ -7,6 +7,7 @@ through :func:`atomic_write_text`, so a reader never sees half a file. No torch 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import re
@@ -99,7 +100,8 @@ def create_run_dir(runs_dir: Path, name: str) -> Path:
 
 
 def read_status(run_dir: Path) -> dict[str, Any]:
-    return read_json(Path(run_dir) / STATUS) or {}
+    status = read_json(Path(run_dir) / STATUS)
+    return status if isinstance(status, dict) else {}
 
 
 def write_status(run_dir: Path, status: dict[str, Any]) -> None:
@@ -111,24 +113,74 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     ckpts = Path(run_dir) / "checkpoints"
     try:
         name = (ckpts / "LATEST").read_text().strip()
-    except FileNotFoundError:
+    except (OSError, UnicodeDecodeError):  # absent, a directory, unreadable
+        return None
+    if not name or "/" in name or name in (".", "..") or "\0" in name:
         return None
     path = ckpts / name
-    return path if name and (path / "meta.json").is_file() else None
+    return path if (path / "meta.json").is_file() else None
+
+
+def current_session(meta: dict[str, Any]) -> dict[str, Any]:
+    """meta.json as the running session sees it: the run's facts, then its last session's.
+
+    A resumed run continues in its own directory; each launch appends a session (command,
+    resume point, torchrun argv, where its events and commands start) to ``sessions``.
+    """
+    sessions = meta.get("sessions")
+    if isinstance(sessions, list) and sessions and isinstance(sessions[-1], dict):
+        return {**meta, **sessions[-1]}
+    return meta
 
 
 def find_run(arg: str, runs_dir: Path) -> Path:
-    """RUN is a run directory, or a run's name (or a prefix of one) under the runs directory."""
-    path = Path(arg).expanduser()
-    if (path / "run.toml").is_file():
+    """RUN is a run directory, or a run's name (or a prefix of one) under the runs directory.
+
+    A spelling with a path separator (or ``.``/``..``/``~``) is a path and only a path: it
+    is never taken as a name prefix to match.
+    """
+    if not arg.strip():
+        raise RunDirError(f"{arg!r}: no such run (an empty name)")
+    runs_dir = Path(runs_dir)
+    try:
+        path = Path(arg).expanduser()
+    except RuntimeError:  # ~user that does not exist, or no home directory
+        path = Path(arg)
+    if _is_run(path):
         return path
-    candidate = Path(runs_dir) / arg
-    if (candidate / "run.toml").is_file():
-        return candidate
-    matches = sorted(
-        (p for p in Path(runs_dir).glob(f"{arg}*") if (p / "run.toml").is_file()),
-        key=lambda p: p.name,
-    )
-    if matches:
-        return matches[-1]
-    raise RunDirError(f"{arg}: no such run (looked for a directory and under {runs_dir})")
+    is_path = "/" in arg or arg in (".", "..") or arg.startswith("~")
+    if not is_path:
+        candidate = runs_dir / arg
+        if _is_run(candidate):
+            return candidate
+        try:
+            found = runs_dir.glob(f"{glob.escape(arg)}*")
+            matches = sorted((p for p in found if _is_run(p)), key=lambda p: p.name)
+        except (OSError, ValueError, NotImplementedError):
+            matches = []
+        if matches:
+            return matches[-1]
+    raise RunDirError(f"{arg}: {_why_not_a_run(path, is_path, runs_dir)}")
+
+
+def _is_run(path: Path) -> bool:
+    try:
+        return path.is_dir() and (path / "run.toml").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _why_not_a_run(path: Path, is_path: bool, runs_dir: Path) -> str:
+    try:
+        for parent in path.resolve().parents:
+            if parent.name == "checkpoints" and _is_run(parent.parent):
+                return f"a checkpoint, not a run: give its run, {parent.parent}"
+        if path.is_file():
+            return "a file, not a run directory"
+        if path.is_dir():
+            return "not a run directory (no run.toml in it)"
+    except (OSError, ValueError, RuntimeError):
+        pass
+    if is_path:
+        return "no such run directory"
+    return f"no such run (looked for a directory and under {runs_dir})"

@@ -13,7 +13,7 @@ from typing import Any
 from .engine.heartbeat import DIR as HEARTBEAT_DIR
 from .engine.heartbeat import PHASES as PHASE_ORDER
 from .events import KINDS, JsonlTail
-from .runs import FINAL_STATES, read_status
+from .runs import FINAL_STATES, current_session, read_json, read_status
 
 STALL_MIN_S = 30.0
 STALL_FACTOR = 10.0
@@ -154,6 +154,7 @@ class RunState:
     throughput: list[float] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)
     gpus: list[dict[str, Any]] = field(default_factory=list)  # per GPU: TelemetryFold.gpus()
+    final_t: float = 0.0  # when the engine last said the run ended (a session's end)
 
     def apply(self, e: dict[str, Any]) -> None:
         kind = e.get("kind")
@@ -165,6 +166,7 @@ class RunState:
             for k in ("world_size", "device_type", "precision", "task", "params", "max_steps"):
                 setattr(self, k, e.get(k))
             self.start_step = self.step = int(e.get("start_step") or 0)
+            self.first_step_t = None  # a new session (restart or resume): its own rate
         elif kind == "step":
             self.step = int(e.get("step", self.step))
             self.loss = e.get("loss")
@@ -189,9 +191,14 @@ class RunState:
             self.eval = {k: v for k, v in e.items() if k not in ("v", "t", "kind", "step")}
         elif kind == "checkpoint":
             self.checkpoints.append(e)
+            self.step = _true_step(e, self.step)
         elif kind == "status":
             self.state = e.get("state", self.state)
             self.reason = e.get("reason", "")
+            # The final states carry the true step (log steps may be far apart).
+            self.step = _true_step(e, self.step)
+            if self.state in FINAL_STATES:
+                self.final_t = float(t or 0.0)
         elif kind == "log":
             self.logs.append(e)
         elif kind == "control":
@@ -204,6 +211,11 @@ class RunState:
             self.state = status.get("state", self.state)
             self.reason = status.get("reason", self.reason)
             self.ended_t = status.get("ended")
+        elif self.state in FINAL_STATES and (status.get("started") or 0) > self.final_t:
+            # A resumed run: its new session began after the previous one's end.
+            self.state = status.get("state", "starting")
+            self.reason = status.get("reason", "")
+            self.ended_t = None
 
     @property
     def done(self) -> bool:
@@ -228,6 +240,11 @@ class RunState:
         return (self.ended_t or time.time()) - start
 
 
+def _true_step(e: dict[str, Any], step: int) -> int:
+    value = e.get("step")
+    return value if isinstance(value, int) and not isinstance(value, bool) else step
+
+
 class RunFollower:
     """Reads a run directory incrementally: new events, and the supervisor's status."""
 
@@ -236,8 +253,16 @@ class RunFollower:
         self.tail = JsonlTail(self.run_dir / "events.jsonl")
         self.state = RunState()
         self.telemetry = TelemetryFold(self.run_dir)
+        # A resumed run's earlier sessions: folded into the state, never reported as news.
+        meta = read_json(self.run_dir / "meta.json")
+        start = current_session(meta).get("events_from") if isinstance(meta, dict) else 0
+        self._history = start if isinstance(start, int) and start > 0 else 0
 
     def poll(self) -> list[dict[str, Any]]:
+        if self._history > self.tail.offset:
+            for e in self.tail.read(max_bytes=self._history - self.tail.offset):
+                self.state.apply(e)
+        self._history = 0
         new = self.tail.read()
         for e in new:
             self.state.apply(e)

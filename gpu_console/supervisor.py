@@ -66,10 +66,11 @@ def _torchrun_preexec() -> None:
 class Supervisor:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
-        self.meta = runs.read_json(run_dir / "meta.json") or {}
+        # This session's facts: a resumed run continues in its directory (runs.current_session).
+        self.meta = runs.current_session(runs.read_json(run_dir / "meta.json") or {})
         profile_text = (run_dir / "run.toml").read_text()
         self.grace_s = _grace_from(profile_text)
-        self.events = JsonlTail(run_dir / "events.jsonl")
+        self.events = JsonlTail(run_dir / "events.jsonl", int(self.meta.get("events_from") or 0))
         self.status: dict[str, Any] = {
             "state": "starting",
             "reason": "",
@@ -184,6 +185,10 @@ class Supervisor:
     def fold_events(self) -> None:
         for e in self.events.read():
             kind = e.get("kind")
+            if kind in ("status", "checkpoint") and isinstance(e.get("step"), int):
+                # The true step: log steps may be far apart (the engine's final status and
+                # every checkpoint say where it really is).
+                self.status["step"] = e["step"]
             if kind == "status":
                 self.status["state"] = e.get("state", self.status["state"])
                 self.status["reason"] = e.get("reason", "")
@@ -202,6 +207,8 @@ class Supervisor:
                 self.status["restarts"] = int(e.get("restart") or 0)
                 self.status["max_restarts"] = e.get("max_restarts")
                 self.status["last_step_t"] = None  # a restarted group has made no step yet
+                if isinstance(e.get("start_step"), int):
+                    self.status["step"] = e["start_step"]
                 self.step_times.clear()
             elif kind == "checkpoint":
                 self.status["last_checkpoint"] = {

@@ -404,3 +404,83 @@ def test_runs_dir_not_writable(procs, runs_dir):
         assert "not writable" in line, line
     finally:
         runs_dir.chmod(0o700)
+
+
+def _resumable(folder: Path, name: str = "real-20240101-000000") -> Path:
+    """A run directory that looks complete: run.toml, a complete checkpoint at step 10."""
+    run = hand_made_run(folder, name)
+    ckpt = run / "checkpoints" / "step-00000010"
+    ckpt.mkdir()
+    (ckpt / "state.pt").write_bytes(b"")
+    (ckpt / "meta.json").write_text('{"step": 10}')
+    (run / "checkpoints" / "LATEST").write_text("step-00000010\n")
+    return run
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# (id, how RUN is spelled given tmp_path and a complete-looking run, what the line says)
+RESUME_SPELLINGS = [
+    ("name-with-a-slash", lambda tmp, run: "ghost/run", "ghost/run: no such run directory"),
+    ("absolute-missing", lambda tmp, run: str(tmp / "nowhere"), "nowhere: no such run directory"),
+    ("a-file", lambda tmp, run: "notes.txt", "notes.txt: a file, not a run directory"),
+    ("dot-dot", lambda tmp, run: "..", "..: not a run directory (no run.toml in it)"),
+    ("empty", lambda tmp, run: "", "'': no such run (an empty name)"),
+    ("unknown-user", lambda tmp, run: "~no-such-user-xyz/run", "no such run directory"),
+    (
+        "checkpoint-dir",
+        lambda tmp, run: str(run / "checkpoints" / "step-00000010"),
+        "a checkpoint, not a run: give its run, ",
+    ),
+    (
+        "glob-characters",
+        lambda tmp, run: "real[",
+        "real[: no such run (looked for a directory and under ",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "spell, says", [c[1:] for c in RESUME_SPELLINGS], ids=[c[0] for c in RESUME_SPELLINGS]
+)
+def test_resume_spellings_of_no_run(procs, runs_dir, tmp_path, spell, says):
+    run = _resumable(runs_dir)
+    (tmp_path / "notes.txt").write_text("not a run\n")
+    before = _files(tmp_path)
+    result = run_bad(procs, runs_dir, "--resume", spell(tmp_path, run), cwd=tmp_path)
+    (line,) = assert_bad(result, runs_dir, existing=[run])
+    assert line.startswith("gpu-console: --resume: "), line
+    assert says in line, line
+    assert _files(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "status, says",
+    [
+        ("{not json", "status.json: cannot be read (not valid JSON)"),
+        ("[1, 2]", "status.json: not a JSON object"),
+    ],
+    ids=["corrupt", "a-list"],
+)
+def test_resume_of_a_run_whose_status_cannot_be_read(procs, runs_dir, tmp_path, status, says):
+    run = _resumable(runs_dir)
+    (run / "status.json").write_text(status)
+    before = _files(tmp_path)
+    (line,) = assert_bad(run_bad(procs, runs_dir, "--resume", run.name), runs_dir, existing=[run])
+    assert line.startswith(f"gpu-console: --resume: {run}/status.json: "), line
+    assert says in line and "cannot tell whether the run is still live" in line, line
+    assert _files(tmp_path) == before
+
+
+def test_resume_of_a_checkpoint_without_its_step(procs, runs_dir, tmp_path):
+    run = _resumable(runs_dir)
+    (run / "checkpoints" / "step-00000010" / "meta.json").write_text("{}")
+    before = _files(tmp_path)
+    (line,) = assert_bad(run_bad(procs, runs_dir, "--resume", run.name), runs_dir, existing=[run])
+    assert line == (
+        f"gpu-console: --resume: {run}/checkpoints/step-00000010/meta.json: no step in it "
+        "(got None)"
+    ), line
+    assert _files(tmp_path) == before

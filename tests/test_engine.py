@@ -151,6 +151,7 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resume_is_bit_exact(procs, runs_dir,
     for key in ("supervisor", "torchrun"):
         assert not pid_alive(status["pids"][key])
 
+    # The resume continues in the run's own directory, whatever --runs-dir says.
     resumed = procs.cli(
         "run",
         "--resume",
@@ -161,10 +162,13 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resume_is_bit_exact(procs, runs_dir,
         cwd=tmp_path,
     )
     assert resumed.returncode == 0, resumed.stderr
-    after = losses(only_run(runs_dir / "resumed"))
-    assert min(after) == stopped_at + 1 and max(after) == 400
-    assert after == {s: expected[s] for s in after}, "resumed losses differ from the reference"
-    assert losses(run) == {s: expected[s] for s in losses(run)}
+    assert not (runs_dir / "resumed").exists() and only_run(runs_dir / "stopped") == run
+    (_, second) = events_of(run, "start")
+    assert second["start_step"] == stopped_at
+    after = [e for e in events_of(run, "step") if e["t"] >= second["t"]]
+    assert after[0]["step"] == stopped_at + 1 and after[-1]["step"] == 400
+    # One run, one history: every step's loss, bit for bit the uninterrupted run's.
+    assert losses(run) == expected, "resumed losses differ from the reference"
 
 
 def test_four_micro_batches_of_8_match_one_batch_of_32(procs, runs_dir, tmp_path):

@@ -54,11 +54,11 @@ def restart_count() -> int:
 
 def _run(run_dir: Path, heartbeat: Heartbeat) -> None:
     from ..profile import load_profile, with_task_config
-    from ..runs import read_json
+    from ..runs import current_session, read_json
     from ..tasks.loader import load_task_class
     from .loop import train
 
-    meta = read_json(run_dir / "meta.json") or {}
+    meta = current_session(read_json(run_dir / "meta.json") or {})  # this session's facts
     # A user's task module is found from where the run was launched, like `python -m`.
     if meta.get("cwd") and meta["cwd"] not in sys.path:
         sys.path.insert(0, meta["cwd"])

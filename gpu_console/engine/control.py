@@ -9,6 +9,11 @@ When log steps are further apart than ``interval_s``, checks in between (spaced 
 measured step time) make one small collective each. When readers on two nodes hold
 different commands at once, the higher code wins and the other command stays queued for
 the next check.
+
+A reader acts only on commands of its own session: those appended after its run was
+launched or resumed (meta.json's ``control_from``), and not already acknowledged in the
+events (a restarted group does not redo its predecessor's commands). A stop that ended the
+previous session never stops the resumed one.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..events import CONTROL_COMMANDS, JsonlTail
+from ..runs import current_session, read_json
 from . import signals
 
 CODES = {cmd: i + 1 for i, cmd in enumerate(CONTROL_COMMANDS)}
@@ -38,7 +44,8 @@ class Control:
         self.is_reader = is_reader
         self.interval_s = interval_s
         path = Path(run_dir) / "control.jsonl"
-        self.tail = JsonlTail(path) if is_reader else None
+        self.tail = JsonlTail(path, _session_offset(run_dir)) if is_reader else None
+        self.handled = _acknowledged(run_dir) if is_reader else set()
         self.owner_ok = True
         self.pending: deque[dict] = deque()
         self.next_check = 1
@@ -73,6 +80,8 @@ class Control:
             return
         self.owner_ok = True
         for cmd in lines:
+            if cmd.get("id") in self.handled:
+                continue
             if cmd.get("cmd") in CODES and isinstance(cmd.get("id"), str):
                 self.pending.append(cmd)
             else:
@@ -114,6 +123,28 @@ class Control:
         if cmd is not None and not mine:
             self.pending.appendleft(cmd)  # another node's command won; ours goes next
         return Decision(NAMES.get(code), cmd["id"] if mine else None, signalled)
+
+
+def _session(run_dir: Path) -> dict:
+    meta = read_json(Path(run_dir) / "meta.json")
+    return current_session(meta) if isinstance(meta, dict) else {}
+
+
+def _offset(session: dict, key: str) -> int:
+    value = session.get(key)
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+def _session_offset(run_dir: Path) -> int:
+    """Where this session's commands begin in control.jsonl (0 for a run's first session)."""
+    return _offset(_session(run_dir), "control_from")
+
+
+def _acknowledged(run_dir: Path) -> set[str]:
+    """Ids of the commands an earlier engine of this session (before a restart) took up."""
+    start = _offset(_session(run_dir), "events_from")
+    events = JsonlTail(Path(run_dir) / "events.jsonl", start).read()
+    return {e["id"] for e in events if e.get("kind") == "control" and isinstance(e.get("id"), str)}
 
 
 def _owned_by_me(path: Path) -> bool:

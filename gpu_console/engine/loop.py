@@ -65,6 +65,7 @@ class OutOfMemory(RuntimeError):
 
 class _NullHeartbeat:
     step = 0
+    phase = "starting"
 
     def set(self, step: int, phase: str) -> None:
         self.step = step
@@ -118,11 +119,15 @@ def train(
         # A policy decision every rank made at the same step, not a crash: a restart would
         # not help, so the ranks exit 0 and the status says failed (the supervisor records
         # the engine's reason as the failure).
-        out.status("failed", reason=f"NonFiniteLoss: {e}"[:500])
+        out.status("failed", reason=f"NonFiniteLoss: {e}"[:500], step=_done_step(beat))
     except BaseException as e:
         # With restarts left, torchrun starts the group again (from LATEST): not the end.
         again = restart < p.distributed.max_restarts
-        out.status("restarting" if again else "failed", reason=f"{type(e).__name__}: {e}"[:500])
+        out.status(
+            "restarting" if again else "failed",
+            reason=f"{type(e).__name__}: {e}"[:500],
+            step=_done_step(beat),
+        )
         if isinstance(e, OutOfMemory):
             out.log("error", str(e))
         raise
@@ -417,7 +422,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
         p.checkpoint.every_steps and step % p.checkpoint.every_steps == 0
     ):
         save("end")
-    out.status("finished", reason="max_steps reached", exchanges=exchange.counts())
+    out.status("finished", reason="max_steps reached", step=step, exchanges=exchange.counts())
 
 
 def _ack(out: Reporter, decision, state: str, step: int) -> None:
@@ -431,7 +436,12 @@ def _stop(out: Reporter, p: Profile, step: int, save, reason: str, exchanges: di
     saved = save(reason) if p.checkpoint.on_stop else True
     # ``checkpointed`` is false only when a checkpoint was due and could not be written: the
     # supervisor then records the stop as interrupted (exit 130), not as a clean stop.
-    out.status("stopped", reason=reason, checkpointed=saved, exchanges=exchanges)
+    out.status("stopped", reason=reason, step=step, checkpointed=saved, exchanges=exchanges)
+
+
+def _done_step(beat) -> int:
+    """The last step completed: the heartbeat's step is in progress in its first phases."""
+    return beat.step - 1 if beat.phase in ("data", "compute", "update") else beat.step
 
 
 def _stop_non_finite(out, d, p: Profile, step: int, save, last_loss, grad_norm) -> None:
