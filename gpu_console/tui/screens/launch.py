@@ -19,7 +19,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widget import Widget
+from textual.widget import MountError, Widget
 from textual.widgets import (
     Footer,
     Input,
@@ -132,20 +132,25 @@ class LaunchScreen(Screen):
         self.call_after_refresh(self.call_later, self._fill)
 
     async def _fill(self) -> None:
+        if not self.is_attached:  # the app quit as soon as it started
+            return
         # The workers read files and NVML in threads while the controls mount; what they post
         # is handled after this handler, when the controls are there.
         self._start_workers()
-        with self.app.batch_update():  # one frame with all of them
-            await self.mount(SelectionList[str](id="device-list"), after="#devices-title")
-            buttons = [RadioButton(p, id=f"prec-{p}", value=p == "auto") for p in PRECISIONS]
-            await self.mount(RadioSet(*buttons, id="precision"), after="#precision-title")
-            for row, fields in enumerate((FIELDS[:2], FIELDS[2:])):
-                widgets: list[Widget] = []
-                for fid, _, label in fields:
-                    widgets.append(Label(label, classes="field-label"))
-                    widgets.append(Input(id=f"set-{fid}", compact=True, classes="field"))
-                await self.query_one(f"#fields-{row}").mount_all(widgets)
-            await self.mount(Footer(compact=True))
+        try:
+            with self.app.batch_update():  # one frame with all of them
+                await self.mount(SelectionList[str](id="device-list"), after="#devices-title")
+                buttons = [RadioButton(p, id=f"prec-{p}", value=p == "auto") for p in PRECISIONS]
+                await self.mount(RadioSet(*buttons, id="precision"), after="#precision-title")
+                for row, fields in enumerate((FIELDS[:2], FIELDS[2:])):
+                    widgets: list[Widget] = []
+                    for fid, _, label in fields:
+                        widgets.append(Label(label, classes="field-label"))
+                        widgets.append(Input(id=f"set-{fid}", compact=True, classes="field"))
+                    await self.query_one(f"#fields-{row}").mount_all(widgets)
+                await self.mount(Footer(compact=True))
+        except MountError:  # the screen went away meanwhile: a quit right at the start
+            return
         self.refresh_bindings()  # a footer mounted after the focus was set shows no keys yet
 
     def _start_workers(self) -> None:
