@@ -212,3 +212,15 @@ async def test_enter_launches_quickstart_and_the_keys_control_it(here, no_gpu):
         assert app.return_code == 0
     finally:
         kill_runs(runs)
+
+
+async def test_a_quit_as_soon_as_it_starts_leaves_cleanly(here, no_gpu):
+    # The controls mount after the first frame: a screen that goes away first is left alone.
+    class QuitAtOnce(ConsoleApp):
+        def on_ready(self) -> None:
+            self.exit(0)
+
+    app = QuitAtOnce(runs_dir=here / "runs")
+    async with app.run_test(size=(100, 32)):
+        pass
+    assert app.return_code == 0

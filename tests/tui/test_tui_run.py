@@ -3,6 +3,7 @@ runs, and a live run whose engine is a stand-in thread (FakeRun) answering contr
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -14,7 +15,7 @@ from tui_support import (  # noqa: F401 - fixtures
     until,
 )
 
-from gpu_console.events import read_events
+from gpu_console.events import EventWriter, read_events
 from gpu_console.tui import synthetic
 from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.screens.modals import ConfirmScreen, HelpScreen, QuitScreen
@@ -220,3 +221,42 @@ async def test_a_big_run_shows_fast_and_backfills_its_evals(tmp_path):
         evals = [e["step"] for e in events if e["kind"] == "eval"]
         assert screen.snapshot.step == steps[-1]
         assert [x for x, _ in screen.snapshot.eval_points] == evals
+
+
+async def test_the_header_and_the_loss_chart_title_show_the_same_loss(tmp_path, monkeypatch):
+    # The chart lines redraw at most every CHART_EVERY_S: made long here, so that the new
+    # step reaches the charts' titles only if they follow every snapshot, as the header does.
+    monkeypatch.setattr("gpu_console.tui.screens.run.CHART_EVERY_S", 3600.0)
+    run = synthetic.write_run(tmp_path / "runs" / "live-20260101-000000", state="running",
+                              steps=50, max_steps=1000, supervisor_pid=os.getpid())  # fmt: skip
+    app = app_on(run)
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await loaded(pilot, app)
+        assert screen.snapshot.live and screen.snapshot.loss != 0.3436
+        out = EventWriter(run / "events.jsonl")
+        out.emit("step", step=60, loss=0.3436, lr=1e-3, samples_per_s=1000.0, step_time_s=0.01,
+                 memory=[])  # fmt: skip
+        out.close()
+        await until(pilot, lambda: screen.snapshot.step == 60, 10, "the new step")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "loss 0.3436" in text  # the header
+        title = str(screen.query_one("#loss").border_title)
+        assert "train 0.3436" in title and "train 0.3436" in text  # the loss chart's title
+
+
+async def test_lr_ticks_that_differ_in_the_fourth_digit_have_labels_that_tell_them_apart(tmp_path):
+    # Early in a long cosine schedule the lr moves in its 4th digit: 3.000e-03 → 2.999e-03.
+    run = synthetic.write_run(tmp_path / "runs" / "long-lr-20260101-000000", steps=1200,
+                              max_steps=100_000)  # fmt: skip
+    app = app_on(run)
+    async with app.run_test(size=(120, 48)) as pilot:
+        screen = await loaded(pilot, app)
+        lr = screen.query_one("#lr")
+        await until(pilot, lambda: lr.lines, 5, "the lr line")
+        await pilot.pause()
+        rows = str(lr.render()).splitlines()
+        labels = [row.split("┤")[0].strip() for row in rows if "┤" in row]
+        assert len(labels) == 3, rows
+        values = [float(label.replace(",", "")) for label in labels]
+        assert values[0] > values[1] > values[2], labels  # top to bottom, three numbers

@@ -3,14 +3,15 @@
 Everything that touches files, NVML or processes runs in thread workers: listing profiles,
 resolving the highlighted one with the overrides (validated as typed, with ``--set``'s own
 messages), sampling the GPUs every few seconds, and the launch itself. A mistake is shown
-on the screen, never raised.
+on the screen, never raised. The first frame comes before all of that, and before the
+controls: see :meth:`LaunchScreen.compose`.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 from textual import on, work
@@ -18,6 +19,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
+from textual.widget import MountError, Widget
 from textual.widgets import (
     Footer,
     Input,
@@ -31,15 +33,18 @@ from textual.widgets import (
 from textual.widgets.option_list import Option
 from textual.widgets.selection_list import Selection
 
-from ..messages import (
-    DevicesSampled,
-    LaunchDone,
-    LaunchFailed,
-    Preview,
-    PreviewReady,
-    ProfileInfo,
-    ProfilesListed,
-)
+# The messages module imports the run screen's feed: the workers that post them import it,
+# after the first frame.
+if TYPE_CHECKING:
+    from ..messages import (
+        DevicesSampled,
+        LaunchDone,
+        LaunchFailed,
+        Preview,
+        PreviewReady,
+        ProfileInfo,
+        ProfilesListed,
+    )
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 # The override fields: (input id, profile key, label).
@@ -96,28 +101,21 @@ class LaunchScreen(Screen):
         self._setting = False  # programmatic changes are not the user's
 
     # -- layout ----------------------------------------------------------------------------
+    # Draw the screen first, fill it after: the first frame has the layout, the section titles
+    # and the (empty) profile list; the controls (about thirty widgets, most of what a frame
+    # costs) are mounted right after it, while the workers start.
     def compose(self) -> ComposeResult:
         with Horizontal(id="launch"):
             with Vertical(id="choices"):
                 yield Label("Profile", classes="section")
                 yield OptionList(id="profiles")
-                yield Label("Devices", classes="section")
-                yield SelectionList[str](id="device-list")
+                yield Label("Devices", classes="section", id="devices-title")
                 yield Static("", id="devices-note", classes="note")
-                yield Label("Precision", classes="section")
-                with RadioSet(id="precision"):
-                    for p in PRECISIONS:
-                        yield RadioButton(p, id=f"prec-{p}", value=p == "auto")
+                yield Label("Precision", classes="section", id="precision-title")
                 yield Static("", id="precision-note", classes="note")
                 yield Label("Overrides (empty: the profile's value)", classes="section")
-                with Horizontal(classes="fields"):
-                    for fid, _, label in FIELDS[:2]:
-                        yield Label(label, classes="field-label")
-                        yield Input(id=f"set-{fid}", compact=True, classes="field")
-                with Horizontal(classes="fields"):
-                    for fid, _, label in FIELDS[2:]:
-                        yield Label(label, classes="field-label")
-                        yield Input(id=f"set-{fid}", compact=True, classes="field")
+                yield Horizontal(classes="fields", id="fields-0")
+                yield Horizontal(classes="fields", id="fields-1")
                 yield Static("", id="problems")
                 yield Static(
                     "Enter launch · Tab next field · Space toggle a device · +/- CPU ranks",
@@ -125,13 +123,35 @@ class LaunchScreen(Screen):
                 )
             with VerticalScroll(id="resolved"):
                 yield Static("", id="toml")
-        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self.query_one("#resolved").border_title = "resolved profile"
         self.query_one("#profiles", OptionList).focus()
-        # The workers start after the first frame: their imports would compete with it.
-        self.call_after_refresh(self._start_workers)
+        # After the first frame, as a message of its own: the callbacks that wait for that
+        # frame run one after another, and would wait for the filling too.
+        self.call_after_refresh(self.call_later, self._fill)
+
+    async def _fill(self) -> None:
+        if not self.is_attached:  # the app quit as soon as it started
+            return
+        # The workers read files and NVML in threads while the controls mount; what they post
+        # is handled after this handler, when the controls are there.
+        self._start_workers()
+        try:
+            with self.app.batch_update():  # one frame with all of them
+                await self.mount(SelectionList[str](id="device-list"), after="#devices-title")
+                buttons = [RadioButton(p, id=f"prec-{p}", value=p == "auto") for p in PRECISIONS]
+                await self.mount(RadioSet(*buttons, id="precision"), after="#precision-title")
+                for row, fields in enumerate((FIELDS[:2], FIELDS[2:])):
+                    widgets: list[Widget] = []
+                    for fid, _, label in fields:
+                        widgets.append(Label(label, classes="field-label"))
+                        widgets.append(Input(id=f"set-{fid}", compact=True, classes="field"))
+                    await self.query_one(f"#fields-{row}").mount_all(widgets)
+                await self.mount(Footer(compact=True))
+        except MountError:  # the screen went away meanwhile: a quit right at the start
+            return
+        self.refresh_bindings()  # a footer mounted after the focus was set shows no keys yet
 
     def _start_workers(self) -> None:
         self.list_profiles()
@@ -142,6 +162,7 @@ class LaunchScreen(Screen):
     @work(thread=True, exclusive=True, group="profiles", exit_on_error=False)
     def list_profiles(self) -> None:
         from ...profile import ProfileError, list_profiles, parse_toml
+        from ..messages import ProfileInfo, ProfilesListed
 
         out = []
         for path, origin in list_profiles():
@@ -200,6 +221,7 @@ class LaunchScreen(Screen):
     @work(thread=True, exclusive=True, group="resolve", exit_on_error=False)
     def _resolve(self, path: Path, sets: list[str]) -> None:
         from ...profile import ProfileError, load_profile
+        from ..messages import Preview, PreviewReady
 
         preview = Preview(path, sets=list(sets))
         try:
@@ -259,6 +281,7 @@ class LaunchScreen(Screen):
     def sample_devices(self) -> None:
         from ...devices import default_cpu_ranks
         from ...telemetry import nvml
+        from ..messages import DevicesSampled
 
         status = nvml.status()
         gpus = [g.to_json() for g in nvml.sample_gpus()] if status.available else []
@@ -458,6 +481,7 @@ class LaunchScreen(Screen):
         from ...launch import LaunchError, prepare, start
         from ...profile import ProfileError
         from ...runs import RunDirError
+        from ..messages import LaunchDone, LaunchFailed
 
         argv = ["gpu-console", "run", str(path)]
         if devices:

@@ -3,12 +3,14 @@ and on failure the failing rank's traceback. Keys send commands through control.
 
 A thread worker owns the :class:`~gpu_console.tui.feed.RunFeed` and posts a snapshot when
 something changed, at most every ``refresh_s`` (0.2 s: redraws stay under ~10 Hz however
-fast the run logs), and once a second otherwise so clocks tick. Charts redraw at most every
-:data:`CHART_EVERY_S`; text panels only when their text changed.
+fast the run logs), and once a second otherwise so clocks tick. Chart lines redraw at most
+every :data:`CHART_EVERY_S` (their titles' numbers with every snapshot, as the header's);
+text panels only when their text changed.
 """
 
 from __future__ import annotations
 
+import math
 import subprocess
 import threading
 import time
@@ -101,7 +103,7 @@ class RunScreen(Screen):
         self._stop = threading.Event()
         self._was_live: bool | None = None
         self.updates = 0  # snapshots drawn (tests and benchmarks wait on it)
-        self._plotted = 0.0
+        self._plotted = -math.inf  # the first snapshot is plotted, whatever the clock's origin
 
     # -- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -181,6 +183,7 @@ class RunScreen(Screen):
         self._acks(s)
         self.query_one("#header", RunHeader).show(s, self.last_command, self.readonly)
         now = time.monotonic()
+        self._chart_titles(s)  # every snapshot, like the header: one loss on the screen
         if now - self._plotted >= CHART_EVERY_S or not s.live:
             self._plotted = now
             self._plot(s)
@@ -198,28 +201,35 @@ class RunScreen(Screen):
             self.refresh_bindings()
         self.updates += 1
 
+    def _chart_titles(self, s: RunSnapshot) -> None:
+        """The charts' numbers: the same snapshot's as the header's (the lines may lag)."""
+        window = WINDOWS[self.window]
+        title = f"[{TRAIN}]━ train {num(s.loss)}[/]"
+        if s.eval_name:
+            title += f"  [{EVAL}]• eval {s.eval_name} {num(s.eval_latest.get(s.eval_name))}[/]"
+        span = "whole run" if window is None else f"last {window:,} steps"
+        sampled = " · sampled" if s.sampled and window is None else ""
+        self.query_one("#loss", BrailleChart).titles(f"loss  {title}", span + sampled)
+        unit, now = "samples/s", s.samples_per_s
+        if s.tokens_points:
+            unit, now = "tokens/s", s.tokens_per_s
+        self.query_one("#throughput", BrailleChart).titles(f"{unit} [{RATE}]{num(now)}[/]")
+        self.query_one("#lr", BrailleChart).titles(f"lr [{LR}]{num(s.lr, 3)}[/]")
+
     def _plot(self, s: RunSnapshot) -> None:
         window = WINDOWS[self.window]
         train = s.loss_series.view(window)
         lo = train[0][0] if train and window is not None else None
         evals = [p for p in s.eval_points if lo is None or p[0] >= lo]
-        title = f"[{TRAIN}]━ train {num(s.loss)}[/]"
-        if s.eval_name:
-            title += f"  [{EVAL}]• eval {s.eval_name} {num(s.eval_latest.get(s.eval_name))}[/]"
-        span = "whole run" if window is None else f"last {window:,} steps"
         chart = self.query_one("#loss", BrailleChart)
-        sampled = " · sampled" if s.sampled and window is None else ""
-        chart.titles(f"loss  {title}", span + sampled)
         chart.plot([Line("train", train, TRAIN), Line("eval", evals, EVAL, marker=True)])
         rate = self.query_one("#throughput", BrailleChart)
         # Tokens/s where the task reports tokens (sequence models), else samples/s.
-        unit, pts, now = "samples/s", s.throughput_points, s.samples_per_s
+        unit, pts = "samples/s", s.throughput_points
         if s.tokens_points:
-            unit, pts, now = "tokens/s", s.tokens_points, s.tokens_per_s
-        rate.titles(f"{unit} [{RATE}]{num(now)}[/]")
+            unit, pts = "tokens/s", s.tokens_points
         rate.plot([Line(unit, [p for p in pts if lo is None or p[0] >= lo], RATE)])
         lr = self.query_one("#lr", BrailleChart)
-        lr.titles(f"lr [{LR}]{num(s.lr, 3)}[/]")
         lr.plot([Line("lr", [p for p in s.lr_points if lo is None or p[0] >= lo], LR)])
 
     # -- commands ----------------------------------------------------------------------------
@@ -334,6 +344,7 @@ class RunScreen(Screen):
     def action_window(self) -> None:
         self.window = (self.window + 1) % len(WINDOWS)
         if self.snapshot is not None:
+            self._chart_titles(self.snapshot)
             self._plot(self.snapshot)
 
     def exit_code(self) -> int:

@@ -30,13 +30,53 @@ def _finite(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(x, y) for x, y in points if math.isfinite(y) and math.isfinite(x)]
 
 
+def tick_labels(values: Sequence[float]) -> list[str]:
+    """Labels for an axis's ticks that tell them apart: :func:`num`'s, unless two of them
+    read alike (an lr that moves in its 4th digit: three ``1.00e-03``); then one format for
+    all, with as many digits as the ticks' spacing needs."""
+    labels = [num(v) for v in values]
+    finite = sorted({v for v in values if math.isfinite(v)})
+    if len(finite) < 2 or _apart(labels, values):
+        return labels
+    scale = max(abs(finite[0]), abs(finite[-1]))
+    spacing = min(b - a for a, b in zip(finite, finite[1:], strict=False))
+    top = math.floor(math.log10(scale))
+    # Significant digits at the scale's magnitude that reach down to the spacing's.
+    sig = max(1, top - math.floor(math.log10(spacing)) + 1)
+    for more in range(6):  # rounding can still join two: one digit more, then another
+        labels = [_fixed_format(v, top, sig + more) for v in values]
+        if _apart(labels, values):
+            break
+    return labels
+
+
+def _apart(labels: Sequence[str], values: Sequence[float]) -> bool:
+    """Whether the labels, read back as numbers, are as many and in the same order as the
+    values (``1.00e-03`` and ``0.001`` for two ticks differ as text, not as numbers)."""
+    try:
+        read = [float(label.replace(",", "")) for label in labels]
+    except ValueError:
+        return False
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    return all(read[a] < read[b] for a, b in zip(order, order[1:], strict=False))
+
+
+def _fixed_format(x: float, top: int, sig: int) -> str:
+    """``x`` with ``sig`` significant digits counted from the ``10**top`` place."""
+    if not math.isfinite(x):
+        return str(x)
+    if top >= 9 or top < -3:  # where num() writes an exponent
+        return f"{x:.{max(0, sig - 1)}e}"
+    return f"{x:,.{max(0, sig - 1 - top)}f}"
+
+
 def render_chart(
     lines: Sequence[Line],
     width: int,
     height: int,
     *,
     empty: str = "waiting for data…",
-    y_fmt: Callable[[float], str] = num,
+    y_fmt: Callable[[Sequence[float]], list[str]] = tick_labels,
     x_fmt: Callable[[float], str] = lambda x: f"{x:,.0f}",
     x_axis: bool = True,
 ) -> Text:
@@ -54,10 +94,12 @@ def render_chart(
         pad = (y1 - y0) * 0.04
         y0, y1 = (0.0 if y0 >= 0 and y0 - pad < 0 else y0 - pad), y1 + pad
     plot_h = height - 1 if x_axis else height
-    labels = {plot_h - 1: y_fmt(y0), 0: y_fmt(y1)}
+    rows = {plot_h - 1: y0, 0: y1}
     if plot_h >= 5:
-        labels[(plot_h - 1) // 2] = y_fmt((y0 + y1) / 2)
-    lw = min(9, max(len(s) for s in labels.values()))
+        rows[(plot_h - 1) // 2] = (y0 + y1) / 2
+    labels = dict(zip(rows, y_fmt(list(rows.values())), strict=True))
+    # Wider than 9 only where the ticks need it to stay apart, never past half the width.
+    lw = min(max(9, width // 2), max(len(s) for s in labels.values()))
     plot_w = width - lw - 1
     if plot_w < 4:
         return Text("")
@@ -138,7 +180,7 @@ class BrailleChart(Widget):
         super().__init__(**kwargs)
         self.lines: tuple[Line, ...] = ()
         self.empty = empty
-        self.y_fmt: Callable[[float], str] = num
+        self.y_fmt: Callable[[Sequence[float]], list[str]] = tick_labels
         self._version = 0
         self._cache: tuple[object, Text] | None = None
 
