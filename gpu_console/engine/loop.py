@@ -301,7 +301,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
     grad_norm = torch.zeros((), device=d.device)
     accum = p.train.grad_accum
     max_norm = p.train.clip_grad_norm if p.train.clip_grad_norm > 0 else math.inf
-    guard = Guard(p.train.nan_policy, optimizer, scaler, d.device, batches.position)
+    guard = Guard(p.train.nan_policy, optimizer, scaler, d.device)
     skip_bad, stop_bad = guard.skip, guard.stop
     paused = False
 

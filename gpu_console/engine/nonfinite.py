@@ -15,7 +15,7 @@ eval, a checkpoint, the last step.
   the skipped count reaches the step event of the next log step.
 - ``stop``: the first non-finite norm latches: every later update is gated too, so the
   weights and moments stay those of the last finite step. At the boundary the loop rewinds
-  the step count, the lr schedule and the data position to that step and stops as on CPU
+  the step count and the lr schedule to that step and stops as on CPU
   (checkpoint ``nan`` of the last finite state, the message naming the first bad step).
   The trade-off: up to a log interval of steps computed for nothing before the stop, and
   the checkpoint's RNG states are those of the boundary, not of the last finite step.
@@ -42,7 +42,9 @@ class Trip:
     steps_back: int  # how many steps before the boundary's the last finite one is
     loss: torch.Tensor  # the bad step's loss (this rank's part)
     norm: torch.Tensor  # its gradient norm
-    position: tuple[int, int]  # the data position after the last finite step (epoch, batch)
+    # The data position after the bad step's batches, as the per-step check leaves it: a
+    # resumed run does not meet the batch that broke the update again.
+    position: tuple[int, int]
 
 
 @dataclass
@@ -62,7 +64,7 @@ def deferrable(optimizer: torch.optim.Optimizer, scaler, device_type: str) -> bo
 
 
 class Guard:
-    def __init__(self, policy: str, optimizer, scaler, device: torch.device, position):
+    def __init__(self, policy: str, optimizer, scaler, device: torch.device):
         # With an fp16 GradScaler, a non-finite gradient is an overflow the scaler handles.
         self.stop = policy == "stop" and scaler is None
         self.skip = policy == "skip"
@@ -72,7 +74,6 @@ class Guard:
         self._norms: list[torch.Tensor] = []
         self._losses: list[torch.Tensor] = []
         self._positions: list[tuple[int, int]] = []
-        self._start = (position.epoch, position.batch)
 
     def bad_now(self, grad_norm: torch.Tensor, last_loss: torch.Tensor, position) -> bool:
         """Before the update: True when the host knows now that it must not be made.
@@ -105,9 +106,8 @@ class Guard:
                 steps_back=len(finite) - i,
                 loss=self._losses[i],
                 norm=self._norms[i],
-                position=self._positions[i - 1] if i else self._start,
+                position=self._positions[i],
             )
-        self._start = self._positions[-1]
         self._norms, self._losses, self._positions = [], [], []
         return out
 
