@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 
@@ -218,7 +219,71 @@ def test_a_cpu_run_reports_flops_and_why_mfu_is_not_shown_and_measuring_changes_
     steps_h, steps_u = events_of(run_hooked, "step"), events_of(run_unhooked, "step")
     assert [s["loss"] for s in steps_u] == [s["loss"] for s in steps_h]
     assert len(steps_h) == 8 and not any("mfu" in s for s in steps_h + steps_u)
-    summary_row = (
-        "│ MFU                │ CPU run (the peak table covers NVIDIA GPUs): MFU not shown"
-    )
-    assert summary_row in out_unhooked.stdout
+    summary_row = r"│ MFU +│ CPU run \(the peak table covers NVIDIA GPUs\): MFU not shown"
+    assert re.search(summary_row, out_unhooked.stdout)
+
+
+def _mfu_events(device: str = "cuda") -> list[dict]:
+    start = {
+        "kind": "start",
+        "t": 1.0,
+        "world_size": 1,
+        "device_type": device,
+        "precision": "bf16",
+        "params": 10,
+        "max_steps": 30,
+        "flops_per_sample": 3e9,
+        "flops_from": "task",
+        "peak_flops": 989.4e12,
+        "peak": "H100 SXM bf16 dense 989.4 TFLOP/s (NVIDIA H100 datasheet, SXM)",
+        "mfu_not_shown": None,
+    }
+    steps = [
+        {"kind": "step", "t": 1.0 + s, "step": s, "loss": 1.0, "samples_per_s": 1e5, "mfu": m}
+        for s, m in ((10, 0.30), (20, 0.40), (30, 0.50))
+    ]
+    return [start, *steps]
+
+
+def test_the_fold_the_progress_line_and_the_summary_show_mfu(tmp_path):
+    from rich.console import Console
+
+    from gpu_console.headless import _progress_text, summary_table
+    from gpu_console.state import RunState
+
+    st = RunState()
+    for e in _mfu_events():
+        st.apply(e)
+    assert st.mfu == 0.50 and st.mean_mfu() == pytest.approx(0.40)
+    assert _progress_text(st).endswith("MFU 50.0%")
+    console = Console(width=200, record=True)
+    console.print(summary_table(st, tmp_path / "run"))
+    assert re.search(r"│ MFU +│ 40\.0% \(mean\)", console.export_text())
+
+    unknown = RunState()
+    unknown.apply({"kind": "start", "mfu_not_shown": "unknown GPU 'NVIDIA X': MFU not shown"})
+    unknown.apply({"kind": "step", "step": 1, "loss": 1.0, "samples_per_s": 5.0})
+    assert unknown.mfu is None and "MFU" not in _progress_text(unknown)
+    console = Console(width=200, record=True)
+    console.print(summary_table(unknown, tmp_path / "run"))
+    assert "unknown GPU 'NVIDIA X': MFU not shown" in console.export_text()
+
+
+def test_the_run_header_shows_the_newest_mfu(tmp_path):
+    import json
+
+    from gpu_console.tui import synthetic
+    from gpu_console.tui.feed import RunFeed
+    from gpu_console.tui.widgets.header import header_text
+
+    run = synthetic.write_run(tmp_path / "run", steps=30, device_type="cuda", precision="bf16")
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    for e in events:
+        if e["kind"] == "start":
+            e.update(flops_per_sample=3e9, peak_flops=989.4e12, mfu_not_shown=None)
+        if e["kind"] == "step":
+            e["mfu"] = 0.25 + e["step"] / 1000
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    feed = RunFeed(run, clock=lambda: synthetic.T0 + 60, telemetry=False)
+    feed.load()
+    assert "MFU 28.0%" in header_text(feed.snapshot()).plain
