@@ -190,16 +190,16 @@ def run_plain(s: Setup, workdir: Path) -> dict:
     return {**result, "wall_s": wall, "other_load_cores": load.cores}
 
 
-def peak_total(s: Setup) -> tuple[float | None, str]:
-    """The GPUs' dense peak at the run's precision, or why there is none."""
+def peak_total(s: Setup, device_name: str) -> tuple[float | None, str]:
+    """The GPUs' dense peak at the run's precision, or why there is none. ``device_name``
+    comes from the plain loop's rank 0: this process never touches CUDA (a context here
+    would hold GPU memory through both sides' runs)."""
     if not s.cuda:
         return None, "CPU run: MFU not shown"
-    import torch
-
     from gpu_console.peaks import UnknownPeak, peak_for
 
     try:
-        peak = peak_for(torch.cuda.get_device_name(0), s.precision)
+        peak = peak_for(device_name, s.precision)
     except UnknownPeak as e:
         return None, str(e)
     return peak.flops * s.nproc, peak.describe()
@@ -224,14 +224,14 @@ def main() -> int:
     import torch
 
     s = make_setup(a.devices, a.steps, a.small)
-    peak, peak_from = peak_total(s)
-    where = f"{s.nproc} × {torch.cuda.get_device_name(0)}" if s.cuda else f"{s.nproc} CPU ranks"
     print(
-        f"gpu_overhead: {'small encoder' if a.small else 'encoder110m'}, {where}, "
-        f"{s.precision}, {a.steps} steps (timed after step {s.warm}), {a.rounds} rounds; "
-        f"torch {torch.__version__}; peak {peak_from}",
+        f"gpu_overhead: {'small encoder' if a.small else 'encoder110m'}, --devices "
+        f"{s.devices}, {s.precision}, {a.steps} steps (timed after step {s.warm}), "
+        f"{a.rounds} rounds; torch {torch.__version__}",
         flush=True,
     )
+    peak: float | None = None
+    peak_from = where = ""
 
     def mfu(steps_per_s: float) -> float | None:
         return s.flops_per_sample * steps_per_s * s.global_batch / peak if peak else None
@@ -246,6 +246,10 @@ def main() -> int:
         for r in range(a.rounds):
             engine = run_engine(s, work)
             plain = run_plain(s, work)
+            if r == 0:
+                peak, peak_from = peak_total(s, plain["device"])
+                where = f"{s.nproc} × {plain['device']}"
+                print(f"  {where}; peak: {peak_from}", flush=True)
             ratio = engine["steps_per_s"] / plain["steps_per_s"]
             rounds.append({"engine": engine, "plain": plain, "ratio": ratio})
             print(
