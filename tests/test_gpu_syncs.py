@@ -13,7 +13,7 @@ import re
 
 import pytest
 import torch
-from conftest import events_of, only_run, read_status, task_profile
+from conftest import POISONED_TASK, events_of, only_run, read_status, task_profile
 from conftest import test_env as cli_env
 
 from gpu_console.engine.nonfinite import ENV
@@ -100,3 +100,47 @@ def test_a_gpu_run_reports_mfu_against_its_peak(procs, tmp_path):
         assert start["mfu_not_shown"] is None and "dense" in start["peak"]
         assert all(0 < s["mfu"] < 1 for s in steps)
         assert re.search(r"MFU +│ \d+\.\d% \(mean\)", result.stdout)
+
+
+# The only rank's loss is NaN on its 5th and 6th batches (log_every 3: read at step 6).
+POISONED_GPU_TASK = POISONED_TASK.replace('os.environ["RANK"] == "1"', 'os.environ["RANK"] == "0"')
+
+
+def _poisoned_gpu_run(procs, tmp_path, policy: str):
+    profile = task_profile(tmp_path, "poisoned", POISONED_GPU_TASK, "Poisoned", max_steps=12)
+    text = profile.read_text().replace('devices = "cpu:2"', 'devices = "0"')
+    profile.write_text(text.replace('precision = "fp32"', 'precision = "bf16"'))
+    result = procs.cli(
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--set",
+        f"train.nan_policy={policy}",
+        "--set",
+        "train.log_every=3",
+        cwd=tmp_path,
+        timeout=300,
+    )
+    return result, only_run(tmp_path / "runs")
+
+
+def test_nan_stop_on_a_gpu_checkpoints_the_last_finite_state(procs, tmp_path):
+    result, run = _poisoned_gpu_run(procs, tmp_path, "stop")
+    assert result.returncode == 1, result.stdout + result.stderr
+    summary = read_status(run)["failure"]["summary"]
+    assert "loss is nan in step 5 (train.nan_policy = 'stop')" in summary
+    assert "checkpoint step-00000004 holds the last finite state" in summary
+    state = torch.load(run / "checkpoints" / "step-00000004" / "state.pt", weights_only=True)
+    assert state["step"] == 4 and state["scheduler"]["last_epoch"] == 4
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    assert max(e["step"] for e in events_of(run, "step")) == 3
+
+
+def test_nan_skip_on_a_gpu_counts_the_skipped_updates(procs, tmp_path):
+    result, run = _poisoned_gpu_run(procs, tmp_path, "skip")
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = events_of(run, "step")
+    assert [s["skipped"] for s in steps] == [0, 2, 0, 0]
+    assert all(s["loss"] == s["loss"] for s in steps[2:])  # finite again after the skips
