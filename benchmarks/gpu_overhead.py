@@ -124,6 +124,8 @@ def make_setup(devices: str, steps: int, small: bool) -> Setup:
     ]
     if p.hardware.tf32:
         plain_args.append("--tf32")
+    if p.hardware.cudnn_benchmark:
+        plain_args.append("--cudnn-benchmark")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if cuda:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -3,6 +3,7 @@
     python -m torch.distributed.run --nproc-per-node 2 --standalone benchmarks/plain_ddp.py \
         [--steps N] [--pin] [--optimizer-impl IMPL] [--out FILE]
         [--kind mlp|transformer] [--device cpu|cuda] [--precision fp32|bf16] [--tf32]
+        [--cudnn-benchmark]
 
 The model and the data are the engine's own (``gpu_console.tasks.mlp``, or with ``--kind
 transformer`` ``gpu_console.tasks.transformer``), built the same way
@@ -20,7 +21,7 @@ PyTorch chooses (on CPU: a Python loop over the parameters).
 
 ``--device cuda`` (``benchmarks/gpu_overhead.py``): rank i on GPU i of those visible, NCCL,
 pinned batches copied without blocking, ``--precision bf16`` under autocast, ``--tf32`` as
-the engine's ``hardware.tf32`` (and cuDNN benchmark mode, as ``hardware.cudnn_benchmark``);
+the engine's ``hardware.tf32``, ``--cudnn-benchmark`` as its ``hardware.cudnn_benchmark``;
 the clock reads after a ``torch.cuda.synchronize()``.
 
 Rank 0 times the steady state itself (``perf_counter`` from the end of step
@@ -67,7 +68,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--task", default="{}", help="the task's config fields as JSON")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--tf32", action="store_true", help="TF32 matmuls, cuDNN benchmark (CUDA)")
+    ap.add_argument("--tf32", action="store_true", help="TF32 matmuls and convolutions (CUDA)")
+    ap.add_argument("--cudnn-benchmark", action="store_true", help="cuDNN autotuning (CUDA)")
     ap.add_argument("--ddp", default="{}", help="DistributedDataParallel keyword args as JSON")
     ap.add_argument("--pin", action="store_true", help="pin each rank to its own cores")
     ap.add_argument(
@@ -100,7 +102,7 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(local_rank)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = a.tf32
-        torch.backends.cudnn.benchmark = a.tf32
+        torch.backends.cudnn.benchmark = a.cudnn_benchmark
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
