@@ -228,28 +228,34 @@ def run_engine(s: Setup, affinity: bool | None, workdir: Path) -> dict:
     events = [json.loads(line) for line in (run_dirs[0] / "events.jsonl").read_text().splitlines()]
     shutil.rmtree(runs_dir, ignore_errors=True)
     start = next(e for e in events if e["kind"] == "start")
-    steps = [e for e in events if e["kind"] == "step"]
-    window = [e for e in steps if e["step"] >= s.warm]
+    return {
+        **steady_rate(events, s.warm, s.steps),
+        "wall_s": wall,
+        "other_load_cores": load.cores,
+        "threads": start.get("threads"),
+    }
+
+
+def steady_rate(events: list[dict], warm: int, steps: int) -> dict:
+    """The engine's steps/s from the wall-clock ``t`` of its step events at ``warm`` and at
+    the last step (``warm``: a log step)."""
+    window = [e for e in events if e["kind"] == "step" and e["step"] >= warm]
+    if not window:
+        raise RunFailed(f"no engine step event at or after step {warm}")
     first, last = window[0], window[-1]
-    if first["step"] != s.warm or last["step"] != s.steps:
+    if first["step"] != warm or last["step"] != steps:
         raise RunFailed(f"engine step events cover {first['step']}..{last['step']}")
     measured = last["step"] - first["step"]
     seconds = last["t"] - first["t"]
     # The same window from the engine's own per-interval timing (excludes event writing).
-    prev = first["step"]
-    inner = 0.0
-    for e in window[1:]:
-        inner += e["step_time_s"] * (e["step"] - prev)
-        prev = e["step"]
+    pairs = zip(window, window[1:], strict=False)
+    inner = sum(e["step_time_s"] * (e["step"] - p["step"]) for p, e in pairs)
     return {
         "steps_per_s": measured / seconds,
         "steps_per_s_step_time": measured / inner,
         "measured_steps": measured,
         "seconds": seconds,
-        "wall_s": wall,
-        "other_load_cores": load.cores,
         "final_loss": last["loss"],
-        "threads": start.get("threads"),
     }
 
 

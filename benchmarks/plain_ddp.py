@@ -2,8 +2,11 @@
 
     python -m torch.distributed.run --nproc-per-node 2 --standalone benchmarks/plain_ddp.py \
         [--steps N] [--pin] [--optimizer-impl IMPL] [--out FILE]
+        [--kind mlp|transformer] [--device cpu|cuda] [--precision fp32|bf16] [--tf32]
+        [--cudnn-benchmark]
 
-The model and the data are the engine's own (``gpu_console.tasks.mlp``), built the same way
+The model and the data are the engine's own (``gpu_console.tasks.mlp``, or with ``--kind
+transformer`` ``gpu_console.tasks.transformer``), built the same way
 (same seeds, batch size, AdamW, gradient clipping, warmup + cosine schedule, DataLoader
 with the task's batched collate and no workers; ``benchmarks/overhead.py`` passes the
 profile's values and its DDP constructor arguments), so the only difference from
@@ -16,6 +19,11 @@ puts them with torchrun's default of one thread (OMP_NUM_THREADS=1). ``--optimiz
 picks AdamW's implementation as the engine's ``train.optimizer_impl`` does; without it,
 PyTorch chooses (on CPU: a Python loop over the parameters).
 
+``--device cuda`` (``benchmarks/gpu_overhead.py``): rank i on GPU i of those visible, NCCL,
+pinned batches copied without blocking, ``--precision bf16`` under autocast, ``--tf32`` as
+the engine's ``hardware.tf32``, ``--cudnn-benchmark`` as its ``hardware.cudnn_benchmark``;
+the clock reads after a ``torch.cuda.synchronize()``.
+
 Rank 0 times the steady state itself (``perf_counter`` from the end of step
 ``--warmup-steps`` to the end of the last step) and prints one JSON line (and writes it to
 ``--out``): ``{"steps_per_s": ..., ...}``.
@@ -24,6 +32,7 @@ Rank 0 times the steady state itself (``perf_counter`` from the end of step
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -37,8 +46,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from gpu_console.engine.optimizer import adamw_kwargs
 from gpu_console.tasks.base import batch_collate
-from gpu_console.tasks.configs import MLPConfig
+from gpu_console.tasks.configs import MLPConfig, TransformerConfig
 from gpu_console.tasks.mlp import MLPTask
+from gpu_console.tasks.transformer import TransformerTask
+
+TASKS = {"mlp": (MLPTask, MLPConfig), "transformer": (TransformerTask, TransformerConfig)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,7 +64,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--clip", type=float, default=1.0, help="0 = no clipping")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-seed", type=int, default=0, help="shuffling seed")
-    ap.add_argument("--task", default="{}", help="MLPConfig fields as JSON")
+    ap.add_argument("--kind", choices=sorted(TASKS), default="mlp", help="the built-in task")
+    ap.add_argument("--task", default="{}", help="the task's config fields as JSON")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--tf32", action="store_true", help="TF32 matmuls and convolutions (CUDA)")
+    ap.add_argument("--cudnn-benchmark", action="store_true", help="cuDNN autotuning (CUDA)")
     ap.add_argument("--ddp", default="{}", help="DistributedDataParallel keyword args as JSON")
     ap.add_argument("--pin", action="store_true", help="pin each rank to its own cores")
     ap.add_argument(
@@ -81,12 +98,20 @@ def main() -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     cores = pin(local_rank, local_world) if a.pin else None
-    dist.init_process_group("gloo")
+    cuda = a.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = a.tf32
+        torch.backends.cudnn.benchmark = a.cudnn_benchmark
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
 
-    task = MLPTask(MLPConfig(**json.loads(a.task)))
+    task_cls, config_cls = TASKS[a.kind]
+    task = task_cls(config_cls(**json.loads(a.task)))
     torch.manual_seed(a.seed)
-    model = DDP(task.build_model(), **json.loads(a.ddp))
+    ids = [local_rank] if cuda else None
+    model = DDP(task.build_model().to(device), device_ids=ids, **json.loads(a.ddp))
     train_set, _ = task.build_datasets()
     sampler = DistributedSampler(train_set, shuffle=True, seed=a.data_seed, drop_last=True)
     loader = DataLoader(
@@ -96,6 +121,7 @@ def main() -> None:
         drop_last=True,
         collate_fn=batch_collate,
         num_workers=0,
+        pin_memory=cuda,
         generator=torch.Generator().manual_seed(a.data_seed),
     )
     impl = {} if a.optimizer_impl == "default" else adamw_kwargs(a.optimizer_impl)
@@ -110,12 +136,25 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     max_norm = a.clip if a.clip > 0 else math.inf
     warm = a.warmup_steps if a.warmup_steps is not None else max(1, a.steps // 10)
+    autocast = (
+        torch.autocast(a.device, dtype=torch.bfloat16)
+        if a.precision == "bf16"
+        else contextlib.nullcontext()
+    )
+
+    def clock() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     step, epoch, t0 = 0, 0, time.perf_counter()
     while step < a.steps:
         sampler.set_epoch(epoch)
         for batch in loader:
-            loss = task.compute(model, batch).loss
+            if cuda:
+                batch = [b.to(device, non_blocking=True) for b in batch]
+            with autocast:
+                loss = task.compute(model, batch).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             opt.step()
@@ -123,13 +162,13 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             step += 1
             if step == warm:
-                t0 = time.perf_counter()
+                t0 = clock()
             if step == a.steps:
                 break
         epoch += 1
-    elapsed = time.perf_counter() - t0
+    elapsed = clock() - t0
 
-    final = loss.detach().clone()
+    final = loss.detach().float().clone()
     dist.all_reduce(final)
     if rank == 0:
         result = {
@@ -142,6 +181,8 @@ def main() -> None:
             "cores": cores,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "optimizer_impl": a.optimizer_impl,
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "precision": a.precision,
         }
         line = json.dumps(result)
         print(line, flush=True)

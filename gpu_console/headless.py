@@ -293,7 +293,16 @@ def _notable(e: dict, console: Console) -> None:
 
 def _progress_text(st: RunState) -> str:
     rate = f"{st.samples_per_s:,.0f} samples/s" if st.samples_per_s else "- samples/s"
-    return f"loss {fmt(st.loss)}  {rate}"
+    mfu = f"  MFU {st.mfu:.1%}" if st.mfu is not None else ""
+    return f"loss {fmt(st.loss)}  {rate}{mfu}"
+
+
+def mfu_text(st: RunState) -> str:
+    """The summary's MFU: the mean over step events, else why there is none."""
+    mean = st.mean_mfu()
+    if mean is not None:
+        return f"{mean:.1%} (mean)"
+    return st.mfu_not_shown or "-"
 
 
 def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watch) -> None:
@@ -354,6 +363,7 @@ def summary_table(st: RunState, run_dir: Path) -> Table:
         row(f"eval {k}", fmt(v))
     mean = st.mean_samples_per_s()
     row("samples/s", f"{mean:,.0f} (mean)" if mean else "-")
+    row("MFU", mfu_text(st))
     row("devices", f"{st.world_size or '-'} × {st.device_type or '-'}, {st.precision or '-'}")
     for rank, peak in sorted(st.peak_memory.items()):
         row(f"peak memory rank {rank}", human_bytes(peak))

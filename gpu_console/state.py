@@ -155,6 +155,11 @@ class RunState:
     status: dict[str, Any] = field(default_factory=dict)
     gpus: list[dict[str, Any]] = field(default_factory=list)  # per GPU: TelemetryFold.gpus()
     final_t: float = 0.0  # when the engine last said the run ended (a session's end)
+    # MFU (peaks.py): the newest step's, every step's for the mean, and why none is shown.
+    mfu: float | None = None
+    mfus: list[float] = field(default_factory=list)
+    mfu_not_shown: str | None = None
+    flops_per_sample: float | None = None
 
     def apply(self, e: dict[str, Any]) -> None:
         kind = e.get("kind")
@@ -167,6 +172,8 @@ class RunState:
                 setattr(self, k, e.get(k))
             self.start_step = self.step = int(e.get("start_step") or 0)
             self.first_step_t = None  # a new session (restart or resume): its own rate
+            self.flops_per_sample = e.get("flops_per_sample")
+            self.mfu_not_shown = e.get("mfu_not_shown")
         elif kind == "step":
             self.step = int(e.get("step", self.step))
             self.loss = e.get("loss")
@@ -181,6 +188,9 @@ class RunState:
             self.step_time_s = e.get("step_time_s")
             if self.samples_per_s is not None:
                 self.throughput.append(self.samples_per_s)
+            self.mfu = e.get("mfu")
+            if isinstance(self.mfu, (int, float)):
+                self.mfus.append(self.mfu)
             if self.first_step_t is None:
                 self.first_step_t, self.first_step = t, self.step
             self.last_step_t = t
@@ -232,6 +242,9 @@ class RunState:
 
     def mean_samples_per_s(self) -> float | None:
         return sum(self.throughput) / len(self.throughput) if self.throughput else None
+
+    def mean_mfu(self) -> float | None:
+        return sum(self.mfus) / len(self.mfus) if self.mfus else None
 
     def elapsed_s(self) -> float | None:
         start = self.status.get("started") or self.started_t

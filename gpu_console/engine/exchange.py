@@ -116,11 +116,11 @@ class Exchange:
 
         ``floats`` are 0-dim tensors on the device (no host sync); ``ints`` plain ints.
         """
+        ints_t = torch.tensor(encode_ints(ints), dtype=torch.float32)
+        if self.device.type == "cuda":  # a pageable copy would sync the host before backward
+            ints_t = ints_t.pin_memory().to(self.device, non_blocking=True)
         row = torch.cat(
-            [
-                torch.stack([f.detach().reshape(()).float() for f in floats]),
-                torch.tensor(encode_ints(ints), dtype=torch.float32).to(self.device),
-            ]
+            [torch.stack([f.detach().reshape(()).float() for f in floats]), ints_t.to(self.device)]
         )
         table = torch.zeros(self.world_size, WIDTH, dtype=torch.float32, device=self.device)
         table[self.rank] = row

@@ -14,7 +14,8 @@ What can go wrong, and what the loop does about it:
   same on every rank) is checked before each update; the first non-finite one stops every
   rank before the update, checkpoints the last finite state (reason ``nan``), then fails
   naming the step. (With an fp16 GradScaler, inf/nan gradients are the scaler's business and
-  the loss is checked at each log interval instead.)
+  the loss is checked at each log interval instead.) On GPUs the check gates the update on
+  the device and the host reads it at the next step where it syncs anyway (nonfinite.py).
 - CUDA out of memory: the rank fails with its peak memory and what to change.
 - A checkpoint that cannot be written (a full disk): the previous one stays complete and
   named in LATEST; an error event says so and the run goes on (a stop then ends without a
@@ -40,7 +41,7 @@ import torch.distributed as dist
 from ..profile import Profile
 from ..runs import latest_checkpoint
 from ..tasks.base import Task
-from . import checkpoint, precision, signals
+from . import checkpoint, flops, precision, signals
 from . import distributed as distmod
 from . import optimizer as optim
 from .control import Control
@@ -48,6 +49,7 @@ from .data import Batches, DataPosition, make_loader
 from .exchange import Exchange, Row
 from .heartbeat import Heartbeat
 from .metrics import memory_sample
+from .nonfinite import Guard, rewind_schedule
 from .reporter import Reporter
 from .schedule import lr_factor, scaled_lr
 from .shared_reduce import SharedReduce
@@ -215,6 +217,11 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
             out.log("warning", f"resumed on {d.world_size} ranks from {len(ranks)}: RNG reseeded")
         out.log("info", f"resumed from {resume} at step {step}")
 
+    autocast = precision.autocast(prec, d.device.type)
+    # MFU: FLOPs per sample (the task's count, else measured once on the bare model by the
+    # rank that writes events) against the GPUs' peak (peaks.py).
+    mfu = flops.setup(task, model, train_loader, prec, d.world_size, autocast, move, out.active)
+
     ddp = distmod.wrap(model, p.distributed, d)
     shared, why_not = None, "distributed.cpu_reduce = gloo"
     if p.distributed.cpu_reduce == "shared-memory":
@@ -225,7 +232,6 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
     ddp.register_comm_hook(None, exchange.hook)
     batches = Batches(train_loader, position)
     control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
-    autocast = precision.autocast(prec, d.device.type)
     params = [q for q in model.parameters() if q.requires_grad]
 
     def save(reason: str) -> bool:
@@ -292,6 +298,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
         reduce="shared memory" if shared else f"{d.backend} ({why_not})",
         threads=torch.get_num_threads(),
         versions={"torch": torch.__version__, "cuda": torch.version.cuda},
+        **mfu.start_fields(),
     )
     out.status("running")
 
@@ -299,13 +306,21 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
     grad_norm = torch.zeros((), device=d.device)
     accum = p.train.grad_accum
     max_norm = p.train.clip_grad_norm if p.train.clip_grad_norm > 0 else math.inf
-    skip_bad = p.train.nan_policy == "skip"
-    # With a GradScaler, a non-finite gradient is an overflow the scaler handles itself.
-    stop_bad = p.train.nan_policy == "stop" and scaler is None
+    guard = Guard(p.train.nan_policy, optimizer, scaler, d.device)
+    skip_bad, stop_bad = guard.skip, guard.stop
     paused = False
 
     def log_step(n: int) -> bool:
         return n % p.train.log_every == 0 or n == p.train.max_steps
+
+    def boundary(n: int) -> bool:
+        """A step after which the host syncs anyway (log, control, eval, checkpoint)."""
+        return (
+            log_step(n)
+            or control.due(n)
+            or bool(eval_loader is not None and p.train.eval_every and n % p.train.eval_every == 0)
+            or bool(p.checkpoint.every_steps and n % p.checkpoint.every_steps == 0)
+        )
 
     # -- the loop ------------------------------------------------------------------------
     while step < p.train.max_steps:
@@ -346,12 +361,13 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
             if max_norm < math.inf or logging or skip_bad or stop_bad:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             # The norm is of the all-reduced gradients, the same on every rank, so every rank
-            # skips (or stops before) the same update with no collective of its own (but a
-            # host sync on GPU).
-            if stop_bad and not torch.isfinite(grad_norm):
+            # skips (or stops before) the same update with no collective of its own. On GPUs
+            # the verdict gates the update on the device and is read at the next boundary.
+            bad = guard.bad_now(grad_norm, last_loss, batches.position)
+            if stop_bad and bad:
                 optimizer.zero_grad(set_to_none=True)
                 _stop_non_finite(out, d, p, step, save, last_loss, grad_norm)
-            if skip_bad and not torch.isfinite(grad_norm):
+            if skip_bad and bad:
                 window.skipped += 1
                 if scaler is not None:
                     scaler.update()  # the scaler still learns from the overflow
@@ -365,13 +381,21 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
             step += 1
             window.loss_sum += last_loss
             window.steps += 1
+            if guard.deferred and boundary(step):
+                settled = guard.settle()
+                window.skipped += settled.skipped
+                if settled.trip is not None:  # stop: back to the last finite step, then stop
+                    step -= settled.trip.steps_back
+                    rewind_schedule(scheduler, settled.trip.steps_back)
+                    batches.position = DataPosition(*settled.trip.position)
+                    _stop_non_finite(out, d, p, step, save, settled.trip.loss, settled.trip.norm)
 
             rows = None
             if logging:
                 beat.set(step, "sync")
                 rows = exchange.gather()
                 try:
-                    _log_step(out, d, p, step, batches, scheduler, rows, grad_norm, window)
+                    _log_step(out, d, p, step, batches, scheduler, rows, grad_norm, window, mfu)
                 except NonFiniteLoss as e:
                     _fail_non_finite(out, d, p, step, save, model, e)
                 window = Window(loss_sum=torch.zeros((), device=d.device))
@@ -518,7 +542,7 @@ def _gib(n: int) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
 
-def _log_step(out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, window) -> None:
+def _log_step(out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, window, mfu) -> None:
     """A step event from every rank's numbers, which came with the step's exchange."""
     loss = sum(r.last_loss for r in rows) / d.world_size
     loss_sum = sum(r.loss_sum for r in rows)
@@ -547,6 +571,8 @@ def _log_step(out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, w
     }
     if tokens:
         fields["tokens_per_s"] = tokens / elapsed
+    if (util := mfu.of(samples / elapsed)) is not None:
+        fields["mfu"] = util
     if p.train.nan_policy == "skip":
         fields["skipped"] = window.skipped
     out.event("step", **fields)

@@ -15,6 +15,14 @@ on every rank; the datasets must be the same on every rank (the engine shards th
 ``compute`` receives a batch already on the rank's device and returns the mean loss of the
 batch, how many samples (and tokens, if any) it held, and optional metrics (batch means,
 e.g. accuracy) that eval averages over the whole eval set.
+
+Optional hooks (the engine looks them up; a task without them works the same):
+
+        def flops_per_sample(self) -> float: ...   # training FLOPs of one sample, for MFU
+
+``flops_per_sample``: forward and backward (about 3× the forward), 2 FLOPs per multiply-add,
+as :class:`torch.utils.flop_counter.FlopCounterMode` counts them (matmuls, convolutions,
+attention). Without it the engine measures one batch with that counter before training.
 """
 
 from __future__ import annotations

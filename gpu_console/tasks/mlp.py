@@ -37,6 +37,16 @@ class MLPTask:
         layers.append(nn.Linear(width, c.num_classes))
         return nn.Sequential(*layers)
 
+    def flops_per_sample(self) -> float:
+        """Training FLOPs of one sample: 2 per multiply-add in each Linear forward, twice that
+        backward (input and weight gradients), less the first layer's input gradient, which
+        the data does not need. Biases, GELU, BatchNorm and the loss are not counted (nor
+        does FlopCounterMode count them)."""
+        c = self.cfg
+        widths = [c.input_dim] + [c.hidden_dim] * (c.num_layers - 1) + [c.num_classes]
+        macs = [a * b for a, b in zip(widths, widths[1:], strict=False)]
+        return float(6 * sum(macs) - 2 * macs[0])
+
     def build_datasets(self):
         c = self.cfg
         g = torch.Generator().manual_seed(c.data_seed)

@@ -69,6 +69,22 @@ class TransformerTask:
     def build_model(self) -> nn.Module:
         return Encoder(self.cfg)
 
+    def flops_per_sample(self) -> float:
+        """Training FLOPs of one sequence, counted from the model above: 2 per multiply-add
+        forward, 3× that with the backward (every matmul's input and weight gradients: the
+        embeddings feed a parameter sum, so block 0 needs its input gradient too).
+
+        Forward FLOPs per layer and token: qkv and proj 8·d², the feed-forward 4·d·ff,
+        attention 4·seq·d (QKᵀ and AV over all heads). The head sees one pooled vector per
+        sequence. Embedding lookups, LayerNorm, GELU, softmax and biases are not counted.
+        That is the usual 6·N per token (N: the blocks' matmul weights) plus 12·L·d·seq.
+        """
+        c = self.cfg
+        d, t, ff = c.d_model, c.seq_len, c.ff_mult * c.d_model
+        per_token = c.n_layers * (8 * d * d + 4 * d * ff + 4 * t * d)
+        forward = per_token * t + 2 * d * c.num_classes
+        return float(3 * forward)
+
     def build_datasets(self):
         c = self.cfg
         g = torch.Generator().manual_seed(c.data_seed)

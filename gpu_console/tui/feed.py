@@ -78,6 +78,8 @@ class RunSnapshot:
     complete: bool  # every rare event of the file is in (a sampled file: once backfilled)
     events_read: int
     live: bool = field(default=False)
+    mfu: float | None = None  # the newest step event's (peaks.py)
+    mfu_not_shown: str | None = None  # why there is none, from the start event
 
     @property
     def ended(self) -> bool:
@@ -411,6 +413,8 @@ class RunFeed:
             complete=self._gap is None,
             events_read=m.events,
             live=state in LIVE_STATES,
+            mfu=last.get("mfu"),
+            mfu_not_shown=m.start.get("mfu_not_shown"),
         )
 
 

@@ -40,6 +40,10 @@ def header_text(s: RunSnapshot, command: Text | None = None, readonly: bool = Fa
         t.append(f"  {s.tokens_per_s:,.0f} tok/s")
     if s.samples_per_s:
         t.append(f"  {s.samples_per_s:,.0f} samples/s")
+    if s.mfu is not None:
+        t.append(f"  MFU {s.mfu:.1%}")
+    elif s.mfu_not_shown and s.device_type == "cuda":
+        t.append("  MFU -", style="dim")  # an unknown GPU: the summary says why
     if command is not None:
         t.append("  ")
         t.append_text(command)

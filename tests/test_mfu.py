@@ -1,0 +1,289 @@
+"""MFU: the tasks' FLOP counts, the measurement, the peak table, and what a run reports."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, events_of, fast_profile, run_dirs
+from conftest import test_env as cli_env
+
+from gpu_console.engine import flops
+from gpu_console.peaks import UnknownPeak, matmul_precision, mfu, peak_for
+from gpu_console.tasks.base import batch_collate
+from gpu_console.tasks.configs import MLPConfig, TransformerConfig
+from gpu_console.tasks.mlp import MLPTask
+from gpu_console.tasks.transformer import TransformerTask
+
+
+def _measured(task) -> float:
+    model = task.build_model()
+    train, _ = task.build_datasets()
+    loader = torch.utils.data.DataLoader(train, batch_size=4, collate_fn=batch_collate)
+    return flops.measure(task, model, flops.sample_batch(loader), contextlib.nullcontext())
+
+
+def test_transformer_count_is_the_hand_count():
+    # d=128, seq=64, 2 layers, ff=512, 4 classes. Forward FLOPs per token and layer:
+    # qkv 2·128·384 + proj 2·128·128 = 131,072; ff 2·(128·512 + 512·128) = 262,144;
+    # attention QKᵀ and AV 2·2·64·128 = 32,768. Two layers, 64 tokens: 54,525,952; the
+    # head on the pooled vector 2·128·4 = 1,024. Training = 3 × forward.
+    task = TransformerTask(TransformerConfig())
+    assert task.flops_per_sample() == 3 * (2 * 64 * (131_072 + 262_144 + 32_768) + 1_024)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TransformerConfig(train_samples=16, eval_samples=0),
+        TransformerConfig(d_model=256, n_heads=8, seq_len=256, n_layers=1, ff_mult=2),
+        TransformerConfig(d_model=64, n_heads=2, seq_len=512, n_layers=3, dropout=0.0),
+    ],
+    ids=["default", "wide", "long"],
+)
+def test_transformer_count_agrees_with_flop_counter_mode(cfg):
+    task = TransformerTask(cfg)
+    assert _measured(task) == pytest.approx(task.flops_per_sample(), rel=0.10)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        MLPConfig(),
+        MLPConfig(num_layers=1),
+        MLPConfig(input_dim=3, hidden_dim=17, num_layers=5, batch_norm=True, dropout=0.2),
+    ],
+    ids=["quickstart", "one-layer", "deep-bn"],
+)
+def test_mlp_count_agrees_with_flop_counter_mode(cfg):
+    task = MLPTask(cfg)
+    assert _measured(task) == pytest.approx(task.flops_per_sample(), rel=0.10)
+
+
+def test_measuring_leaves_rng_buffers_gradients_and_data_untouched():
+    task = MLPTask(MLPConfig(batch_norm=True, dropout=0.3, train_samples=256))
+    model = task.build_model()
+    train, _ = task.build_datasets()
+    loader = torch.utils.data.DataLoader(
+        train,
+        batch_size=8,
+        collate_fn=batch_collate,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(3),
+    )
+    torch.manual_seed(11)
+    rng = torch.get_rng_state()
+    loader_rng = loader.generator.get_state()
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    assert flops.measure(task, model, flops.sample_batch(loader), contextlib.nullcontext()) > 0
+    assert torch.equal(torch.get_rng_state(), rng)  # dropout drew, in a forked stream
+    assert torch.equal(loader.generator.get_state(), loader_rng)
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert all(q.grad is None for q in model.parameters())
+
+
+def test_a_declared_count_wins_and_a_failed_measurement_says_why():
+    class Declares:
+        def flops_per_sample(self):
+            return 123.0
+
+    assert flops.per_sample(Declares(), lambda: 1 / 0) == (123.0, "task")
+    value, why = flops.per_sample(object(), lambda: 1 / 0)
+    assert value is None and "could not measure FLOPs: ZeroDivisionError" in why
+    assert flops.per_sample(object(), lambda: 42.0) == (42.0, "measured")
+
+
+@pytest.mark.parametrize(
+    ("name", "gpu", "bf16_tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.4),
+        ("NVIDIA H100 PCIe", "H100 PCIe", 756.5),
+        ("NVIDIA H100 NVL", "H100 NVL", 835.5),
+        ("NVIDIA H200", "H200", 989.4),
+        ("NVIDIA H200 NVL", "H200 NVL", 835.5),
+        ("NVIDIA A100-SXM4-80GB", "A100", 312.0),
+        ("NVIDIA A100-SXM4-40GB", "A100", 312.0),
+        ("NVIDIA A100-PCIE-40GB", "A100", 312.0),
+        ("NVIDIA A100 80GB PCIe", "A100", 312.0),
+        ("NVIDIA L40S", "L40S", 362.05),
+        ("NVIDIA L4", "L4", 121.0),
+        ("NVIDIA A10", "A10", 125.0),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090", 165.2),
+        ("NVIDIA GeForce RTX 3090", "RTX 3090", 71.0),
+    ],
+)
+def test_peak_of_real_device_names(name, gpu, bf16_tflops):
+    peak = peak_for(name, "bf16")
+    assert (peak.gpu, peak.flops) == (gpu, bf16_tflops * 1e12)
+    assert peak_for(name, "fp16").flops == peak.flops
+    # TF32 is half the bf16 rate; plain fp32 is below it (as fast on GeForce cards).
+    tf32 = peak_for(name, "tf32").flops
+    assert peak_for(name, "fp32").flops <= tf32 == pytest.approx(peak.flops / 2, rel=0.02)
+
+
+def test_peaks_by_precision_for_the_h100_are_the_datasheets_dense_numbers():
+    assert [peak_for("NVIDIA H100 80GB HBM3", p).flops / 1e12 for p in ("tf32", "fp32")] == [
+        494.7,
+        66.9,
+    ]
+    assert "dense" in peak_for("NVIDIA H100 80GB HBM3", "bf16").describe()
+
+
+@pytest.mark.parametrize(
+    "name", ["NVIDIA A10G", "NVIDIA L40", "Tesla V100-SXM2-16GB", "NVIDIA GeForce RTX 4090 D"]
+)
+def test_unknown_gpus_get_no_peak_and_say_so(name):
+    with pytest.raises(UnknownPeak, match=rf"unknown GPU '{name}': MFU not shown"):
+        peak_for(name, "bf16")
+
+
+def test_fp32_matmuls_count_as_tf32_where_allowed_and_mfu_is_the_ratio():
+    assert matmul_precision("fp32", True) == "tf32"
+    assert matmul_precision("fp32", False) == "fp32"
+    assert matmul_precision("bf16", True) == "bf16"
+    assert mfu(1e9, 500.0, 2 * 1e12) == pytest.approx(0.25)
+    assert mfu(None, 500.0, 1e12) is None and mfu(1e9, 500.0, None) is None
+
+
+def test_the_peak_table_does_not_import_torch():
+    code = "import sys, gpu_console.peaks; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+# A user task with no FLOPs hook: the MLP's model and data, so its measured FLOPs and its
+# losses can be held against the built-in MLP's (which declares its count).
+UNHOOKED_TASK = """
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Unhooked(MLPTask):
+    flops_per_sample = None  # no hook: the engine measures
+"""
+
+
+def _run(procs, runs_dir, profile, cwd):
+    result = procs.cli(
+        "run",
+        str(profile),
+        "--headless",
+        "--runs-dir",
+        str(runs_dir),
+        cwd=cwd,
+        env=cli_env(COLUMNS="200"),  # the summary's rows unwrapped
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, run_dirs(runs_dir)[-1]
+
+
+def _regularised(tmp_path, name: str, kind: str):
+    """The fast profile with BatchNorm (buffers) and dropout (RNG): what a careless
+    measurement would disturb."""
+    profile = fast_profile(tmp_path, name=name, max_steps=8)
+    text = profile.read_text().replace(
+        'kind = "mlp"', f'kind = "{kind}"\nbatch_norm = true\ndropout = 0.2'
+    )
+    profile.write_text(text)
+    return profile
+
+
+def test_a_cpu_run_reports_flops_and_why_mfu_is_not_shown_and_measuring_changes_nothing(
+    procs, runs_dir, tmp_path
+):
+    (tmp_path / "unhooked.py").write_text(UNHOOKED_TASK)
+    hooked = _regularised(tmp_path, "hooked", "mlp")
+    unhooked = _regularised(tmp_path, "unhooked", "unhooked:Unhooked")
+    out_hooked, run_hooked = _run(procs, runs_dir, hooked, tmp_path)
+    out_unhooked, run_unhooked = _run(procs, runs_dir, unhooked, tmp_path)
+
+    (start_h,) = events_of(run_hooked, "start")
+    (start_u,) = events_of(run_unhooked, "start")
+    cfg = MLPConfig(hidden_dim=64, batch_norm=True, dropout=0.2)
+    assert (start_h["flops_per_sample"], start_h["flops_from"]) == (
+        MLPTask(cfg).flops_per_sample(),
+        "task",
+    )
+    assert start_u["flops_from"] == "measured"
+    assert start_u["flops_per_sample"] == pytest.approx(start_h["flops_per_sample"], rel=1e-9)
+    for start in (start_h, start_u):
+        assert start["peak_flops"] is None
+        assert (
+            start["mfu_not_shown"] == "CPU run (the peak table covers NVIDIA GPUs): MFU not shown"
+        )
+    # Measuring ran a forward and backward with dropout and BatchNorm on rank 0 before
+    # training; the training that followed is bit for bit the one without it.
+    steps_h, steps_u = events_of(run_hooked, "step"), events_of(run_unhooked, "step")
+    assert [s["loss"] for s in steps_u] == [s["loss"] for s in steps_h]
+    assert len(steps_h) == 8 and not any("mfu" in s for s in steps_h + steps_u)
+    summary_row = r"│ MFU +│ CPU run \(the peak table covers NVIDIA GPUs\): MFU not shown"
+    assert re.search(summary_row, out_unhooked.stdout)
+
+
+def _mfu_events(device: str = "cuda") -> list[dict]:
+    start = {
+        "kind": "start",
+        "t": 1.0,
+        "world_size": 1,
+        "device_type": device,
+        "precision": "bf16",
+        "params": 10,
+        "max_steps": 30,
+        "flops_per_sample": 3e9,
+        "flops_from": "task",
+        "peak_flops": 989.4e12,
+        "peak": "H100 SXM bf16 dense 989.4 TFLOP/s (NVIDIA H100 datasheet, SXM)",
+        "mfu_not_shown": None,
+    }
+    steps = [
+        {"kind": "step", "t": 1.0 + s, "step": s, "loss": 1.0, "samples_per_s": 1e5, "mfu": m}
+        for s, m in ((10, 0.30), (20, 0.40), (30, 0.50))
+    ]
+    return [start, *steps]
+
+
+def test_the_fold_the_progress_line_and_the_summary_show_mfu(tmp_path):
+    from rich.console import Console
+
+    from gpu_console.headless import _progress_text, summary_table
+    from gpu_console.state import RunState
+
+    st = RunState()
+    for e in _mfu_events():
+        st.apply(e)
+    assert st.mfu == 0.50 and st.mean_mfu() == pytest.approx(0.40)
+    assert _progress_text(st).endswith("MFU 50.0%")
+    console = Console(width=200, record=True)
+    console.print(summary_table(st, tmp_path / "run"))
+    assert re.search(r"│ MFU +│ 40\.0% \(mean\)", console.export_text())
+
+    unknown = RunState()
+    unknown.apply({"kind": "start", "mfu_not_shown": "unknown GPU 'NVIDIA X': MFU not shown"})
+    unknown.apply({"kind": "step", "step": 1, "loss": 1.0, "samples_per_s": 5.0})
+    assert unknown.mfu is None and "MFU" not in _progress_text(unknown)
+    console = Console(width=200, record=True)
+    console.print(summary_table(unknown, tmp_path / "run"))
+    assert "unknown GPU 'NVIDIA X': MFU not shown" in console.export_text()
+
+
+def test_the_run_header_shows_the_newest_mfu(tmp_path):
+    import json
+
+    from gpu_console.tui import synthetic
+    from gpu_console.tui.feed import RunFeed
+    from gpu_console.tui.widgets.header import header_text
+
+    run = synthetic.write_run(tmp_path / "run", steps=30, device_type="cuda", precision="bf16")
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    for e in events:
+        if e["kind"] == "start":
+            e.update(flops_per_sample=3e9, peak_flops=989.4e12, mfu_not_shown=None)
+        if e["kind"] == "step":
+            e["mfu"] = 0.25 + e["step"] / 1000
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    feed = RunFeed(run, clock=lambda: synthetic.T0 + 60, telemetry=False)
+    feed.load()
+    assert "MFU 28.0%" in header_text(feed.snapshot()).plain
