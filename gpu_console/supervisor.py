@@ -366,7 +366,7 @@ def _grace_from(profile_text: str) -> float:
 
 
 def torchrun_was_signalled(log_text: str) -> bool:
-    """torchrun's agent caught a signal and is shutting its ranks down (every torch since 2.0)."""
+    """torchrun's agent caught a signal and is shutting its ranks down (2.11 and 2.13 alike)."""
     return re.search(r"Received \S+ death signal, shutting down workers", log_text) is not None
 
 

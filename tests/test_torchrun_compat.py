@@ -262,3 +262,28 @@ def test_a_crashing_supervisor_leaves_a_failed_status_that_says_why(tmp_path):
     assert status["reason"].startswith("supervisor: crashed: FileNotFoundError: ")
     assert "run.toml" in status["reason"] and "\n" not in status["reason"]
     assert "Traceback" in status["failure"]["traceback"]
+
+
+def test_a_rendezvous_error_is_torchruns_last_exception_not_a_ranks(tmp_path):
+    # torchrun.log as torchrun writes it: its ranks' lines (--tee) prefixed, its own bare.
+    # (Provoked for real it takes torchrun's 60-90 s connect timeout, too long for a test.)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "torchrun.log").write_text(
+        "[default0]:Traceback (most recent call last):\n"
+        '[default0]:  File "x.py", line 1, in <module>\n'
+        "[default0]:RuntimeError: not this one\n"
+        "Traceback (most recent call last):\n"
+        '  File "/site-packages/torch/distributed/run.py", line 936, in main\n'
+        "    run(args)\n"
+        "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to "
+        "the C10d store has failed. See inner exception for details.\n"
+    )
+    from gpu_console import supervisor
+
+    failure = supervisor.failure_summary(tmp_path, 1)
+    assert failure["rank"] is None and failure["source"] == "torchrun"
+    assert failure["summary"] == (
+        "torchrun: RendezvousConnectionError: The connection to the C10d store has failed. "
+        "See inner exception for details."
+    )
