@@ -442,9 +442,10 @@ def failure_summary(run_dir: Path, code: int) -> dict[str, Any]:
         summary = f"rank {rank} exited with code {rank_code}"
         if rank_code is not None and rank_code < 0:
             summary += f" (killed by {_signame(-rank_code)})"
-        # No error file: the rank died before torchelastic's @record (the engine failed to
-        # import) or outside Python; its own stderr says why.
-        traceback, why = rank_stderr_error(run_dir, rank)
+        # No error file, yet it exited on its own: it died before torchelastic's @record (the
+        # engine failed to import); its own stderr's traceback says why. A killed rank's
+        # stderr says nothing about its death.
+        traceback, why = rank_stderr_error(run_dir, rank) if (rank_code or 0) > 0 else ("", None)
         if why:
             summary += f": {why}"
         return {
@@ -499,9 +500,6 @@ def rank_stderr_error(run_dir: Path, rank: int) -> tuple[str, str | None]:
         if exc:
             start = max(i for i, line in enumerate(lines) if line.startswith("Traceback ("))
             return "\n".join(lines[start:]).strip(), exc
-        last = [line.strip() for line in lines if line.strip()][-1:]
-        if last:
-            return "", last[0]
     return "", None
 
 
