@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from . import runs
+from . import runs, torchrun
 from .devices import DeviceSpecError, Placement, parse_devices, place
 from .profile import Profile, ProfileError, find_profile, load_profile
 from .schema import show
@@ -135,38 +135,82 @@ def resolve_placement(devices: str) -> Placement:
     return place(spec, count, reason)
 
 
+# Where the installed torchrun lacks one of these flags, the run gets its behaviour this way.
+TORCHRUN_FALLBACKS = {
+    "shutdown_timeout": (
+        "the supervisor: when torchrun is signalled it gives the ranks the profile's "
+        "shutdown_grace_s after torchrun's SIGTERM, then SIGKILLs them"
+    ),
+    "monitor_interval": "torchrun's default interval (a rank's exit is seen later)",
+    "signals_to_handle": (
+        "not provided: torchrun handles only its default signals (SIGUSR1 to torchrun ends it; "
+        "signal the supervisor instead)"
+    ),
+}
+
+
 def torchrun_argv(
     run_dir: Path, profile: Profile, placement: Placement, port: int, nodes: Nodes | None = None
 ) -> list[str]:
-    """torchrun's command line: an argument list, never a shell string."""
+    """torchrun's command line: an argument list, never a shell string.
+
+    Only flags the installed torchrun accepts, in its parser's spelling; one it lacks is left
+    out where :data:`TORCHRUN_FALLBACKS` provides its behaviour another way.
+    """
     d = profile.distributed
     if nodes is None:
-        where = ["--nnodes=1", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_dir.name}"]
+        where = [("nnodes", "1"), ("rdzv_endpoint", f"127.0.0.1:{port}"), ("rdzv_id", run_dir.name)]
     else:
-        where = [f"--nnodes={nodes.nnodes}"]
+        where = [("nnodes", nodes.nnodes)]
         if nodes.node_rank is not None:
-            where.append(f"--node-rank={nodes.node_rank}")
-        where += [f"--rdzv-endpoint={nodes.endpoint}", f"--rdzv-id={MULTINODE_RDZV_ID}"]
+            where.append(("node_rank", str(nodes.node_rank)))
+        where += [("rdzv_endpoint", nodes.endpoint), ("rdzv_id", MULTINODE_RDZV_ID)]
+    wanted = [
+        *where,
+        ("nproc_per_node", str(placement.nproc)),
+        ("rdzv_backend", "c10d"),
+        ("max_restarts", str(d.max_restarts)),
+        ("monitor_interval", "0.5"),
+        # On SIGTERM torchrun forwards the signal and SIGKILLs the ranks after this long
+        # (default 30 s): give them the profile's grace period to write their checkpoint.
+        ("shutdown_timeout", str(math.ceil(d.shutdown_grace_s))),
+        ("signals_to_handle", TORCHRUN_SIGNALS),
+        # Per-rank files; without them ranks' lines interleave mid-line.
+        ("log_dir", str(run_dir / "logs")),
+        ("tee", "3"),
+    ]
+    options = torchrun.accepted_options()
+    flags = []
+    for dest, value in wanted:
+        flag = options.flag(dest, "--" + dest.replace("_", "-"))
+        if flag is not None:
+            flags.append(f"{flag}={value}")
+        elif dest not in TORCHRUN_FALLBACKS:
+            raise LaunchError(
+                f"torchrun (torch {_version('torch')}) has no --{dest.replace('_', '-')}, "
+                "which gpu-console needs: install a newer torch"
+            )
+    module = options.flag("module", "--module") or "--module"
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        *where,
-        f"--nproc-per-node={placement.nproc}",
-        "--rdzv-backend=c10d",
-        f"--max-restarts={d.max_restarts}",
-        "--monitor-interval=0.5",
-        # On SIGTERM torchrun forwards the signal and SIGKILLs the ranks after this long
-        # (default 30 s): give them the profile's grace period to write their checkpoint.
-        f"--shutdown-timeout={math.ceil(d.shutdown_grace_s)}",
-        f"--signals-to-handle={TORCHRUN_SIGNALS}",
-        # Per-rank files; without them ranks' lines interleave mid-line.
-        f"--log-dir={run_dir / 'logs'}",
-        "--tee=3",
-        "--module",
+        *flags,
+        module,
         "gpu_console.engine",
         str(run_dir),
     ]
+
+
+def torchrun_compat() -> dict[str, object]:
+    """For meta.json: the flags left out for the installed torchrun, and who does their job."""
+    options = torchrun.accepted_options()
+    dropped = {
+        "--" + dest.replace("_", "-"): how
+        for dest, how in TORCHRUN_FALLBACKS.items()
+        if options.flag(dest, dest) is None
+    }
+    return {"dropped": dropped, "detection_error": options.error or None}
 
 
 def worker_env(placement: Placement) -> dict[str, str]:
@@ -363,6 +407,7 @@ def start(
             "resume_from": session["resume_from"],
             "torchrun": session["torchrun"],
             "sessions": [session],
+            "torchrun_compat": session["torchrun_compat"],
         }
         runs.atomic_write_json(run_dir / "meta.json", meta)
         proc = spawn_supervisor(run_dir, placement)
@@ -412,6 +457,8 @@ def _session(
         ),
         "resume_from": str(resume_from.resolve()) if resume_from else None,
         "torchrun": torchrun_argv(run_dir, profile, placement, free_port(), nodes),
+        # Flags this torchrun lacks, left out, and who provides their behaviour instead.
+        "torchrun_compat": torchrun_compat(),
         # Where this session's events and commands begin: its supervisor folds only its own
         # events, its engine acts only on commands sent after it was launched.
         "events_from": size("events.jsonl"),

@@ -95,6 +95,8 @@ class Supervisor:
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES)
         self.engine_checkpointed = True
         self.recorder = Recorder(run_dir)  # telemetry.jsonl, from start to the final status
+        self.torchrun_log_offset = 0
+        self.torchrun_stop_deadline: float | None = None  # grace after torchrun was signalled
 
     # -- signals -------------------------------------------------------------------------
     def on_graceful(self, signum: int, frame) -> None:
@@ -171,6 +173,39 @@ class Supervisor:
         self.known = current
         self.status["pids"]["workers"] = sorted(current)
 
+    def _watch_torchrun_stop(self, now: float) -> None:
+        """Hold torchrun's SIGTERM→SIGKILL window to the profile's grace, whatever the torchrun.
+
+        A torchrun without ``--shutdown-timeout`` (torch 2.11) waits its hard-coded 30 s before
+        it SIGKILLs ranks that cannot stop; ranks stuck in a step would outlive the grace the
+        profile asks for. Once torchrun says it was signalled, the ranks get ``grace_s``; then
+        their trees are killed, and torchrun reports the signal and exits on its own.
+        """
+        if self.torchrun_stop_deadline is None:
+            if torchrun_was_signalled(self._torchrun_log_news()):
+                self.torchrun_stop_deadline = now + self.grace_s
+            return
+        if now > self.torchrun_stop_deadline:
+            for worker in self._workers():
+                with contextlib.suppress(psutil.Error):
+                    for p in worker.children(recursive=True):
+                        _send(p, signal.SIGKILL)
+                _send(worker, signal.SIGKILL)
+            if self.terminate_at is None:  # torchrun itself, should it not exit on its own
+                self.terminate_at = now + KILL_AFTER_TERM_S
+
+    def _torchrun_log_news(self) -> str:
+        try:
+            with open(self.run_dir / "logs" / "torchrun.log", "rb") as f:
+                f.seek(self.torchrun_log_offset)
+                data = f.read()
+        except OSError:
+            return ""
+        # Up to the last whole line: a line torchrun is still writing is read next tick.
+        data = data[: data.rfind(b"\n") + 1]
+        self.torchrun_log_offset += len(data)
+        return data.decode(errors="replace")
+
     def _kill_tree(self) -> None:
         for p in self._tree():
             _send(p, signal.SIGKILL)
@@ -228,15 +263,18 @@ class Supervisor:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
         self.install_signals()
         self.write_status(force=True)
-        with open(self.run_dir / "logs" / "torchrun.log", "ab") as log:
-            self.proc = subprocess.Popen(
-                self.meta["torchrun"],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=_torchrun_preexec,
-                cwd=self.meta.get("cwd") or None,
-            )
+        try:
+            with open(self.run_dir / "logs" / "torchrun.log", "ab") as log:
+                self.proc = subprocess.Popen(
+                    self.meta["torchrun"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=_torchrun_preexec,
+                    cwd=self.meta.get("cwd") or None,
+                )
+        except (OSError, ValueError, TypeError, KeyError, subprocess.SubprocessError) as e:
+            return self.fail(f"supervisor: cannot start torchrun: {_one_line(e)}")
         self.status["pids"]["torchrun"] = self.proc.pid
         self.recorder.start()  # after the fork: preexec_fn is not safe beside a running thread
         self.write_status()
@@ -245,6 +283,7 @@ class Supervisor:
             self.fold_events()
             now = time.monotonic()
             self._watch_workers(now)
+            self._watch_torchrun_stop(now)
             if self.graceful_deadline is not None and self.terminate_at is None:
                 self._ask_workers()  # ranks that were still starting when the signal came
             if self.graceful_deadline is not None and now > self.graceful_deadline:
@@ -269,6 +308,12 @@ class Supervisor:
             if pid == 0:
                 time.sleep(0.05)
 
+    def fail(self, summary: str, traceback: str = "") -> int:
+        """The supervisor itself failed: say so in status.json, in one line, and exit 1."""
+        failed_status(self.status, summary, traceback)
+        self.write_status(force=True)
+        return 1
+
     def finish(self, code: int) -> int:
         self.recorder.stop()  # its last sample and summary land before the status says ended
         engine_state = self.status["state"]
@@ -289,6 +334,7 @@ class Supervisor:
             state = "failed"
             reason = self.status.get("reason") or "the engine failed the run"
             self.status["failure"] = {
+                "source": "engine",
                 "rank": None,
                 "exit_code": 0,
                 "summary": reason,
@@ -331,6 +377,16 @@ def _grace_from(profile_text: str) -> float:
         return 30.0
 
 
+def torchrun_was_signalled(log_text: str) -> bool:
+    """torchrun's agent caught a signal and is shutting its ranks down (2.11 and 2.13 alike)."""
+    return re.search(r"Received \S+ death signal, shutting down workers", log_text) is not None
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def torchrun_signal(run_dir: Path) -> int | None:
     """The signal torchrun caught and forwarded to the ranks (it then exits 1), if any."""
     try:
@@ -341,15 +397,15 @@ def torchrun_signal(run_dir: Path) -> int | None:
     return int(found[-1]) if found else None
 
 
-def _last_attempt(run_dir: Path) -> str:
-    """The error files of torchrun's last attempt (earlier ones were restarted over)."""
+def _last_attempt(run_dir: Path, rank: str = "*", name: str = "error.json") -> str:
+    """The rank files of torchrun's last attempt (earlier ones were restarted over)."""
     attempts = glob.glob(str(run_dir / "logs" / "*" / "attempt_*"))
     numbers = []
     for a in attempts:
         with contextlib.suppress(ValueError):
             numbers.append(int(Path(a).name.split("_", 1)[1]))
     last = max(numbers, default=0)
-    return str(run_dir / "logs" / "*" / f"attempt_{last}" / "*" / "error.json")
+    return str(run_dir / "logs" / "*" / f"attempt_{last}" / rank / name)
 
 
 def failure_summary(run_dir: Path, code: int) -> dict[str, Any]:
@@ -386,6 +442,7 @@ def failure_summary(run_dir: Path, code: int) -> dict[str, Any]:
         # failed for its own reason is the root cause, then the earliest to write its file.
         first = min(errors, key=lambda e: (_collateral(e["message"]), e["mtime"], e["rank"]))
         return {
+            "source": "rank",
             "rank": first["rank"],
             # The rank's own exit code, as torchrun reported it; else torchrun's.
             "exit_code": _exit_codes_from_log(run_dir).get(first["rank"], code),
@@ -397,11 +454,77 @@ def failure_summary(run_dir: Path, code: int) -> dict[str, Any]:
         summary = f"rank {rank} exited with code {rank_code}"
         if rank_code is not None and rank_code < 0:
             summary += f" (killed by {_signame(-rank_code)})"
-        return {"rank": rank, "exit_code": rank_code, "summary": summary, "traceback": ""}
+        # No error file, yet it exited on its own: it died before torchelastic's @record (the
+        # engine failed to import); its own stderr's traceback says why. A killed rank's
+        # stderr says nothing about its death.
+        traceback, why = rank_stderr_error(run_dir, rank) if (rank_code or 0) > 0 else ("", None)
+        if why:
+            summary += f": {why}"
+        return {
+            "source": "rank",
+            "rank": rank,
+            "exit_code": rank_code,
+            "summary": summary,
+            "traceback": traceback,
+        }
     summary = f"torchrun exited with code {code}"
     if code < 0:
         summary = f"torchrun was killed by {_signame(-code)}"
-    return {"rank": None, "exit_code": code, "summary": summary, "traceback": ""}
+    # torchrun failed before or outside the ranks: a flag it rejects, the rendezvous, a port.
+    why = torchrun_error(run_dir) if code > 0 else None
+    return {
+        "source": "torchrun",
+        "rank": None,
+        "exit_code": code,
+        "summary": why or summary,
+        "traceback": "",
+    }
+
+
+# A rank's line as torchrun --tee copies it into torchrun.log: "[default0]:...".
+_RANK_LINE = re.compile(r"^\[\w+?\d+\]:")
+_ARGPARSE_ERROR = re.compile(r"^(?:[\w.-]+\.py|torchrun): error: (.+)$")
+
+
+def torchrun_error(run_dir: Path) -> str | None:
+    """torchrun's own error, in one line, from logs/torchrun.log (its stdout and stderr)."""
+    try:
+        text = (run_dir / "logs" / "torchrun.log").read_text(errors="replace")
+    except OSError:
+        return None
+    lines = [line for line in text.splitlines() if not _RANK_LINE.match(line)]
+    for line in reversed(lines):
+        m = _ARGPARSE_ERROR.match(line.strip())
+        if m:
+            return f"torchrun: error: {m.group(1).strip()}"
+    exc = exception_line(lines)
+    return f"torchrun: {exc}" if exc else None
+
+
+def rank_stderr_error(run_dir: Path, rank: int) -> tuple[str, str | None]:
+    """The traceback and the one-line exception a rank's stderr ended with, if any."""
+    for path in sorted(glob.glob(_last_attempt(run_dir, str(rank), "stderr.log"))):
+        try:
+            lines = Path(path).read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        exc = exception_line(lines)
+        if exc:
+            start = max(i for i, line in enumerate(lines) if line.startswith("Traceback ("))
+            return "\n".join(lines[start:]).strip(), exc
+    return "", None
+
+
+def exception_line(lines: list[str]) -> str | None:
+    """The exception the last Python traceback in ``lines`` ended with: ``Type: message``."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (")]
+    if not starts:
+        return None
+    for line in lines[starts[-1] + 1 :]:
+        if line.strip() and not line[0].isspace():
+            # "torch.distributed.DistNetworkError: ..." → "DistNetworkError: ..."
+            return re.sub(r"^(?:\w+\.)+(\w+(?::|$))", r"\1", line.strip())
+    return None
 
 
 COLLATERAL = (
@@ -474,7 +597,46 @@ def main() -> None:
     if len(sys.argv) != 2:
         print("usage: python -m gpu_console.supervisor RUN_DIR", file=sys.stderr)
         sys.exit(2)
-    sys.exit(Supervisor(Path(sys.argv[1])).run())
+    run_dir = Path(sys.argv[1])
+    supervisor = None
+    try:
+        supervisor = Supervisor(run_dir)
+        code = supervisor.run()
+    except Exception as e:
+        code = record_crash(run_dir, supervisor, e)
+    sys.exit(code)
+
+
+def record_crash(run_dir: Path, supervisor: Supervisor | None, e: BaseException) -> int:
+    """The supervisor's own bug ends the run, but status.json still says why, in one line."""
+    import traceback
+
+    tb = traceback.format_exc()
+    print(tb, file=sys.stderr, flush=True)  # logs/supervisor.log
+    if supervisor is not None:
+        supervisor._kill_tree()
+        status = supervisor.status
+    else:
+        status = {"pids": {"supervisor": os.getpid()}, "started": time.time()}
+    with contextlib.suppress(Exception):
+        runs.write_status(
+            run_dir, failed_status(status, f"supervisor: crashed: {_one_line(e)}", tb)
+        )
+    return 1
+
+
+def failed_status(status: dict[str, Any], summary: str, traceback: str = "") -> dict[str, Any]:
+    """``status`` as the supervisor's own failure leaves it (the run is over, exit code 1)."""
+    status.update(state="failed", reason=summary, exit_code=1, ended=time.time())
+    status.setdefault("pids", {})["workers"] = []
+    status["failure"] = {
+        "source": "supervisor",
+        "rank": None,
+        "exit_code": 1,
+        "summary": summary,
+        "traceback": traceback,
+    }
+    return status
 
 
 if __name__ == "__main__":

@@ -642,6 +642,7 @@ def test_failure_summary_reads_torchruns_root_cause_without_error_files(tmp_path
 def test_failure_summary_falls_back_to_torchruns_exit_code(tmp_path):
     f = supervisor.failure_summary(tmp_path, 7)
     assert f == {
+        "source": "torchrun",
         "rank": None,
         "exit_code": 7,
         "summary": "torchrun exited with code 7",

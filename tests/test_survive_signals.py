@@ -8,6 +8,7 @@ waits on what the run directory says.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import select
@@ -18,6 +19,7 @@ import termios
 import time
 
 import conftest
+import pytest
 from conftest import (
     HANGING_TASK,
     events_of,
@@ -187,9 +189,23 @@ def test_a_stray_signal_that_kills_torchrun_leaves_no_worker(procs, runs_dir, tm
     assert "torchrun was killed by SIGUSR2" in out
 
 
-def test_torchrun_kills_ranks_that_cannot_stop_after_the_profiles_grace(procs, runs_dir, tmp_path):
-    # torchrun's own SIGTERM→SIGKILL window is the profile's shutdown_grace_s (default 30 s,
-    # also torchrun's default): with 3 s, ranks stuck in a step are killed after 3 s.
+@pytest.mark.parametrize("torchrun_has", ["as installed", "no --shutdown-timeout"])
+def test_ranks_that_cannot_stop_are_killed_after_the_profiles_grace(
+    procs, runs_dir, tmp_path, monkeypatch, torchrun_has
+):
+    # The SIGTERM→SIGKILL window after torchrun is signalled is the profile's shutdown_grace_s
+    # (default 30 s, also torchrun's default), whatever the torchrun: passed as
+    # --shutdown-timeout where torchrun has it, enforced by the supervisor where it has not
+    # (torch 2.11). With 3 s, ranks stuck in a step are killed after about 3 s.
+    from gpu_console import torchrun
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    if torchrun_has == "no --shutdown-timeout":
+        # The detection's answer, as a torchrun without the flag gives it (any torch).
+        options = torchrun.ask_parser()
+        options.pop("shutdown_timeout", None)
+        identity = torchrun.torch_identity()
+        torchrun._write_cache(torchrun._cache_file(identity), identity, options)
     profile = task_profile(
         tmp_path,
         "hanging",
@@ -201,11 +217,18 @@ def test_torchrun_kills_ranks_that_cannot_stop_after_the_profiles_grace(procs, r
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path
     )
     run = wait_for(lambda: run_dirs(runs_dir) and only_run(runs_dir), what="the run directory")
+    meta_file = wait_for(lambda: (f := run / "meta.json").is_file() and f, what="meta.json")
+    meta = json.loads(meta_file.read_text())
+    has_flag = "--shutdown-timeout=3" in meta["torchrun"]
+    assert has_flag != ("--shutdown-timeout" in meta["torchrun_compat"]["dropped"])
+    if torchrun_has == "no --shutdown-timeout":
+        assert not has_flag
+    _assert_grace_enforced(run, console)
+
+
+def _assert_grace_enforced(run, console):
     wait_for(lambda: len(events_of(run, "step")) >= 5, what="five steps, then the hang")
     status = read_status(run)
-    import json
-
-    assert "--shutdown-timeout=3" in json.loads((run / "meta.json").read_text())["torchrun"]
     sent = time.monotonic()
     os.kill(status["pids"]["torchrun"], signal.SIGTERM)
     final = wait_for(lambda: (s := read_status(run)).get("ended") and s, 60, "the run's end")

@@ -1,4 +1,8 @@
-"""On failure: which rank, its exit code, and its traceback (status.json ``failure``)."""
+"""On failure: who failed (a rank, torchrun, the supervisor), its exit code, and why.
+
+From status.json's ``failure``: a rank's traceback, or the one line torchrun or the supervisor
+failed with (a flag torchrun rejects, a rendezvous error, a process that cannot start).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,17 @@ from rich.text import Text
 
 from .panel import TextPanel
 
+# Where the one who failed wrote what it had to say.
+LOGS = {"torchrun": "logs/torchrun.log", "supervisor": "logs/supervisor.log"}
+
 
 def failure_text(failure: dict[str, Any], reason: str = "") -> Text:
     t = Text()
     rank = failure.get("rank")
     code = failure.get("exit_code")
     t.append("✖ FAILED", style="bold #ff5f5f")
-    t.append(f"  rank {rank if rank is not None else '?'}", style="bold")
+    source = failure.get("source") or ("rank" if rank is not None else "torchrun")
+    t.append(f"  rank {rank}" if rank is not None else f"  {source}", style="bold")
     t.append(f"  exit code {code if code is not None else '?'}\n", style="bold")
     t.append(str(failure.get("summary") or reason or "no summary"), style="#ff5f5f")
     tb = str(failure.get("traceback") or "").rstrip()
@@ -22,7 +30,8 @@ def failure_text(failure: dict[str, Any], reason: str = "") -> Text:
         t.append("\n\n")
         t.append(tb, style="")
     else:
-        t.append("\n\n(no traceback recorded: see logs/ in the run directory)", style="dim")
+        log = LOGS.get(source, "logs/")
+        t.append(f"\n\n(no traceback recorded: see {log} in the run directory)", style="dim")
     return t
 
 
