@@ -28,6 +28,10 @@ REPO = Path(__file__).resolve().parent.parent
 DEADLINE_S = 120.0
 # The environment as the test run found it, before any test pinned it (see no_gpu_machine).
 MACHINE_ENV = dict(os.environ)
+# GPU_CONSOLE_TEST_GPUS=N rehearses a GPU machine on one without: every process a test starts
+# sees N GPUs through a fake NVML (tests/rehearse_gpus/sitecustomize.py), this one none.
+REHEARSED_GPUS = int(os.environ.get("GPU_CONSOLE_TEST_GPUS") or 0)
+REHEARSAL_SITE = Path(__file__).resolve().parent / "rehearse_gpus"
 
 
 @pytest.fixture(autouse=True)
@@ -43,6 +47,8 @@ def no_gpu_machine(request, monkeypatch):
     ``hardware.devices``), since ``auto`` counts the GPUs NVML sees.
     """
     if request.node.get_closest_marker("gpu") or "real_machine" in request.fixturenames:
+        if REHEARSED_GPUS:
+            pytest.skip("GPU_CONSOLE_TEST_GPUS pretends GPUs: this test reads the real machine")
         yield
         return
     import pynvml
@@ -50,6 +56,11 @@ def no_gpu_machine(request, monkeypatch):
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     install(monkeypatch, FakeNvml(init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
+    if REHEARSED_GPUS:
+        rest = os.environ.get("PYTHONPATH", "")
+        monkeypatch.setenv(
+            "PYTHONPATH", os.pathsep.join(p for p in (str(REHEARSAL_SITE), rest) if p)
+        )
     yield
 
 
