@@ -28,10 +28,10 @@ REPO = Path(__file__).resolve().parent.parent
 DEADLINE_S = 120.0
 # The environment as the test run found it, before any test pinned it (see no_gpu_machine).
 MACHINE_ENV = dict(os.environ)
-# GPU_CONSOLE_TEST_GPUS=N rehearses a GPU machine on one without: every process a test starts
-# sees N GPUs through a fake NVML (tests/rehearse_gpus/sitecustomize.py), this one none.
+# What NVML shows the processes a test starts (tests/nvml_site/sitecustomize.py): no driver,
+# unless GPU_CONSOLE_TEST_GPUS=N rehearses a GPU machine on one without (N fake GPUs).
 REHEARSED_GPUS = int(os.environ.get("GPU_CONSOLE_TEST_GPUS") or 0)
-REHEARSAL_SITE = Path(__file__).resolve().parent / "rehearse_gpus"
+NVML_SITE = Path(__file__).resolve().parent / "nvml_site"
 
 
 @pytest.fixture(autouse=True)
@@ -39,12 +39,12 @@ def no_gpu_machine(request, monkeypatch):
     """Pin what a test can see of the hardware: no GPU, whatever the machine has.
 
     In this process, NVML is the fake at the ``gpu_console.telemetry.nvml`` seam with no driver
-    (what CI sees), so ``--devices auto``, the launch screen and ``check`` resolve to the CPU;
-    a test that wants GPUs installs its own fake over it. For the processes a test starts
-    (the CLI, the supervisor, torchrun's ranks, the console under tmux, ``check``'s workers),
-    ``CUDA_VISIBLE_DEVICES=""`` hides every GPU from torch. Their NVML is the real one, which
-    this cannot hide: a test that launches a run passes ``--devices cpu:N`` (or a profile with
-    ``hardware.devices``), since ``auto`` counts the GPUs NVML sees.
+    (what CI sees); a test that wants GPUs installs its own fake over it. The processes a test
+    starts (the CLI, the supervisor, torchrun's ranks, the console under tmux, ``check``'s
+    workers) get the same fake at start-up (``nvml_site/sitecustomize.py`` on PYTHONPATH) and
+    ``CUDA_VISIBLE_DEVICES=""``, which hides every GPU from torch. So ``--devices auto``, the
+    launch screen, ``check`` and the supervisor's telemetry resolve to the CPU everywhere.
+    Tests still pass ``--devices cpu:N`` where they launch a run: it says what they depend on.
     """
     if request.node.get_closest_marker("gpu") or "real_machine" in request.fixturenames:
         if REHEARSED_GPUS:
@@ -56,11 +56,9 @@ def no_gpu_machine(request, monkeypatch):
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     install(monkeypatch, FakeNvml(init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
-    if REHEARSED_GPUS:
-        rest = os.environ.get("PYTHONPATH", "")
-        monkeypatch.setenv(
-            "PYTHONPATH", os.pathsep.join(p for p in (str(REHEARSAL_SITE), rest) if p)
-        )
+    monkeypatch.setenv("GPU_CONSOLE_TEST_GPUS", str(REHEARSED_GPUS))
+    rest = os.environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(NVML_SITE), rest) if p))
     yield
 
 

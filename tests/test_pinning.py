@@ -6,7 +6,17 @@ from __future__ import annotations
 import json
 import os
 
-from conftest import REHEARSAL_SITE, events_of, only_run
+import psutil
+from conftest import (
+    NVML_SITE,
+    REHEARSED_GPUS,
+    events_of,
+    only_run,
+    paced_profile,
+    read_status,
+    the_run,
+    wait_for,
+)
 from conftest import test_env as cli_env
 from test_telemetry_fake import FakeNvml, install
 
@@ -16,9 +26,8 @@ from gpu_console.telemetry import nvml
 
 def gpu_machine_env() -> dict[str, str]:
     """The environment of a process that sees one (fake) GPU through NVML."""
-    rest = os.environ.get("PYTHONPATH", "")
-    path = os.pathsep.join(p for p in (str(REHEARSAL_SITE), rest) if p)
-    return cli_env(GPU_CONSOLE_TEST_GPUS="1", PYTHONPATH=path)
+    assert str(NVML_SITE) in os.environ["PYTHONPATH"].split(os.pathsep)
+    return cli_env(GPU_CONSOLE_TEST_GPUS="1")
 
 
 def test_a_test_sees_no_gpu_unless_it_asks(tmp_path):
@@ -27,6 +36,33 @@ def test_a_test_sees_no_gpu_unless_it_asks(tmp_path):
     assert not nvml.status().available and nvml.device_count() == 0
     _, placement, _ = launch.prepare("quickstart", runs_dir=tmp_path / "runs")
     assert placement.device_type == "cpu"
+
+
+def test_the_processes_a_test_starts_see_no_gpu_either(procs, runs_dir, tmp_path):
+    """The CLI's NVML is the fake without a driver, and every process of a run (supervisor,
+    torchrun, ranks) starts with the same fake and with no GPU for torch."""
+    seen = json.loads(procs.cli("devices", "--json").stdout)
+    if not REHEARSED_GPUS:
+        assert seen["gpus"] == [] and seen["nvml"]["reason"].startswith("NVML library not found")
+    profile = paced_profile(tmp_path, max_steps=10_000)
+    profile.write_text(profile.read_text().replace('devices = "cpu:2"', 'devices = "auto"'))
+    procs.start(
+        "run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+        cwd=tmp_path, env=cli_env(PACE_S="0.05"),
+    )  # fmt: skip
+    run = wait_for(lambda: the_run(runs_dir), what="the run directory")
+    pids = wait_for(
+        lambda: read_status(run).get("pids", {}).get("workers") and read_status(run)["pids"],
+        what="the pids",
+    )
+    for pid in [pids["supervisor"], pids["torchrun"], *pids["workers"]]:
+        env = psutil.Process(pid).environ()
+        assert env["GPU_CONSOLE_TEST_GPUS"] == str(REHEARSED_GPUS), pid
+        assert str(NVML_SITE) in env["PYTHONPATH"].split(os.pathsep), pid
+        assert env["CUDA_VISIBLE_DEVICES"] == "", pid
+    if not REHEARSED_GPUS:  # "auto" with no GPU in NVML's view: the CPU
+        assert json.loads((run / "meta.json").read_text())["placement"]["device_type"] == "cpu"
+    assert procs.cli("stop", str(run), "--now", "--runs-dir", str(runs_dir)).returncode == 0
 
 
 def test_auto_would_take_the_gpu_and_cpu_2_does_not(tmp_path, monkeypatch):
