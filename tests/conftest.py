@@ -3,6 +3,10 @@
 Every process a test starts is recorded and ended by its pid at teardown (with the
 supervisor's whole tree, read from status.json); every run directory lives under
 ``tmp_path``. Waiting is always on a condition with a generous deadline, never a sleep.
+
+Every test sees a machine without GPUs (:func:`no_gpu_machine`): the default suite passes the
+same on a laptop, in CI and on a GPU node. Tests marked ``gpu`` and tests that take the
+``real_machine`` fixture see the machine as it is.
 """
 
 from __future__ import annotations
@@ -22,6 +26,59 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DEADLINE_S = 120.0
+# The environment as the test run found it, before any test pinned it (see no_gpu_machine).
+MACHINE_ENV = dict(os.environ)
+# What NVML shows the processes a test starts (tests/nvml_run_fake.py `machine`, through the
+# GPU_CONSOLE_FAKE_NVML seam): no driver, unless GPU_CONSOLE_TEST_GPUS=N rehearses a GPU
+# machine on one without (N fake GPUs).
+REHEARSED_GPUS = int(os.environ.get("GPU_CONSOLE_TEST_GPUS") or 0)
+TESTS = Path(__file__).resolve().parent
+MACHINE_FAKE = "nvml_run_fake:machine"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def own_cache_dir(tmp_path_factory):
+    """The suite's caches (torchrun's accepted flags) live under its temporary folder, never
+    in the user's ~/.cache; one folder for the session, so each torch is asked once."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def no_gpu_machine(request, monkeypatch):
+    """Pin what a test can see of the hardware: no GPU, whatever the machine has.
+
+    In this process, NVML is the fake at the ``gpu_console.telemetry.nvml`` seam with no driver
+    (what CI sees); a test that wants GPUs installs its own fake over it. The processes a test
+    starts (the CLI, the supervisor, torchrun's ranks, the console under tmux, ``check``'s
+    workers) get the same fake through the seam's ``GPU_CONSOLE_FAKE_NVML`` (this folder last
+    on their PYTHONPATH, so the fake's module imports and shadows nothing) and
+    ``CUDA_VISIBLE_DEVICES=""``, which hides every GPU from torch. So ``--devices auto``, the
+    launch screen, ``check`` and the supervisor's telemetry resolve to the CPU everywhere.
+    Tests still pass ``--devices cpu:N`` where they launch a run: it says what they depend on.
+    """
+    if request.node.get_closest_marker("gpu") or "real_machine" in request.fixturenames:
+        if REHEARSED_GPUS:
+            pytest.skip("GPU_CONSOLE_TEST_GPUS pretends GPUs: this test reads the real machine")
+        yield
+        return
+    import pynvml
+    from test_telemetry_fake import FakeNvml, install
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    install(monkeypatch, FakeNvml(init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
+    monkeypatch.setenv("GPU_CONSOLE_TEST_GPUS", str(REHEARSED_GPUS))
+    monkeypatch.setenv("GPU_CONSOLE_FAKE_NVML", MACHINE_FAKE)
+    rest = os.environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (rest, str(TESTS)) if p))
+    yield
+
+
+@pytest.fixture
+def real_machine(monkeypatch):
+    """The machine as it is: its NVML, its GPUs and its own ``CUDA_VISIBLE_DEVICES``."""
+    return MACHINE_ENV
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = DEADLINE_S, what: str = "condition"):
@@ -71,6 +128,13 @@ def only_run(runs_dir: Path) -> Path:
     dirs = run_dirs(runs_dir)
     assert len(dirs) == 1, f"expected one run under {runs_dir}, found {dirs}"
     return dirs[0]
+
+
+def repo_pythonpath() -> str:
+    """PYTHONPATH with this checkout first and what the machine had after it (a GPU node may
+    carry the console's own dependencies on PYTHONPATH)."""
+    rest = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join(p for p in (str(REPO), *rest.split(os.pathsep)) if p)
 
 
 def test_env(**extra: str) -> dict[str, str]:

@@ -1,5 +1,10 @@
-"""The fake NVML a subprocess takes through ``GPU_CONSOLE_FAKE_NVML=nvml_run_fake:two_gpus``
-(the seam in gpu_console.telemetry.nvml), for runs through the real CLI on CPU ranks.
+"""The fake NVMLs a subprocess takes through ``GPU_CONSOLE_FAKE_NVML=nvml_run_fake:NAME`` (the
+seam in gpu_console.telemetry.nvml).
+
+``machine``: what conftest pins for every process a test starts: no driver (every machine
+looks like CI), or N plain GPUs where ``GPU_CONSOLE_TEST_GPUS=N`` rehearses a GPU machine.
+
+``two_gpus``: for runs through the real CLI on CPU ranks.
 
 Two GPUs, each "held" by the rank whose LOCAL_RANK is its index among the engine processes
 under the calling process (the supervisor), as a driver lists a rank's CUDA context. Their
@@ -83,6 +88,11 @@ def _ranks() -> list[tuple[int, int]]:
         except (psutil.Error, ValueError, KeyError):
             continue
     return out
+
+
+def machine() -> FakeNvml:
+    n = int(os.environ.get("GPU_CONSOLE_TEST_GPUS") or 0)
+    return FakeNvml(n) if n else FakeNvml(init_error=real.NVML_ERROR_LIBRARY_NOT_FOUND)
 
 
 def two_gpus() -> RunGpus:

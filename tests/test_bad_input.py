@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import run_dirs, write_profile
+from conftest import REHEARSED_GPUS, run_dirs, write_profile
 
 TIMEOUT_S = 60.0
 
@@ -240,9 +240,8 @@ def test_bad_devices_syntax(procs, runs_dir, spec, extra):
 
 
 def _gpus_visible() -> int:
-    from gpu_console.telemetry import nvml
-
-    return nvml.device_count()
+    """GPUs the CLI sees: none (conftest pins NVML to no driver), unless rehearsed."""
+    return REHEARSED_GPUS
 
 
 NO_SOURCE = (

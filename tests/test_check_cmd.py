@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -46,7 +47,9 @@ def by_name(doc: dict) -> dict[str, dict]:
     return {c["name"]: c for c in doc["checks"]}
 
 
-def test_subprocess_json_on_this_machine_passes_with_gpu_checks_skipped(tmp_path):
+def test_subprocess_json_on_this_machine_passes(tmp_path, real_machine):
+    """The real check of the machine the suite runs on: a laptop or CI (GPU rows skipped) or
+    a GPU node (GPU rows pass); either way nothing fails."""
     proc = subprocess.run(
         [PY, "-X", "importtime", "-m", "gpu_console", "check", "--json"]
         + ["--runs-dir", str(tmp_path / "runs")],
@@ -62,7 +65,9 @@ def test_subprocess_json_on_this_machine_passes_with_gpu_checks_skipped(tmp_path
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "gpu_console.commands.check" in imported
 
-    assert [c["name"] for c in doc["checks"]][: len(NAMES)] == NAMES
+    # One matmul row per GPU torch sees follows matmul:cpu.
+    names = [c["name"] for c in doc["checks"]]
+    assert [n for n in names if not n.startswith("matmul:cuda:")] == NAMES
     assert all(set(c) == {"name", "status", "detail"} for c in doc["checks"])
     assert all(c["status"] in (PASS, WARN, FAIL, SKIP) for c in doc["checks"])
     assert all(c["detail"] and "\n" not in c["detail"] for c in doc["checks"])
@@ -72,10 +77,13 @@ def test_subprocess_json_on_this_machine_passes_with_gpu_checks_skipped(tmp_path
     assert rows["gloo"]["status"] == PASS
     assert rows["matmul:cpu"]["status"] == PASS
     assert rows["collective"]["status"] == PASS
-    assert rows["collective"]["detail"].startswith("gloo all_reduce across 2 processes: correct")
+    backend = "nccl" if check.nvml.device_count() >= 2 else "gloo"
+    assert rows["collective"]["detail"].startswith(
+        f"{backend} all_reduce across 2 processes: correct"
+    )
     assert rows["torchrun"]["status"] == PASS
     assert rows["runs_dir"]["status"] == PASS and "will be created" in rows["runs_dir"]["detail"]
-    if not check.nvml.status().available:  # this machine and CI: no driver
+    if not check.nvml.status().available:  # a machine without a driver (CI)
         assert rows["nvml"] == {
             "name": "nvml",
             "status": SKIP,
@@ -84,11 +92,19 @@ def test_subprocess_json_on_this_machine_passes_with_gpu_checks_skipped(tmp_path
         for name in ("gpus", "bf16", "tf32"):
             assert rows[name]["status"] == SKIP, rows[name]
         assert "NVML: unavailable: NVML library not found" in doc["report"]
+    else:  # a GPU machine: the driver, and GPUs torch can use
+        assert rows["nvml"]["status"] == PASS and rows["nvml"]["detail"].startswith("driver ")
+        assert rows["cuda"]["status"] == PASS, rows["cuda"]
+        assert rows["gpus"]["status"] in (PASS, WARN) and "cuda:0" in rows["gpus"]["detail"]
+        assert [n for n in names if n.startswith("matmul:cuda:")], names
     assert doc["report"].startswith("gpu-console ")
     assert "checks: " in doc["report"]
 
 
 def test_table_says_plainly_that_nvml_is_unavailable(tmp_path, monkeypatch):
+    # No GPU for torch either (conftest pins CUDA_VISIBLE_DEVICES="" for check's workers):
+    # torch using a GPU that NVML cannot see would make the nvml row a WARN.
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
     install(monkeypatch, FakeNvml(init_error=real.NVML_ERROR_LIBRARY_NOT_FOUND))
     result = runner.invoke(app, ["check", "--runs-dir", str(tmp_path)], env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output
@@ -106,7 +122,9 @@ def test_table_says_plainly_that_nvml_is_unavailable(tmp_path, monkeypatch):
 
 
 def test_gpus_nvml_sees_but_torch_cannot_use_fail_in_one_line(tmp_path, monkeypatch):
-    """With 2 GPUs a run would use nccl; this torch is a CPU build, so that is a FAIL."""
+    """With 2 GPUs a run would use nccl; torch cannot use CUDA (a CPU build, or, pinned by
+    conftest, CUDA_VISIBLE_DEVICES=""), so that is a FAIL."""
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
     install(monkeypatch, FakeNvml(2))
     result = runner.invoke(app, ["check", "--json", "--runs-dir", str(tmp_path)])
     assert result.exit_code == 1

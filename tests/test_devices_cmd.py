@@ -137,7 +137,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_subprocess_json_on_this_machine():
+def test_subprocess_json_on_this_machine(real_machine):
     proc = _cli("-m", "gpu_console", "devices", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
@@ -149,7 +149,7 @@ def test_subprocess_json_on_this_machine():
     assert proc.stderr == ""
 
 
-def test_subprocess_table_says_plainly_why_and_never_imports_torch():
+def test_subprocess_table_says_plainly_why_and_never_imports_torch(real_machine):
     proc = _cli("-X", "importtime", "-m", "gpu_console", "devices")
     assert proc.returncode == 0, proc.stderr
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}

@@ -35,7 +35,11 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_quickstart_learns_and_leaves_a_complete_run_directory(procs, runs_dir):
-    result = procs.cli("run", "quickstart", "--headless", "--runs-dir", str(runs_dir))
+    # Pinned to 2 CPU ranks: quickstart's devices are "auto", a GPU wherever NVML sees one
+    # (tests/test_gpu.py runs it there).
+    result = procs.cli(
+        "run", "quickstart", "--headless", "--devices", "cpu:2", "--runs-dir", str(runs_dir)
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     run = only_run(runs_dir)
 

@@ -14,7 +14,15 @@ import subprocess
 import sys
 
 import torch
-from conftest import DDP_STEP, REPO, events_of, fast_profile, read_status, the_run, wait_for
+from conftest import (
+    DDP_STEP,
+    events_of,
+    fast_profile,
+    read_status,
+    repo_pythonpath,
+    the_run,
+    wait_for,
+)
 
 from gpu_console.engine.exchange import WIDTH, Row, decode, encode_ints
 from gpu_console.events import append_control
@@ -90,7 +98,7 @@ def test_hook_matches_plain_ddp_and_gathers_every_rank(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1")
     # torchrun ends on its own; its ranks die with it (PR_SET_PDEATHSIG) if it is killed.
     proc = subprocess.run(
         [*argv, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=300

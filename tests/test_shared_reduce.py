@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DDP_STEP, REPO, events_of, fast_profile, the_run
+from conftest import DDP_STEP, events_of, fast_profile, repo_pythonpath, the_run
 
 from gpu_console.engine import shared_reduce
 from gpu_console.engine.shared_reduce import SharedReduce, unavailable
@@ -139,7 +139,7 @@ def test_sums_and_gradients_match_gloo_on_every_rank(tmp_path, world):
     label = f"test-{os.getpid()}-{world}"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     argv += [f"--nproc-per-node={world}", str(script), str(tmp_path), "1000", label]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1")
     # torchrun ends on its own; its ranks die with it (PR_SET_PDEATHSIG) if it is killed.
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -199,7 +199,7 @@ def test_a_rank_that_ends_is_noticed_from_its_pid_not_the_timeout(tmp_path):
     script.write_text(DEATH_WORKER)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     argv += [str(script), str(tmp_path), f"test-{os.getpid()}-death"]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1")
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads((tmp_path / "rank-0.json").read_text())

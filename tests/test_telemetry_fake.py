@@ -221,7 +221,10 @@ def install(monkeypatch, fake: FakeNvml) -> FakeNvml:
     from gpu_console.telemetry import nvml
 
     monkeypatch.setattr(nvml, "pynvml", fake)
-    monkeypatch.setattr(nvml, "_state", {"initialised": False, "reason": None, "atexit": True})
+    # "fake": a GPU_CONSOLE_FAKE_NVML in the environment (conftest's pin) must not replace it.
+    monkeypatch.setattr(
+        nvml, "_state", {"initialised": False, "reason": None, "atexit": True, "fake": True}
+    )
     monkeypatch.setattr(nvml, "_missing", set())
     monkeypatch.setattr(nvml, "_lost", set())
     monkeypatch.setattr(nvml, "_static", {})

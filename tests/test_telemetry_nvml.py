@@ -60,7 +60,7 @@ def test_every_init_failure_becomes_one_line(monkeypatch, code, words):
 @pytest.mark.skipif(
     ctypes.util.find_library("nvidia-ml") is not None, reason="this machine has an NVIDIA driver"
 )
-def test_the_real_pynvml_without_a_driver(monkeypatch):
+def test_the_real_pynvml_without_a_driver(monkeypatch, real_machine):
     for name, fresh in [
         ("_state", {"initialised": False, "reason": None, "atexit": True}),
         ("_missing", set()),

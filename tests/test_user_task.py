@@ -12,6 +12,8 @@ def test_example_user_task_trains_from_its_import_path(procs, runs_dir):
         "--headless",
         "--runs-dir",
         str(runs_dir),
+        "--devices",
+        "cpu:2",  # the profile says "auto": a GPU wherever NVML sees one
         "--set",
         "train.max_steps=120",
         cwd=REPO,

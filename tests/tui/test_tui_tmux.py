@@ -22,18 +22,19 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import (
-    REPO,
     events_of,
     fast_profile,
     only_run,
     read_events,
     read_status,
+    repo_pythonpath,
     run_dirs,
     wait_for,
 )
 from conftest import test_env as environment
 from tui_support import kill_runs
 
+from gpu_console.profile import BUILTIN_DIR
 from gpu_console.tui import synthetic
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
@@ -88,7 +89,7 @@ def console(tmp_path, *args: str) -> tuple[Tmux, Path]:
         f"cd {shlex.quote(str(tmp_path))} && {shlex.quote(sys.executable)} -m gpu_console "
         f"{' '.join(shlex.quote(a) for a in args)}; echo $? > {shlex.quote(str(exit_file))}"
     )
-    env = environment(PYTHONPATH=str(REPO))
+    env = environment(PYTHONPATH=repo_pythonpath())
     tmux = Tmux(str(tmp_path / f"tmux-{uuid.uuid4().hex[:8]}.sock"), env)
     tmux("new-session", "-d", "-x", "100", "-y", "32", "-s", "console", command)
     return tmux, exit_file
@@ -120,8 +121,20 @@ def diagnosis(tmux: Tmux, runs: Path) -> str:
     return "\n".join(parts)
 
 
+def pinned_quickstart(folder: Path) -> None:
+    """A local quickstart (it shadows the built-in one) on 2 CPU ranks: the built-in's devices
+    are "auto", so the launch screen would pick the GPU wherever NVML sees one."""
+    local = folder / "profiles" / "quickstart.toml"
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.write_text((BUILTIN_DIR / "quickstart.toml").read_text() + PINNED_DEVICES)
+
+
+PINNED_DEVICES = '\n[hardware]\ndevices = "cpu:2"\n'
+
+
 def test_the_real_binary_in_tmux(tmp_path):
     runs = tmp_path / "runs"
+    pinned_quickstart(tmp_path)
     tmux, exit_file = console(tmp_path, "--runs-dir", str(runs))
     try:
         tmux.wait("resolved: quickstart", 30)

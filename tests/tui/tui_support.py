@@ -160,12 +160,15 @@ def fake_live_fixture(tmp_path):
 
 @pytest.fixture(scope="session", name="recorded_run")
 def recorded_run_fixture(tmp_path_factory) -> Path:
-    """One real quickstart run (2 CPU ranks through torchrun), recorded headless."""
+    """One real quickstart run (2 CPU ranks through torchrun, pinned: its profile says
+    "auto"), recorded headless."""
     base = tmp_path_factory.mktemp("recorded")
     runs = base / "runs"
     procs = Procs(runs)
     try:
-        result = procs.cli("run", "quickstart", "--headless", "--runs-dir", str(runs))
+        result = procs.cli(
+            "run", "quickstart", "--headless", "--devices", "cpu:2", "--runs-dir", str(runs)
+        )
         assert result.returncode == 0, result.stdout + result.stderr
         yield only_run(runs)
     finally:
