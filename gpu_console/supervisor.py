@@ -535,6 +535,9 @@ COLLATERAL = (
     "ProcessGroupNCCL",
     "Timed out",
     "timed out",
+    # The shared-memory reduce (engine/shared_reduce.py) sees a dead peer from its pid.
+    "ended while rank",
+    "did not arrive within",
 )
 
 

@@ -653,6 +653,17 @@ def test_failure_summary_falls_back_to_torchruns_exit_code(tmp_path):
     assert supervisor.failure_summary(tmp_path, 7)["summary"] == "torchrun exited with code 7"
 
 
+def test_failure_summary_blames_the_killed_rank_not_its_shared_memory_peer(tmp_path):
+    # CPU ranks summing through shared memory: rank 1 is SIGKILLed, rank 0 notices from its
+    # pid and fails with an error file; torchrun's root cause is rank 1.
+    waited = "RuntimeError: shared-memory all-reduce: rank 1 (pid 1234) ended while rank 0 waited"
+    write_error(tmp_path, 0, waited + " for it", 100, "t0")
+    (tmp_path / "logs" / "torchrun.log").write_text(ROOT_CAUSE_LOG)
+    f = supervisor.failure_summary(tmp_path, 1)
+    assert f["rank"] == 1
+    assert f["summary"] == "rank 1 exited with code -9 (killed by SIGKILL)"
+
+
 def test_failure_summary_names_the_root_cause_when_several_ranks_failed(tmp_path):
     # The block exactly as torchelastic formats it: rank 1 SIGKILLed first, rank 0 later.
     later = ProcessFailure(local_rank=0, pid=111, exitcode=-15, error_file="/nonexistent")
