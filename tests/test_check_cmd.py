@@ -36,6 +36,7 @@ NAMES = [
     "gloo",
     "collective",
     "torchrun",
+    "torchrun flags",
     "rendezvous_port",
     "runs_dir",
     "disk",
@@ -82,6 +83,7 @@ def test_subprocess_json_on_this_machine_passes(tmp_path, real_machine):
         f"{backend} all_reduce across 2 processes: correct"
     )
     assert rows["torchrun"]["status"] == PASS
+    assert rows["torchrun flags"]["status"] == PASS
     assert rows["runs_dir"]["status"] == PASS and "will be created" in rows["runs_dir"]["detail"]
     if not check.nvml.status().available:  # a machine without a driver (CI)
         assert rows["nvml"] == {

@@ -287,3 +287,20 @@ def test_a_rendezvous_error_is_torchruns_last_exception_not_a_ranks(tmp_path):
         "torchrun: RendezvousConnectionError: The connection to the C10d store has failed. "
         "See inner exception for details."
     )
+
+
+def test_check_says_which_flags_this_torchrun_lacks_and_who_does_their_job(monkeypatch):
+    from gpu_console.commands import check
+
+    assert check._torchrun_flags_check() == check.Check(
+        "torchrun flags", check.PASS, "every flag a launch passes is accepted"
+    )
+    options = {k: v for k, v in installed_options().items() if k != "shutdown_timeout"}
+    monkeypatch.setattr(torchrun, "accepted_options", lambda: torchrun.Options(options))
+    row = check._torchrun_flags_check()
+    assert row.status == check.PASS
+    assert row.detail.startswith("this torchrun lacks --shutdown-timeout: the supervisor")
+    monkeypatch.setattr(torchrun, "accepted_options", lambda: torchrun.Options({}, "no torch"))
+    assert check._torchrun_flags_check() == check.Check(
+        "torchrun flags", check.WARN, "cannot ask torchrun: no torch"
+    )

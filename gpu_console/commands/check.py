@@ -357,7 +357,21 @@ def _torch_checks(
     else:
         where = f"; torchrun on PATH: {tr['path']}" if tr.get("path") else "; no torchrun on PATH"
         rows.append(Check("torchrun", PASS, f"python -m {tr['module']} is ready{where}"))
+        rows.append(_torchrun_flags_check())
     return rows, d
+
+
+def _torchrun_flags_check() -> Check:
+    """Which of launch's torchrun flags this torch lacks, and what does their job instead."""
+    compat = launch.torchrun_compat()
+    if compat["detection_error"]:
+        return Check("torchrun flags", WARN, f"cannot ask torchrun: {compat['detection_error']}")
+    dropped = compat["dropped"]
+    if not dropped:
+        return Check("torchrun flags", PASS, "every flag a launch passes is accepted")
+    # Left out on purpose, each with its behaviour provided elsewhere: not a fault.
+    missing = "; ".join(f"{flag}: {how}" for flag, how in dropped.items())
+    return Check("torchrun flags", PASS, f"this torchrun lacks {missing}")
 
 
 def _order_note(devices: list[dict[str, Any]]) -> str:
@@ -428,12 +442,12 @@ def run_checks(runs_dir: Path, timeout: float = TIMEOUT_S) -> tuple[list[Check],
         )
     else:
         rows.append(Check("nvml", SKIP, f"NVML unavailable: {status.reason}"))
-    rows += [r for r in torch_rows[4:] if r.name != "torchrun"]
+    rows += [r for r in torch_rows[4:] if not r.name.startswith("torchrun")]
     if port is not None:
         rows.append(_collective_check(results[1], backend, nvml_count))
     else:
         rows.append(Check("collective", SKIP, "no free port to rendezvous on"))
-    rows += [r for r in torch_rows if r.name == "torchrun"]
+    rows += [r for r in torch_rows if r.name.startswith("torchrun")]
     host = host_summary()
     rows += [port_row, check_runs_dir(runs_dir), check_disk(runs_dir), check_host(host)]
     facts = {"status": status, "nvml_count": nvml_count, "info": info, "host": host}
