@@ -157,7 +157,8 @@ class RunState:
     final_t: float = 0.0  # when the engine last said the run ended (a session's end)
     # MFU (peaks.py): the newest step's, every step's for the mean, and why none is shown.
     mfu: float | None = None
-    mfus: list[float] = field(default_factory=list)
+    mfu_sum: float = 0.0  # over every step event with an MFU: for the mean
+    mfu_count: int = 0
     mfu_not_shown: str | None = None
     flops_per_sample: float | None = None
 
@@ -190,7 +191,8 @@ class RunState:
                 self.throughput.append(self.samples_per_s)
             self.mfu = e.get("mfu")
             if isinstance(self.mfu, (int, float)):
-                self.mfus.append(self.mfu)
+                self.mfu_sum += self.mfu
+                self.mfu_count += 1
             if self.first_step_t is None:
                 self.first_step_t, self.first_step = t, self.step
             self.last_step_t = t
@@ -244,7 +246,7 @@ class RunState:
         return sum(self.throughput) / len(self.throughput) if self.throughput else None
 
     def mean_mfu(self) -> float | None:
-        return sum(self.mfus) / len(self.mfus) if self.mfus else None
+        return self.mfu_sum / self.mfu_count if self.mfu_count else None
 
     def elapsed_s(self) -> float | None:
         start = self.status.get("started") or self.started_t

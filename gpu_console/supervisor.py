@@ -94,6 +94,7 @@ class Supervisor:
         self.reap: set[int] = set()  # peers of a crashed rank, killed at reap_at
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES)
         self.engine_checkpointed = True
+        self.mfu_sum, self.mfu_count = 0.0, 0
         self.recorder = Recorder(run_dir)  # telemetry.jsonl, from start to the final status
         self.torchrun_log_offset = 0
         self.torchrun_stop_deadline: float | None = None  # grace after torchrun was signalled
@@ -236,11 +237,18 @@ class Supervisor:
                 if isinstance(e.get("step_time_s"), (int, float)):
                     self.step_times.append(float(e["step_time_s"]))
                     self.status["step_time_s"] = statistics.median(self.step_times)
+                if isinstance(e.get("mfu"), (int, float)):
+                    # ls reads status.json alone: the session's newest and mean MFU.
+                    self.mfu_sum += e["mfu"]
+                    self.mfu_count += 1
+                    self.status["mfu"] = e["mfu"]
+                    self.status["mfu_mean"] = self.mfu_sum / self.mfu_count
             elif kind == "start":
                 self.status["world_size"] = e.get("world_size")
                 self.status["max_steps"] = e.get("max_steps")
                 self.status["restarts"] = int(e.get("restart") or 0)
                 self.status["max_restarts"] = e.get("max_restarts")
+                self.status["mfu_not_shown"] = e.get("mfu_not_shown")
                 self.status["last_step_t"] = None  # a restarted group has made no step yet
                 if isinstance(e.get("start_step"), int):
                     self.status["step"] = e["start_step"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import subprocess
 import sys
@@ -221,6 +222,28 @@ def test_a_cpu_run_reports_flops_and_why_mfu_is_not_shown_and_measuring_changes_
     assert len(steps_h) == 8 and not any("mfu" in s for s in steps_h + steps_u)
     summary_row = r"│ MFU +│ CPU run \(the peak table covers NVIDIA GPUs\): MFU not shown"
     assert re.search(summary_row, out_unhooked.stdout)
+    listed = json.loads(procs.cli("ls", "--json", "--runs-dir", str(runs_dir)).stdout)
+    for row in listed:
+        assert row["mfu"] is None
+        assert row["mfu_not_shown"] == start_h["mfu_not_shown"]
+
+
+def test_the_supervisor_keeps_the_newest_and_mean_mfu_in_status_json(tmp_path):
+    """``ls --json`` reads status.json alone; the supervisor folds the step events' MFU there."""
+    from gpu_console import runs
+    from gpu_console.supervisor import Supervisor
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "run.toml").write_text("[distributed]\nshutdown_grace_s = 3.0\n")
+    runs.atomic_write_json(tmp_path / "meta.json", {"id": tmp_path.name})
+    with open(tmp_path / "events.jsonl", "w") as f:
+        for e in _mfu_events():
+            f.write(json.dumps({"v": 1, **e}) + "\n")
+    sup = Supervisor(tmp_path)
+    sup.fold_events()
+    assert sup.status["mfu"] == 0.50
+    assert sup.status["mfu_mean"] == pytest.approx(0.40)
+    assert sup.status["mfu_not_shown"] is None
 
 
 def _mfu_events(device: str = "cuda") -> list[dict]:

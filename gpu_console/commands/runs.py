@@ -55,6 +55,8 @@ def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
                 "max_steps": status.get("max_steps"),
                 "loss": status.get("loss"),
                 "restarts": status.get("restarts") or 0,
+                "mfu": status.get("mfu_mean"),  # the session's mean; None with the reason:
+                "mfu_not_shown": status.get("mfu_not_shown"),
                 "started": started,
                 "age_s": round(now - last, 1),
             }
