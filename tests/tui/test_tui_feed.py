@@ -7,6 +7,8 @@ import math
 import os
 import time
 
+import pytest
+
 from gpu_console.tui import reader, synthetic
 from gpu_console.tui.feed import RunFeed, display_state
 from gpu_console.tui.series import Series
@@ -192,3 +194,7 @@ def test_a_resumed_run_is_starting_on_its_new_devices_until_its_engine_speaks(tm
     assert (s.state, s.step, s.device_type) == ("running", 310, "cuda")
     steps = [x for x, _ in s.loss_series.view()]
     assert steps[0] == 10 and steps[-2:] == [300, 310]
+    # The ETA at this session's pace (0.5 s a step), not counting the time it was stopped.
+    _append(run, {"t": t + 6, "kind": "step", "step": 320, "loss": 0.3, "lr": 1e-3})
+    feed.poll()
+    assert feed.snapshot().eta_s == pytest.approx(0.5 * (1000 - 320))
