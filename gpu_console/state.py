@@ -203,12 +203,12 @@ class RunState:
             self.eval = {k: v for k, v in e.items() if k not in ("v", "t", "kind", "step")}
         elif kind == "checkpoint":
             self.checkpoints.append(e)
-            self.step = _true_step(e, self.step)
+            self.step = true_step(e, self.step)
         elif kind == "status":
             self.state = e.get("state", self.state)
             self.reason = e.get("reason", "")
             # The final states carry the true step (log steps may be far apart).
-            self.step = _true_step(e, self.step)
+            self.step = true_step(e, self.step)
             if self.state in FINAL_STATES:
                 self.final_t = float(t or 0.0)
         elif kind == "log":
@@ -255,7 +255,8 @@ class RunState:
         return (self.ended_t or time.time()) - start
 
 
-def _true_step(e: dict[str, Any], step: int) -> int:
+def true_step(e: dict[str, Any], step: int) -> int:
+    """The step a ``status`` or ``checkpoint`` event says the run is at, else ``step``."""
     value = e.get("step")
     return value if isinstance(value, int) and not isinstance(value, bool) else step
 

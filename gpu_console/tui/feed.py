@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..events import JsonlTail
-from ..runs import FINAL_STATES, read_json, read_status
-from ..state import derived_state
+from ..runs import FINAL_STATES, current_session, read_json, read_status
+from ..state import derived_state, true_step
 from . import reader
 from .devices import DeviceFeed, DeviceView
 from .series import Point, Series
@@ -105,6 +105,7 @@ class RunModel:
     def __init__(self) -> None:
         self.state = "starting"
         self.reason = ""
+        self.last_t = 0.0  # the newest event's time
         self.start: dict[str, Any] = {}
         self.step = 0
         self.max_steps: int | None = None
@@ -131,6 +132,8 @@ class RunModel:
         self.events += 1
         kind = e.get("kind")
         t = e.get("t")
+        if isinstance(t, (int, float)):
+            self.last_t = max(self.last_t, t)
         if kind == "step":
             step = e.get("step")
             if not isinstance(step, int):
@@ -155,15 +158,19 @@ class RunModel:
             self.start = e
             self.max_steps = e.get("max_steps")
             self.step = int(e.get("start_step") or 0)
+            self.first_step = None  # a new session (restart or resume): its own rate
         elif kind == "status":
             self.state = e.get("state", self.state)
             self.reason = e.get("reason") or ""
+            # The final states carry the true step (logged steps may be far apart).
+            self.step = true_step(e, self.step)
             text = f"state: {self.state}" + (f" ({self.reason})" if self.reason else "")
             self._log(LogLine("state", text, t))
         elif kind == "eval":
             self._add_eval(e)
         elif kind == "checkpoint":
             self._add_checkpoint(e)
+            self.step = true_step(e, self.step)
             size = e.get("bytes")
             size_text = f", {size / 2**20:.1f} MiB" if isinstance(size, (int, float)) else ""
             self._log(
@@ -308,11 +315,19 @@ class RunFeed:
         try:
             mtime = (self.run_dir / "status.json").stat().st_mtime
         except FileNotFoundError:
-            return False
+            if self._status_mtime is None:
+                return False
+            # A resume removes the ended session's status until its new supervisor writes one.
+            self._status_mtime, self.status = None, {}
+            self.meta = read_json(self.run_dir / "meta.json") or self.meta
+            return True
         if mtime == self._status_mtime:
             return False
         self._status_mtime = mtime
+        started = self.status.get("started")
         self.status = read_status(self.run_dir)
+        if self.status.get("started") != started:  # a new session: it may run elsewhere
+            self.meta = read_json(self.run_dir / "meta.json") or self.meta
         return True
 
     def _read_logs(self) -> bool:
@@ -342,13 +357,29 @@ class RunFeed:
 
     # -- what is shown ---------------------------------------------------------------------
     @property
+    def session(self) -> dict[str, Any]:
+        """meta.json as the current session sees it (a resume may run on other devices)."""
+        return current_session(self.meta)
+
+    def _new_session(self) -> bool:
+        """A resumed run whose new engine has not spoken yet: every event is the previous
+        session's (its end, or a crash's last step), none is the session launched since."""
+        if self.status.get("ended") or not self.model.events:
+            return False
+        started = self.status.get("started") or self.session.get("started")
+        return isinstance(started, (int, float)) and started > self.model.last_t
+
+    @property
     def state(self) -> str:
         sup = self.supervisor
         if not self.status and sup is not None and sup.returncode is not None:
             return "lost"  # the supervisor this console started died before writing a status
+        engine = self.model.state
+        if self._new_session():
+            engine = self.status.get("state") or "starting"
         return display_state(
             self.status,
-            self.model.state,
+            engine,
             self.clock(),
             self.model.last_step.get("step_time_s"),
         )
@@ -370,7 +401,10 @@ class RunFeed:
         eval_name, eval_points = m.eval_series()
         logs, self._new_logs = self._new_logs, []
         last = m.last_step
-        reason = st.get("reason") if st.get("ended") else m.reason
+        new_session = self._new_session()
+        reason = st.get("reason") or "" if st.get("ended") or new_session else m.reason
+        # Before a resumed session's engine speaks, its devices are the session's placement.
+        device_type = None if new_session else m.start.get("device_type")
         if state == "stalled":
             reason = self._stalled_because(now) or reason
         return RunSnapshot(
@@ -387,8 +421,7 @@ class RunFeed:
             samples_per_s=last.get("samples_per_s"),
             tokens_per_s=last.get("tokens_per_s"),
             world_size=m.start.get("world_size") or st.get("world_size"),
-            device_type=m.start.get("device_type")
-            or (self.meta.get("placement") or {}).get("device_type"),
+            device_type=device_type or (self.session.get("placement") or {}).get("device_type"),
             precision=m.start.get("precision"),
             task=m.start.get("task"),
             params=m.start.get("params"),
@@ -407,7 +440,7 @@ class RunFeed:
             controls=dict(m.controls),
             new_logs=logs,
             failure=st.get("failure"),
-            devices=self.devices.view(m.start.get("device_type"), last, self.meta),
+            devices=self.devices.view(device_type, last, self.session),
             exit_code=st.get("exit_code"),
             sampled=self.sampled,
             complete=self._gap is None,

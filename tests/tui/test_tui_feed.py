@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
+
+import pytest
 
 from gpu_console.tui import reader, synthetic
 from gpu_console.tui.feed import RunFeed, display_state
@@ -105,3 +109,92 @@ def test_numbers_and_sparklines_read_well():
     assert num(16255.4) == "16,255" and num(0.59512) == "0.5951" and num(3e-4) == "3.00e-04"
     assert num(None) == "-" and num(0) == "0"
     assert spark([0, 50, 100], 3, 0, 100) == "▁▄█" and spark([], 3) == "   "
+
+
+def _append(run, *events) -> None:
+    with open(run / "events.jsonl", "a", encoding="utf-8") as f:
+        for e in events:
+            f.write(json.dumps({"v": 1, **e}) + "\n")
+
+
+def test_the_feed_shows_the_true_last_step_of_a_stop_and_of_a_failure(tmp_path):
+    # Logged every 10 steps; the run then stops at 483, or fails at 487: only the checkpoint
+    # and the final status say so (the supervisor's status.json has not caught up yet).
+    t = synthetic.T0 + 10
+    for end in ("stopped", "failed"):
+        run = synthetic.write_run(tmp_path / end, state="running", steps=470, max_steps=1000,
+                                  supervisor_pid=os.getpid())  # fmt: skip
+        feed = RunFeed(run, clock=lambda: t + 1, telemetry=False)
+        feed.load()
+        assert feed.snapshot().step == 470
+        if end == "stopped":
+            _append(run, {"t": t, "kind": "status", "state": "stopping", "reason": "stop"},
+                    {"t": t, "kind": "checkpoint", "step": 483, "reason": "stop",
+                     "path": str(run / "checkpoints" / "step-00000483")})  # fmt: skip
+            feed.poll()
+            assert feed.snapshot().step == 483  # the checkpoint's step
+            _append(run, {"t": t, "kind": "status", "state": "stopped", "reason": "stop",
+                          "step": 483, "checkpointed": True})  # fmt: skip
+        else:
+            _append(run, {"t": t, "kind": "status", "state": "failed", "step": 487,
+                          "reason": "RuntimeError: boom"})  # fmt: skip
+        feed.poll()
+        s = feed.snapshot()
+        assert (s.state, s.step) == (end, 483 if end == "stopped" else 487)
+        assert [x for x, _ in s.loss_series.view()][-1] == 470  # the chart: logged steps only
+
+
+def _resume(run, placement: dict, started: float) -> None:
+    """What ``launch.continue_run`` does to an ended run before its new supervisor writes."""
+    meta = json.loads((run / "meta.json").read_text())
+    first = {"placement": meta["placement"], "started": synthetic.T0 - 1.0}
+    size = (run / "events.jsonl").stat().st_size
+    meta["sessions"] = [first, {"placement": placement, "started": started, "events_from": size}]
+    (run / "meta.json").write_text(json.dumps(meta))
+    (run / "status.json").unlink()
+
+
+def test_a_resumed_run_is_starting_on_its_new_devices_until_its_engine_speaks(tmp_path):
+    run = synthetic.write_run(tmp_path / "r", state="stopped", steps=300, max_steps=1000)
+    now = synthetic.T0 + 1000  # the synthetic run's clock (the samples': time.time())
+    feed = RunFeed(run, clock=lambda: now)
+    feed.load()
+    assert (feed.snapshot().state, feed.snapshot().device_type) == ("stopped", "cpu")
+
+    # Resumed on two GPUs of four: the old session's end is no longer the run's state.
+    _resume(run, {"device_type": "cuda", "nproc": 2, "cuda_visible_devices": "2,3"}, now)
+    feed.poll()
+    s = feed.snapshot()
+    assert (s.state, s.reason, s.step, s.device_type) == ("starting", "", 300, "cuda")
+    status = {"state": "starting", "reason": "", "started": now,
+              "pids": {"supervisor": os.getpid(), "workers": []}}  # fmt: skip
+    (run / "status.json").write_text(json.dumps(status))
+    gpus = [{"index": i, "name": "H200", "util_gpu": 0} for i in range(4)]
+    sample = {"v": 1, "t": time.time(), "kind": "sample", "every_s": 1.0, "gpus": gpus,
+              "nvml": {"available": True, "reason": ""}}  # fmt: skip
+    (run / "telemetry.jsonl").write_text(json.dumps(sample) + "\n")
+    # The console the resume opens (and any attached one) reads the same.
+    for f in (feed, RunFeed(run, clock=lambda: now)):
+        f.poll() if f is feed else f.load()
+        s = f.snapshot()
+        assert (s.state, s.reason, s.step, s.device_type) == ("starting", "", 300, "cuda")
+        assert f.snapshot().devices.source == "file"  # the supervisor's samples
+        assert [c.title for c in f.snapshot().devices.cards] == ["GPU 2", "GPU 3"]
+        f.close()
+
+    # The new engine speaks: its own states and steps, on one chart with the old session's.
+    t = now + 1
+    _append(run, {"t": t, "kind": "status", "state": "starting", "reason": ""},
+            {"t": t, "kind": "start", "start_step": 300, "max_steps": 1000, "world_size": 2,
+             "device_type": "cuda", "restart": 0},
+            {"t": t, "kind": "status", "state": "running", "reason": ""},
+            {"t": t + 1, "kind": "step", "step": 310, "loss": 0.3, "lr": 1e-3})  # fmt: skip
+    feed.poll()
+    s = feed.snapshot()
+    assert (s.state, s.step, s.device_type) == ("running", 310, "cuda")
+    steps = [x for x, _ in s.loss_series.view()]
+    assert steps[0] == 10 and steps[-2:] == [300, 310]
+    # The ETA at this session's pace (0.5 s a step), not counting the time it was stopped.
+    _append(run, {"t": t + 6, "kind": "step", "step": 320, "loss": 0.3, "lr": 1e-3})
+    feed.poll()
+    assert feed.snapshot().eta_s == pytest.approx(0.5 * (1000 - 320))
