@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .events import append_control
-from .state import RunFollower, RunState, derived_state, describe_stopped, read_heartbeats
+from .state import RunFollower, RunState, describe_stopped, read_heartbeats
 
 POLL_S = 0.2
 EXIT_FINISHED, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
@@ -131,7 +131,7 @@ class Stalls:
     def check(self) -> bool:
         st = self.follower.state
         now = time.time()
-        stalled = not st.done and derived_state(st.status, now) == "stalled"
+        stalled = not st.done and st.shown_state(now) == "stalled"
         if stalled and not self.said:
             self.said = True
             self.stalled_since = st.status.get("last_step_t") or now
@@ -370,9 +370,8 @@ def summary_table(st: RunState, run_dir: Path) -> Table:
     for what, value in gpu_rows(st):
         row(what, value)
     row("wall time", human_duration(st.elapsed_s()))
-    restarts = st.status.get("restarts")
-    if restarts:
-        row("restarts", f"{restarts} of {st.status.get('max_restarts')}")
+    if st.restarts:
+        row("restarts", f"{st.restarts} of {st.max_restarts}")
     if st.checkpoints:
         c = st.checkpoints[-1]
         row("checkpoint", f"{c.get('path')} (step {c.get('step')}, {c.get('reason')})")

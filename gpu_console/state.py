@@ -12,57 +12,24 @@ from typing import Any
 # The writer defines the file format; it imports no torch, so the console may read it here.
 from .engine.heartbeat import DIR as HEARTBEAT_DIR
 from .engine.heartbeat import PHASES as PHASE_ORDER
-from .events import KINDS, JsonlTail
+from .events import JsonlTail
+
+# THE fold (one for every reader of a run) and the states derived from it, re-exported here.
+from .fold import (  # noqa: F401
+    STALL_FACTOR,
+    STALL_MIN_S,
+    RunFold,
+    derived_state,
+    pid_alive,
+    shown_state,
+    stall_limit_s,
+    stall_min_s,
+    true_step,
+)
 from .runs import FINAL_STATES, current_session, read_json, read_status
 
-STALL_MIN_S = 30.0
-STALL_FACTOR = 10.0
 # A rank's heartbeat thread writes about once a second; this much silence means it is frozen.
 HEARTBEAT_SILENT_S = 5.0
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def stall_min_s() -> float:
-    """Seconds without a step before a running run is ``stalled`` (``$GPU_CONSOLE_STALL_S``)."""
-    try:
-        return max(0.1, float(os.environ.get("GPU_CONSOLE_STALL_S", STALL_MIN_S)))
-    except ValueError:
-        return STALL_MIN_S
-
-
-def stall_limit_s(step_time_s: float | None) -> float:
-    """max(30 s, 10× the median step time): a slow step is not a stall."""
-    return max(stall_min_s(), STALL_FACTOR * (step_time_s or 0.0))
-
-
-def derived_state(status: dict[str, Any], now: float, step_time_s: float | None = None) -> str:
-    """The state a reader shows: status.json's, or ``lost`` / ``stalled`` (DESIGN.md).
-
-    ``lost``: status says the run is live but its supervisor is gone. ``stalled``: running,
-    but no step for max(30 s, 10× the median step time, which the supervisor keeps in
-    status.json).
-    """
-    state = status.get("state", "starting")
-    if status.get("ended") or state in FINAL_STATES:
-        return state
-    if not pid_alive(status.get("pids", {}).get("supervisor")):
-        return "lost"
-    last = status.get("last_step_t")
-    limit = stall_limit_s(step_time_s or status.get("step_time_s"))
-    if state == "running" and last and now - last > limit:
-        return "stalled"
-    return state
 
 
 def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
@@ -122,80 +89,26 @@ def describe_stopped(beats: list[dict[str, Any]], now: float) -> str:
     return ", ".join(parts)
 
 
-@dataclass
-class RunState:
-    state: str = "starting"
-    reason: str = ""
-    step: int = 0
-    start_step: int = 0
-    max_steps: int | None = None
-    loss: float | None = None
-    best_loss: float | None = None
-    lr: float | None = None
-    grad_norm: float | None = None
-    samples_per_s: float | None = None
-    tokens_per_s: float | None = None
-    step_time_s: float | None = None
-    world_size: int | None = None
-    device_type: str | None = None
-    precision: str | None = None
-    task: str | None = None
-    params: int | None = None
-    started_t: float | None = None
-    first_step_t: float | None = None
-    first_step: int = 0  # the step of the first step event: the rate is measured from it
-    last_step_t: float | None = None
-    ended_t: float | None = None
-    eval: dict[str, float] = field(default_factory=dict)
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)
-    peak_memory: dict[int, int] = field(default_factory=dict)
-    logs: list[dict[str, Any]] = field(default_factory=list)
-    controls: list[dict[str, Any]] = field(default_factory=list)
-    throughput: list[float] = field(default_factory=list)
-    status: dict[str, Any] = field(default_factory=dict)
-    gpus: list[dict[str, Any]] = field(default_factory=list)  # per GPU: TelemetryFold.gpus()
-    final_t: float = 0.0  # when the engine last said the run ended (a session's end)
-    # MFU (peaks.py): the newest step's, every step's for the mean, and why none is shown.
-    mfu: float | None = None
-    mfu_sum: float = 0.0  # over every step event with an MFU: for the mean
-    mfu_count: int = 0
-    mfu_not_shown: str | None = None
-    flops_per_sample: float | None = None
+class RunState(RunFold):
+    """The shared fold (:mod:`.fold`) with what the headless console also shows: evals,
+    checkpoints, peak memory per rank, logs, controls, status.json and the GPUs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended_t: float | None = None
+        self.eval: dict[str, float] = {}
+        self.checkpoints: list[dict[str, Any]] = []
+        self.peak_memory: dict[int, int] = {}
+        self.logs: list[dict[str, Any]] = []
+        self.controls: list[dict[str, Any]] = []
+        self.status: dict[str, Any] = {}
+        self.gpus: list[dict[str, Any]] = []  # per GPU: TelemetryFold.gpus()
+        self.session_started: float | None = None  # meta.json's, for a resumed run
 
     def apply(self, e: dict[str, Any]) -> None:
+        super().apply(e)
         kind = e.get("kind")
-        if kind not in KINDS:
-            return
-        t = e.get("t")
-        if kind == "start":
-            self.started_t = t
-            for k in ("world_size", "device_type", "precision", "task", "params", "max_steps"):
-                setattr(self, k, e.get(k))
-            self.start_step = self.step = int(e.get("start_step") or 0)
-            self.first_step_t = None  # a new session (restart or resume): its own rate
-            self.flops_per_sample = e.get("flops_per_sample")
-            self.mfu_not_shown = e.get("mfu_not_shown")
-        elif kind == "step":
-            self.step = int(e.get("step", self.step))
-            self.loss = e.get("loss")
-            if isinstance(self.loss, (int, float)) and (
-                self.best_loss is None or self.loss < self.best_loss
-            ):
-                self.best_loss = self.loss
-            self.lr = e.get("lr")
-            self.grad_norm = e.get("grad_norm")
-            self.samples_per_s = e.get("samples_per_s")
-            self.tokens_per_s = e.get("tokens_per_s")
-            self.step_time_s = e.get("step_time_s")
-            if self.samples_per_s is not None:
-                self.throughput.append(self.samples_per_s)
-            self.mfu = e.get("mfu")
-            if isinstance(self.mfu, (int, float)):
-                self.mfu_sum += self.mfu
-                self.mfu_count += 1
-            if self.first_step_t is None:
-                self.first_step_t, self.first_step = t, self.step
-            self.last_step_t = t
+        if kind == "step":
             for m in e.get("memory") or []:
                 r = m.get("rank")
                 self.peak_memory[r] = max(self.peak_memory.get(r, 0), int(m.get("peak") or 0))
@@ -203,62 +116,48 @@ class RunState:
             self.eval = {k: v for k, v in e.items() if k not in ("v", "t", "kind", "step")}
         elif kind == "checkpoint":
             self.checkpoints.append(e)
-            self.step = true_step(e, self.step)
-        elif kind == "status":
-            self.state = e.get("state", self.state)
-            self.reason = e.get("reason", "")
-            # The final states carry the true step (log steps may be far apart).
-            self.step = true_step(e, self.step)
-            if self.state in FINAL_STATES:
-                self.final_t = float(t or 0.0)
         elif kind == "log":
             self.logs.append(e)
         elif kind == "control":
             self.controls.append(e)
 
     def apply_status(self, status: dict[str, Any]) -> None:
-        """The supervisor's word is final once the run has ended."""
+        """The supervisor's word is final once the run has ended, and stands for a resumed
+        session until its engine speaks (:meth:`RunFold.session_state`)."""
         self.status = status
+        new_session = self.new_session(status, self.session_started)
+        self.state, self.reason = self.session_state(status, self.session_started)
         if status.get("ended"):
-            self.state = status.get("state", self.state)
-            self.reason = status.get("reason", self.reason)
             self.ended_t = status.get("ended")
-        elif self.state in FINAL_STATES and (status.get("started") or 0) > self.final_t:
-            # A resumed run: its new session began after the previous one's end.
-            self.state = status.get("state", "starting")
-            self.reason = status.get("reason", "")
+        elif new_session:
             self.ended_t = None
+
+    def shown_state(self, now: float) -> str:
+        """What every console shows, ``stalled`` and ``lost`` included (:func:`shown_state`)."""
+        return shown_state(self, self.status, now, self.session_started)
+
+    # The newest step and start event's figures.
+    lr = property(lambda self: self.last_step.get("lr"))
+    grad_norm = property(lambda self: self.last_step.get("grad_norm"))
+    samples_per_s = property(lambda self: self.last_step.get("samples_per_s"))
+    tokens_per_s = property(lambda self: self.last_step.get("tokens_per_s"))
+    world_size = property(lambda self: self.start.get("world_size"))
+    device_type = property(lambda self: self.start.get("device_type"))
+    precision = property(lambda self: self.start.get("precision"))
+    task = property(lambda self: self.start.get("task"))
+    params = property(lambda self: self.start.get("params"))
+    flops_per_sample = property(lambda self: self.start.get("flops_per_sample"))
+    started_t = property(lambda self: self.start.get("t"))
 
     @property
     def done(self) -> bool:
         return bool(self.status.get("ended")) and self.state in FINAL_STATES
-
-    def eta_s(self) -> float | None:
-        if not (self.max_steps and self.first_step_t and self.last_step_t):
-            return None
-        done = self.step - self.first_step
-        if done <= 0 or self.last_step_t <= self.first_step_t:
-            return None
-        per_step = (self.last_step_t - self.first_step_t) / done
-        return per_step * (self.max_steps - self.step)
-
-    def mean_samples_per_s(self) -> float | None:
-        return sum(self.throughput) / len(self.throughput) if self.throughput else None
-
-    def mean_mfu(self) -> float | None:
-        return self.mfu_sum / self.mfu_count if self.mfu_count else None
 
     def elapsed_s(self) -> float | None:
         start = self.status.get("started") or self.started_t
         if start is None:
             return None
         return (self.ended_t or time.time()) - start
-
-
-def true_step(e: dict[str, Any], step: int) -> int:
-    """The step a ``status`` or ``checkpoint`` event says the run is at, else ``step``."""
-    value = e.get("step")
-    return value if isinstance(value, int) and not isinstance(value, bool) else step
 
 
 class RunFollower:
@@ -271,7 +170,9 @@ class RunFollower:
         self.telemetry = TelemetryFold(self.run_dir)
         # A resumed run's earlier sessions: folded into the state, never reported as news.
         meta = read_json(self.run_dir / "meta.json")
-        start = current_session(meta).get("events_from") if isinstance(meta, dict) else 0
+        session = current_session(meta) if isinstance(meta, dict) else {}
+        start = session.get("events_from")
+        self.state.session_started = session.get("started")
         self._history = start if isinstance(start, int) and start > 0 else 0
 
     def poll(self) -> list[dict[str, Any]]:

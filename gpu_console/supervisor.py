@@ -30,11 +30,9 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +40,7 @@ import psutil
 
 from . import runs
 from .events import JsonlTail
+from .fold import RunFold
 from .state import read_heartbeats
 from .telemetry.recorder import Recorder
 
@@ -51,7 +50,6 @@ TICK_S = 0.2
 KILL_AFTER_TERM_S = 5.0
 COALESCE_S = 5.0
 REAP_PEERS_AFTER_S = 2.0
-STEP_TIMES = 50  # step events whose step time makes the median a reader's stall limit uses
 
 
 def _prctl(option: int, value: int) -> None:
@@ -92,9 +90,10 @@ class Supervisor:
         self.known: dict[int, psutil.Process] = {}  # the workers seen at the last tick
         self.reap_at: float | None = None
         self.reap: set[int] = set()  # peers of a crashed rank, killed at reap_at
-        self.step_times: deque[float] = deque(maxlen=STEP_TIMES)
+        self.fold = RunFold()
+        # A resumed run's earlier sessions: their best loss, from their last status.json.
+        self.fold.carry(previous_status(run_dir, self.meta.get("sessions")))
         self.engine_checkpointed = True
-        self.mfu_sum, self.mfu_count = 0.0, 0
         self.recorder = Recorder(run_dir)  # telemetry.jsonl, from start to the final status
         self.torchrun_log_offset = 0
         self.torchrun_stop_deadline: float | None = None  # grace after torchrun was signalled
@@ -219,46 +218,12 @@ class Supervisor:
             self._written = text
 
     def fold_events(self) -> None:
+        """The session's new events through THE fold (:mod:`.fold`); status.json keeps its
+        fields, so ``ls`` shows what every other reader of the run shows."""
         for e in self.events.read():
-            kind = e.get("kind")
-            if kind in ("status", "checkpoint") and isinstance(e.get("step"), int):
-                # The true step: log steps may be far apart (the engine's final status and
-                # every checkpoint say where it really is).
-                self.status["step"] = e["step"]
-            if kind == "status":
-                self.status["state"] = e.get("state", self.status["state"])
-                self.status["reason"] = e.get("reason", "")
-                if e.get("state") == "stopped":
-                    self.engine_checkpointed = e.get("checkpointed", True) is not False
-            elif kind == "step":
-                self.status["step"] = e.get("step")
-                self.status["loss"] = e.get("loss")
-                self.status["last_step_t"] = e.get("t")
-                if isinstance(e.get("step_time_s"), (int, float)):
-                    self.step_times.append(float(e["step_time_s"]))
-                    self.status["step_time_s"] = statistics.median(self.step_times)
-                if isinstance(e.get("mfu"), (int, float)):
-                    # ls reads status.json alone: the session's newest and mean MFU.
-                    self.mfu_sum += e["mfu"]
-                    self.mfu_count += 1
-                    self.status["mfu"] = e["mfu"]
-                    self.status["mfu_mean"] = self.mfu_sum / self.mfu_count
-            elif kind == "start":
-                self.status["world_size"] = e.get("world_size")
-                self.status["max_steps"] = e.get("max_steps")
-                self.status["restarts"] = int(e.get("restart") or 0)
-                self.status["max_restarts"] = e.get("max_restarts")
-                self.status["mfu_not_shown"] = e.get("mfu_not_shown")
-                self.status["last_step_t"] = None  # a restarted group has made no step yet
-                if isinstance(e.get("start_step"), int):
-                    self.status["step"] = e["start_step"]
-                self.step_times.clear()
-            elif kind == "checkpoint":
-                self.status["last_checkpoint"] = {
-                    k: e.get(k) for k in ("step", "path", "reason", "t")
-                }
-            elif kind == "log" and isinstance(e.get("checkpoint_failed"), dict):
-                self.status["checkpoint_failed"] = e["checkpoint_failed"]
+            self.fold.apply(e)
+        self.status.update(self.fold.to_status())
+        self.engine_checkpointed = self.fold.checkpointed
 
     # -- the run -------------------------------------------------------------------------
     def install_signals(self) -> None:
@@ -360,6 +325,16 @@ class Supervisor:
         self.status["checkpointed_on_stop"] = engine_state == "stopped" and self.engine_checkpointed
         self.write_status(force=True)
         return 0 if state in ("finished", "stopped") else 1
+
+
+def previous_status(run_dir: Path, sessions: Any) -> dict[str, Any]:
+    """The status.json a resumed run's last session ended with (``launch.continue_run`` keeps
+    it as ``history/status-N.json``), else {}."""
+    n = len(sessions) - 1 if isinstance(sessions, list) else 0
+    if n < 1:
+        return {}
+    found = runs.read_json(run_dir / "history" / f"status-{n}.json")
+    return found if isinstance(found, dict) else {}
 
 
 def is_engine_cmdline(cmd: list[str]) -> bool:

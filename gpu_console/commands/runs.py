@@ -54,6 +54,7 @@ def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
                 "step": status.get("step"),
                 "max_steps": status.get("max_steps"),
                 "loss": status.get("loss"),
+                "best_loss": status.get("best_loss"),  # finite losses, every session's
                 "restarts": status.get("restarts") or 0,
                 "mfu": status.get("mfu_mean"),  # the session's mean; None with the reason:
                 "mfu_not_shown": status.get("mfu_not_shown"),

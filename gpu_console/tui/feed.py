@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..events import JsonlTail
+from ..fold import RunFold, shown_state
 from ..runs import FINAL_STATES, current_session, read_json, read_status
-from ..state import derived_state, true_step
 from . import reader
 from .devices import DeviceFeed, DeviceView
 from .series import Point, Series
@@ -89,99 +89,62 @@ class RunSnapshot:
 def display_state(status: dict[str, Any], engine_state: str, now: float, step_time: float | None):
     """The state to show: the supervisor's once the run ended, ``lost``/``stalled`` when
     derived, else the engine's newest ``status`` event (it is ahead of status.json)."""
-    if status.get("ended"):
-        return status.get("state", engine_state)
-    if not status:
-        return engine_state
-    derived = derived_state(status, now, step_time)
-    if derived in ("lost", "stalled", *FINAL_STATES):
-        return derived
-    return engine_state
+    fold = RunFold()
+    fold.state = engine_state
+    if step_time:
+        fold.step_times.append(step_time)
+    return shown_state(fold, status, now)
 
 
-class RunModel:
-    """Events folded; :meth:`apply` in file order, :meth:`backfill` for older events."""
+class RunModel(RunFold):
+    """THE fold (:mod:`..fold`) and what only the run screen shows (series for the charts,
+    log lines, every eval and checkpoint): :meth:`apply` in file order, :meth:`backfill` for
+    older events."""
 
     def __init__(self) -> None:
-        self.state = "starting"
-        self.reason = ""
-        self.last_t = 0.0  # the newest event's time
-        self.start: dict[str, Any] = {}
-        self.step = 0
-        self.max_steps: int | None = None
-        self.last_step: dict[str, Any] = {}
-        self.best_loss: float | None = None
-        self.first_step: tuple[int, float] | None = None  # (step, t) of the first step seen
-        self.last_step_t: float | None = None
-        self.loss = Series()
-        self.lr = Series(512, 512)
-        self.throughput = Series(512, 512)
-        self.tokens = Series(512, 512)  # tokens/s, where the task reports tokens
+        super().__init__()
+        self.loss_series = Series()
+        self.lr_series = Series(512, 512)
+        self.throughput_series = Series(512, 512)
+        self.tokens_series = Series(512, 512)  # tokens/s, where the task reports tokens
         self.evals: list[tuple[int, dict[str, float]]] = []  # sorted by step
         self.checkpoints: list[dict[str, Any]] = []  # sorted by step
         self.controls: dict[str, dict[str, Any]] = {}
         self.logs: deque[LogLine] = deque(maxlen=LOG_LINES)
         self.log_count = 0  # lines ever appended to ``logs``
-        self.events = 0
 
     def _log(self, line: LogLine) -> None:
         self.logs.append(line)
         self.log_count += 1
 
     def apply(self, e: dict[str, Any]) -> None:
-        self.events += 1
+        super().apply(e)
         kind = e.get("kind")
-        t = e.get("t")
-        if isinstance(t, (int, float)):
-            self.last_t = max(self.last_t, t)
         if kind == "step":
-            step = e.get("step")
-            if not isinstance(step, int):
-                return
-            self.step = step
-            self.last_step = e
-            self.last_step_t = t
-            if self.first_step is None and isinstance(t, (int, float)):
-                self.first_step = (step, t)
-            loss = e.get("loss")
-            if (
-                isinstance(loss, (int, float))
-                and math.isfinite(loss)
-                and (self.best_loss is None or loss < self.best_loss)
-            ):
-                self.best_loss = loss
-            self.loss.append(step, loss)
-            self.lr.append(step, e.get("lr"))
-            self.throughput.append(step, e.get("samples_per_s"))
-            self.tokens.append(step, e.get("tokens_per_s"))
-        elif kind == "start":
-            self.start = e
-            self.max_steps = e.get("max_steps")
-            self.step = int(e.get("start_step") or 0)
-            self.first_step = None  # a new session (restart or resume): its own rate
+            if self.last_step is e:  # the fold took it (its step is a number)
+                step = e["step"]
+                self.loss_series.append(step, e.get("loss"))
+                self.lr_series.append(step, e.get("lr"))
+                self.throughput_series.append(step, e.get("samples_per_s"))
+                self.tokens_series.append(step, e.get("tokens_per_s"))
         elif kind == "status":
-            self.state = e.get("state", self.state)
-            self.reason = e.get("reason") or ""
-            # The final states carry the true step (logged steps may be far apart).
-            self.step = true_step(e, self.step)
             text = f"state: {self.state}" + (f" ({self.reason})" if self.reason else "")
-            self._log(LogLine("state", text, t))
+            self._log(LogLine("state", text, e.get("t")))
         elif kind == "eval":
             self._add_eval(e)
         elif kind == "checkpoint":
             self._add_checkpoint(e)
-            self.step = true_step(e, self.step)
             size = e.get("bytes")
             size_text = f", {size / 2**20:.1f} MiB" if isinstance(size, (int, float)) else ""
             self._log(
                 LogLine("checkpoint", f"checkpoint @ step {e.get('step')} ({e.get('reason')}"
-                        f"{size_text})", t)
+                        f"{size_text})", e.get("t"))
             )  # fmt: skip
         elif kind == "control":
             self._add_control(e)
         elif kind == "log":
             level = str(e.get("level") or "info")
-            self._log(LogLine(level, f"[{level}] {e.get('message', '')}", t))
+            self._log(LogLine(level, f"[{level}] {e.get('message', '')}", e.get("t")))
 
     def backfill(self, e: dict[str, Any]) -> None:
         """An event from before everything applied so far (found by the background scan)."""
@@ -235,15 +198,6 @@ class RunModel:
             stride = math.ceil(len(pts) / 1024)
             pts = pts[::stride] + ([pts[-1]] if (len(pts) - 1) % stride else [])
         return name, pts
-
-    def eta_s(self) -> float | None:
-        if not (self.max_steps and self.first_step and self.last_step_t):
-            return None
-        s0, t0 = self.first_step
-        done = self.step - s0
-        if done <= 0 or self.last_step_t <= t0:
-            return None
-        return (self.last_step_t - t0) / done * max(0, self.max_steps - self.step)
 
 
 class RunFeed:
@@ -362,27 +316,15 @@ class RunFeed:
         return current_session(self.meta)
 
     def _new_session(self) -> bool:
-        """A resumed run whose new engine has not spoken yet: every event is the previous
-        session's (its end, or a crash's last step), none is the session launched since."""
-        if self.status.get("ended") or not self.model.events:
-            return False
-        started = self.status.get("started") or self.session.get("started")
-        return isinstance(started, (int, float)) and started > self.model.last_t
+        """A resumed run whose new engine has not spoken yet (:meth:`RunFold.new_session`)."""
+        return self.model.new_session(self.status, self.session.get("started"))
 
     @property
     def state(self) -> str:
         sup = self.supervisor
         if not self.status and sup is not None and sup.returncode is not None:
             return "lost"  # the supervisor this console started died before writing a status
-        engine = self.model.state
-        if self._new_session():
-            engine = self.status.get("state") or "starting"
-        return display_state(
-            self.status,
-            engine,
-            self.clock(),
-            self.model.last_step.get("step_time_s"),
-        )
+        return shown_state(self.model, self.status, self.clock(), self.session.get("started"))
 
     @property
     def live(self) -> bool:
@@ -402,7 +344,7 @@ class RunFeed:
         logs, self._new_logs = self._new_logs, []
         last = m.last_step
         new_session = self._new_session()
-        reason = st.get("reason") or "" if st.get("ended") or new_session else m.reason
+        _, reason = m.session_state(st, self.session.get("started"))
         # Before a resumed session's engine speaks, its devices are the session's placement.
         device_type = None if new_session else m.start.get("device_type")
         if state == "stalled":
@@ -428,14 +370,14 @@ class RunFeed:
             elapsed_s=((ended or now) - started) if started else None,
             eta_s=None if state in FINAL_STATES else m.eta_s(),
             now=now,
-            loss_series=_frozen(m.loss),
+            loss_series=_frozen(m.loss_series),
             eval_points=eval_points,
             eval_name=eval_name,
             eval_latest=dict(m.evals[-1][1]) if m.evals else {},
-            lr_points=m.lr.view(),
-            throughput_points=m.throughput.view(),
-            tokens_points=m.tokens.view(),
-            restarts=int(st.get("restarts") or m.start.get("restart") or 0),
+            lr_points=m.lr_series.view(),
+            throughput_points=m.throughput_series.view(),
+            tokens_points=m.tokens_series.view(),
+            restarts=m.restarts if m.start else int(st.get("restarts") or 0),
             checkpoints=list(m.checkpoints[-50:]),
             controls=dict(m.controls),
             new_logs=logs,
@@ -446,8 +388,8 @@ class RunFeed:
             complete=self._gap is None,
             events_read=m.events,
             live=state in LIVE_STATES,
-            mfu=last.get("mfu"),
-            mfu_not_shown=m.start.get("mfu_not_shown"),
+            mfu=m.mfu,
+            mfu_not_shown=m.mfu_not_shown,
         )
 
 

@@ -1,0 +1,282 @@
+"""THE fold of a run's events into its state: every reader of a run uses this one.
+
+The supervisor writes ``status.json`` from it (so ``ls`` reads it), the headless console's
+:class:`~gpu_console.state.RunState` and the run screen's model extend it with what only they
+show. One rule each, so that they never disagree on the same events:
+
+- step: the newest step event's, else the true step a ``checkpoint`` or ``status`` event
+  carries (log steps may be far apart), else a ``start``'s ``start_step``;
+- best loss: the lowest finite loss over every session of the run (a NaN is never best);
+- stall: no step for max(30 s, 10 × the median step time of the current torchrun group);
+- means (MFU, samples/s): over the current session (a resume may run on other hardware);
+  a torchrun restart within a session continues its session;
+- restarts: the newest ``start``'s count (torchrun's, within the session).
+
+Imports no torch and nothing heavy: the supervisor folds with it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from typing import Any
+
+from .events import KINDS
+from .runs import FINAL_STATES
+
+STALL_MIN_S = 30.0
+STALL_FACTOR = 10.0
+STEP_TIMES = 50  # step events whose step time makes the median the stall limit uses
+
+
+def true_step(e: dict[str, Any], step: int) -> int:
+    """The step a ``status`` or ``checkpoint`` event says the run is at, else ``step``."""
+    value = e.get("step")
+    return value if isinstance(value, int) and not isinstance(value, bool) else step
+
+
+_NUM = (float, int)  # exact types: a JSON number, never a bool
+_INF = math.inf
+
+
+def _number(v: Any) -> bool:
+    return type(v) in _NUM
+
+
+class RunFold:
+    """A run's events folded, in file order, into what every reader shows of it."""
+
+    def __init__(self) -> None:
+        self.state = "starting"  # the engine's newest word (status.json's is final)
+        self.reason = ""
+        self.step = 0
+        self.start_step = 0
+        self.max_steps: int | None = None
+        self.start: dict[str, Any] = {}  # the newest start event
+        self.last_step: dict[str, Any] = {}  # the newest step event
+        self.loss: float | None = None
+        self.best_loss: float | None = None
+        self.step_times: deque[float] = deque(maxlen=STEP_TIMES)
+        self.first_step_t: float | None = None  # this torchrun group's first step: its rate
+        self.first_step = 0
+        self.last_step_t: float | None = None
+        self.restarts = 0
+        self.max_restarts: int | None = None
+        self.mfu_sum, self.mfu_count = 0.0, 0  # this session's step events with an MFU
+        self.samples_sum, self.samples_count = 0.0, 0  # and with samples/s
+        self.last_checkpoint: dict[str, Any] | None = None
+        self.checkpoint_failed: dict[str, Any] | None = None
+        self.checkpointed = True  # a stop's checkpoint was written (the engine's word)
+        self.final_t = 0.0  # when the engine last said the run ended (a session's end)
+        self.last_t = 0.0  # the newest event's time
+        self.events = 0
+
+    def apply(self, e: dict[str, Any]) -> None:
+        # Called for every event a reader folds (a long run has millions): kept to plain
+        # comparisons, no calls beyond ``dict.get``.
+        kind = e.get("kind")
+        if kind not in KINDS:
+            return
+        self.events += 1
+        t = e.get("t")
+        if type(t) in _NUM and t > self.last_t:
+            self.last_t = t
+        if kind == "step":
+            step = e.get("step")
+            if type(step) is not int:
+                return
+            self.step = step
+            self.last_step = e
+            self.last_step_t = t
+            if self.first_step_t is None:
+                self.first_step_t, self.first_step = t, step
+            loss = self.loss = e.get("loss")
+            # A NaN or an infinity is never the best loss (-inf < NaN is False).
+            best = self.best_loss
+            if type(loss) in _NUM and -_INF < loss < _INF and (best is None or loss < best):
+                self.best_loss = loss
+            v = e.get("step_time_s")
+            if type(v) in _NUM:
+                self.step_times.append(v)
+            v = e.get("mfu")
+            if type(v) in _NUM:
+                self.mfu_sum += v
+                self.mfu_count += 1
+            v = e.get("samples_per_s")
+            if type(v) in _NUM:
+                self.samples_sum += v
+                self.samples_count += 1
+        elif kind == "start":
+            self.start = e
+            self.max_steps = e.get("max_steps")
+            self.start_step = self.step = int(e.get("start_step") or 0)
+            self.restarts = int(e.get("restart") or 0)
+            self.max_restarts = e.get("max_restarts")
+            # A new torchrun group (restart or resume) has made no step yet: its own rate.
+            self.first_step_t = self.last_step_t = None
+            self.step_times.clear()
+            if not self.restarts:  # a new session (a launch or a resume)
+                self.mfu_sum, self.mfu_count = 0.0, 0
+                self.samples_sum, self.samples_count = 0.0, 0
+        elif kind == "status":
+            self.state = e.get("state", self.state)
+            self.reason = e.get("reason") or ""
+            self.step = true_step(e, self.step)
+            if self.state == "stopped":
+                self.checkpointed = e.get("checkpointed", True) is not False
+            if self.state in FINAL_STATES:
+                self.final_t = float(t or 0.0)
+        elif kind == "checkpoint":
+            self.step = true_step(e, self.step)
+            self.last_checkpoint = e
+        elif kind == "log" and isinstance(e.get("checkpoint_failed"), dict):
+            self.checkpoint_failed = e["checkpoint_failed"]
+
+    # -- what is derived ---------------------------------------------------------------------
+    @property
+    def step_time_s(self) -> float | None:
+        """The median step time of this torchrun group's last :data:`STEP_TIMES` steps."""
+        if not self.step_times:
+            return None
+        s = sorted(self.step_times)
+        mid = len(s) // 2
+        return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+    @property
+    def mfu(self) -> float | None:
+        return self.last_step.get("mfu")
+
+    @property
+    def mfu_not_shown(self) -> str | None:
+        return self.start.get("mfu_not_shown")
+
+    def mean_mfu(self) -> float | None:
+        return self.mfu_sum / self.mfu_count if self.mfu_count else None
+
+    def mean_samples_per_s(self) -> float | None:
+        return self.samples_sum / self.samples_count if self.samples_count else None
+
+    def eta_s(self) -> float | None:
+        """The remaining steps at this torchrun group's pace."""
+        t0, t1 = self.first_step_t, self.last_step_t
+        if not (self.max_steps and _number(t0) and _number(t1)):
+            return None
+        done = self.step - self.first_step
+        if done <= 0 or t1 <= t0:
+            return None
+        return (t1 - t0) / done * max(0, self.max_steps - self.step)
+
+    def new_session(self, status: dict[str, Any], started: float | None = None) -> bool:
+        """A resumed run whose new engine has not spoken yet: every event folded is an
+        earlier session's (its end, or a crash's last step), none the one running now.
+
+        ``started``: when meta.json says this session began, for the moment between a
+        resume and its new supervisor's first status.json.
+        """
+        if status.get("ended") or not self.events:
+            return False
+        started = status.get("started") or started
+        return _number(started) and started > self.last_t
+
+    def session_state(
+        self, status: dict[str, Any], started: float | None = None
+    ) -> tuple[str, str]:
+        """(state, reason) with status.json: the supervisor's once the run ended or while a
+        new session's engine is silent, else the engine's (ahead of status.json)."""
+        if status.get("ended") or self.new_session(status, started):
+            return status.get("state") or "starting", status.get("reason") or ""
+        return self.state, self.reason
+
+    def to_status(self) -> dict[str, Any]:
+        """The fields the supervisor keeps in status.json (``ls`` reads them alone)."""
+        out: dict[str, Any] = {"state": self.state, "reason": self.reason}
+        if self.best_loss is not None:
+            out["best_loss"] = self.best_loss
+        if not self.events:
+            return out
+        out.update(step=self.step, loss=self.loss, last_step_t=self.last_step_t)
+        if self.step_times:
+            out["step_time_s"] = self.step_time_s
+        if self.mfu_count:
+            out["mfu"], out["mfu_mean"] = self.mfu, self.mean_mfu()
+        if self.start:
+            out.update(
+                world_size=self.start.get("world_size"),
+                max_steps=self.max_steps,
+                restarts=self.restarts,
+                max_restarts=self.max_restarts,
+                mfu_not_shown=self.mfu_not_shown,
+            )
+        if self.last_checkpoint is not None:
+            c = self.last_checkpoint
+            out["last_checkpoint"] = {k: c.get(k) for k in ("step", "path", "reason", "t")}
+        if self.checkpoint_failed is not None:
+            out["checkpoint_failed"] = self.checkpoint_failed
+        return out
+
+    def carry(self, previous: dict[str, Any]) -> None:
+        """What a run's earlier sessions leave to this one, from their last status.json
+        (a resumed session's supervisor does not reread their events)."""
+        best = previous.get("best_loss")
+        if _number(best) and math.isfinite(best):
+            self.best_loss = best if self.best_loss is None else min(best, self.best_loss)
+
+
+# -- the state a reader shows ------------------------------------------------------------------
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stall_min_s() -> float:
+    """Seconds without a step before a running run is ``stalled`` (``$GPU_CONSOLE_STALL_S``)."""
+    try:
+        return max(0.1, float(os.environ.get("GPU_CONSOLE_STALL_S", STALL_MIN_S)))
+    except ValueError:
+        return STALL_MIN_S
+
+
+def stall_limit_s(step_time_s: float | None) -> float:
+    """max(30 s, 10× the median step time): a slow step is not a stall."""
+    return max(stall_min_s(), STALL_FACTOR * (step_time_s or 0.0))
+
+
+def derived_state(status: dict[str, Any], now: float, step_time_s: float | None = None) -> str:
+    """The state a reader shows: status.json's, or ``lost`` / ``stalled`` (DESIGN.md).
+
+    ``lost``: status says the run is live but its supervisor is gone. ``stalled``: running,
+    but no step for max(30 s, 10× the median step time, which the supervisor keeps in
+    status.json; a reader with its own :class:`RunFold` may pass the same median).
+    """
+    state = status.get("state", "starting")
+    if status.get("ended") or state in FINAL_STATES:
+        return state
+    if not pid_alive(status.get("pids", {}).get("supervisor")):
+        return "lost"
+    last = status.get("last_step_t")
+    limit = stall_limit_s(step_time_s or status.get("step_time_s"))
+    if state == "running" and last and now - last > limit:
+        return "stalled"
+    return state
+
+
+def shown_state(
+    fold: RunFold, status: dict[str, Any], now: float, started: float | None = None
+) -> str:
+    """The state every console shows for a run: the fold's with status.json, and ``lost`` or
+    ``stalled`` as :func:`derived_state` finds them (``started``: see ``new_session``)."""
+    state, _ = fold.session_state(status, started)
+    if not status or status.get("ended"):
+        return state
+    derived = derived_state(status, now, fold.step_time_s)
+    return derived if derived in ("lost", "stalled", *FINAL_STATES) else state
