@@ -134,3 +134,21 @@ def test_ls_the_headless_console_and_the_run_screen_agree_on_one_event_stream(
     (row,) = list_runs(tmp_path)
     assert row["mfu"] == pytest.approx(0.5) == follower.state.mean_mfu()
     assert not math.isnan(json.loads((run / "status.json").read_text())["best_loss"])
+
+
+def test_the_fold_keeps_session_means_across_a_restart_and_starts_them_again_on_a_resume():
+    from gpu_console.fold import RunFold
+
+    fold = RunFold()
+    for e in [
+        _start(1.0, 0, 0), _step(2.0, 10, math.inf, mfu=0.2), _step(3.0, 20, 2.0, mfu=0.4),
+        _start(4.0, 20, 1), _step(5.0, 30, -math.inf, mfu=0.6),  # torchrun's restart
+    ]:  # fmt: skip
+        fold.apply(e)
+    assert fold.best_loss == 2.0, "an infinity is never the best loss"
+    assert fold.mean_mfu() == pytest.approx(0.4) and fold.restarts == 1
+    assert fold.last_step_t == 5.0 and fold.step_time_s == 0.1
+    fold.apply(_start(6.0, 30, 0))  # a resume: a new session, no step made yet
+    assert fold.mean_mfu() is None and fold.restarts == 0
+    assert fold.last_step_t is None and fold.step_time_s is None, "no stall before a step"
+    assert (fold.step, fold.best_loss) == (30, 2.0)
