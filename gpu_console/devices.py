@@ -232,8 +232,6 @@ def place(
         raise DeviceSpecError(f"no GPU is visible{why}; use cpu or cpu:N")
     if grant.problem:
         raise DeviceSpecError(grant.problem)
-    if cuda_problem:
-        raise DeviceSpecError(f"{cuda_problem}; use cpu or cpu:N")
     if grant.gpus and not grant.indices:
         raise DeviceSpecError(
             f"{grant.describe()} grants MIG instances, which have no GPU index; use auto"
@@ -255,4 +253,6 @@ def place(
                 f"GPU {', '.join(map(str, theirs))} is not yours: {grant.describe()} grants "
                 f"GPU {yours}"
             )
+    if cuda_problem:
+        raise DeviceSpecError(f"{cuda_problem}; use cpu or cpu:N")
     return _cuda([by_index[i] for i in spec.indices])
