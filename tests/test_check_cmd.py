@@ -219,5 +219,6 @@ def test_bf16_follows_the_launch_rule_and_no_gloo_fallback_is_promised():
     assert rows["bf16"].status == WARN
     assert "not on cuda:0 (capability below 8.0)" in rows["bf16"].detail
     assert "--precision bf16 is refused" in rows["bf16"].detail
-    assert rows["nccl"].status == FAIL and "no gloo fallback" in rows["nccl"].detail
-    assert "fall back" not in rows["nccl"].detail
+    assert rows["nccl"].status == FAIL
+    assert "do not fall back to gloo" in rows["nccl"].detail
+    assert "fall back to gloo (slow)" not in rows["nccl"].detail

@@ -265,7 +265,8 @@ def _torch_checks(
                 "nccl",
                 FAIL,
                 (errors.get("nccl") or "NCCL is not available")
-                + ": GPU runs need it (there is no gloo fallback); run on the CPU (--devices cpu)",
+                + ": GPU runs use nccl (distributed.backend auto) and do not fall back to gloo; "
+                'set distributed.backend = "gloo" (slow) or run on the CPU (--devices cpu)',
             )
         )
 
