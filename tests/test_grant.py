@@ -164,6 +164,13 @@ def test_a_cpu_only_torch_falls_back_for_auto_and_refuses_a_gpu(monkeypatch, cap
     assert err.startswith("gpu-console: --devices: hardware.devices: torch 2.11.0+cpu is built")
     assert "use cpu or cpu:N" in err
     assert not runs.exists()
+    # Through the CLI, auto's note is one line on stderr before the launch goes on (here to a
+    # runs directory that cannot be made, so nothing starts).
+    runs.write_text("a file where the runs directory should be")
+    code, out, err = run_cli(
+        monkeypatch, capsys, "run", "quickstart", "--headless", "--runs-dir", str(runs)
+    )
+    assert err.splitlines()[0] == auto.note, err
 
 
 def test_bf16_below_capability_8_is_refused_at_launch(monkeypatch, capsys, tmp_path):
