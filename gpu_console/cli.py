@@ -118,6 +118,8 @@ def run(
         runs_dir=folder,
         name=name,
     )
+    if placement.note:
+        print(placement.note, file=sys.stderr)
     from . import headless as reporter  # after the checks: a bad input fails before Rich loads
 
     launched = launch.start(prof, placement, folder, resume_from, nodes=nodes)

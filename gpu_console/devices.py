@@ -1,9 +1,29 @@
-"""``--devices`` specs: parsing (no hardware) and resolution against what is visible."""
+"""``--devices`` specs: parsing (no hardware), the GPUs the environment grants, placement.
+
+A shared node's NVML sees every GPU; the user may use only those the environment grants:
+``CUDA_VISIBLE_DEVICES`` (indices or ``GPU-``/``MIG-`` UUIDs, read as CUDA reads it), else
+SLURM's ``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS``. A run uses the grant ∩ ``--devices``, and its
+ranks name their GPUs by UUID, so CUDA's own numbering (fastest first, unless
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``) can never put a rank on someone else's GPU.
+
+``--devices 2,3`` numbers GPUs as NVML, ``nvidia-smi`` and ``gpu-console devices`` do (PCI bus
+order), whatever the mask: the numbers do not shift when the mask changes.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+# bf16 in hardware: Ampere and newer. torch.cuda.is_bf16_supported() also counts emulation,
+# which runs but is slower than fp32: check, auto and --precision bf16 all use this rule.
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+def bf16_native(capability: Sequence[int] | None) -> bool:
+    return capability is not None and tuple(capability[:2]) >= BF16_MIN_CAPABILITY
 
 
 class DeviceSpecError(ValueError):
@@ -19,11 +39,18 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a run's local ranks go: device type, rank count, and the CUDA mask."""
+    """Where a run's local ranks go: device type, rank count, and the ranks' CUDA mask.
+
+    ``cuda_visible_devices`` names the GPUs by UUID where NVML gives one; ``gpus`` are their
+    NVML indices (None for a MIG instance). ``note``: a line the user should read (why an
+    ``auto`` run is on the CPU).
+    """
 
     device_type: str  # "cuda" or "cpu"
     nproc: int
     cuda_visible_devices: str | None = None
+    gpus: tuple[int | None, ...] = ()
+    note: str = ""
 
     def cpu_threads_per_rank(self) -> int:
         """Each CPU rank's share of the usable cores: none idle, none oversubscribed.
@@ -35,7 +62,114 @@ class Placement:
     def describe(self) -> str:
         if self.device_type == "cpu":
             return f"cpu × {self.nproc} ranks"
-        return f"GPU {self.cuda_visible_devices} ({self.nproc} ranks)"
+        names = ",".join("MIG" if i is None else str(i) for i in self.gpus)
+        return f"GPU {names or self.cuda_visible_devices} ({self.nproc} ranks)"
+
+
+@dataclass(frozen=True)
+class GrantedGpu:
+    index: int | None  # NVML's index; None for a MIG instance (NVML lists whole GPUs)
+    token: str  # how the ranks' CUDA_VISIBLE_DEVICES names it: its UUID where known
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The GPUs the environment lets this user run on, in the order CUDA numbers them.
+
+    ``source``: the variable that granted them (None: nothing restricts, every GPU NVML
+    sees); ``problem``: why the grant cannot be read safely (then nothing is granted).
+    """
+
+    source: str | None
+    value: str | None
+    gpus: tuple[GrantedGpu, ...]
+    problem: str = ""
+    seen: int = 0  # GPUs NVML sees, granted or not
+
+    @property
+    def indices(self) -> set[int]:
+        return {g.index for g in self.gpus if g.index is not None}
+
+    def owns(self, index: int) -> bool:
+        return index in self.indices
+
+    def describe(self) -> str:
+        if self.source is None:
+            return "every GPU (nothing restricts them)"
+        return f"{self.source}={self.value}"
+
+    @classmethod
+    def everything(cls, count: int) -> Grant:
+        return cls(None, None, tuple(GrantedGpu(i, str(i)) for i in range(count)), seen=count)
+
+
+def read_grant(gpus: Sequence[Mapping[str, Any]], env: Mapping[str, str] | None = None) -> Grant:
+    """What ``env`` (default: this process's) grants of ``gpus`` (NVML's identities:
+    ``index``, ``uuid``, ``name``, ``compute_capability``)."""
+    env = os.environ if env is None else env
+    by_index = {g["index"]: g for g in gpus}
+
+    def token(index: int) -> str:
+        uuid = by_index[index].get("uuid")
+        return uuid if isinstance(uuid, str) and uuid else str(index)
+
+    mask = env.get("CUDA_VISIBLE_DEVICES")
+    if mask is None:
+        for var in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+            value = env.get(var)
+            if value is None:
+                continue
+            # SLURM's indices are the node's device numbers, NVML's order on the node.
+            picked: list[GrantedGpu] = []
+            for entry in (e.strip() for e in value.split(",")):
+                if entry.isdigit() and int(entry) in by_index:
+                    picked.append(GrantedGpu(int(entry), token(int(entry))))
+            return Grant(var, value, tuple(dict.fromkeys(picked)), seen=len(gpus))
+        everything = tuple(GrantedGpu(i, token(i)) for i in sorted(by_index))
+        return Grant(None, None, everything, seen=len(gpus))
+    entries = [e.strip() for e in mask.split(",")] if mask.strip() else []
+    uuids = {g["index"]: g.get("uuid") for g in gpus if isinstance(g.get("uuid"), str)}
+    granted: list[GrantedGpu] = []
+    named: set[str] = set()
+    for entry in entries:
+        # CUDA's rule: the list ends at the first entry it cannot use.
+        if entry.isdigit():
+            if int(entry) not in by_index:
+                break
+            gpu = GrantedGpu(int(entry), token(int(entry)))
+        elif entry.upper().startswith("GPU-"):
+            hits = [i for i, u in uuids.items() if u.lower().startswith(entry.lower())]
+            if len(hits) != 1:
+                break
+            gpu = GrantedGpu(hits[0], token(hits[0]))
+        elif entry.upper().startswith("MIG-"):
+            gpu = GrantedGpu(None, entry)
+        else:
+            break
+        if gpu.token in named:
+            break
+        named.add(gpu.token)
+        granted.append(gpu)
+    numeric = any(e.isdigit() for e in entries)
+    kinds = {(g.get("name"), _cc(g.get("compute_capability"))) for g in gpus}
+    pci_order = env.get("CUDA_DEVICE_ORDER", "").upper() == "PCI_BUS_ID"
+    if numeric and not pci_order and len(kinds) > 1:
+        # CUDA's default order is fastest first; only on a node of identical GPUs (where ties
+        # go by PCI bus) is it NVML's. Guessing would risk another user's GPU.
+        return Grant(
+            "CUDA_VISIBLE_DEVICES",
+            mask,
+            (),
+            f"CUDA_VISIBLE_DEVICES={mask} lists indices on a node of different GPUs without "
+            "CUDA_DEVICE_ORDER=PCI_BUS_ID, so which GPUs it means cannot be told; set "
+            "CUDA_DEVICE_ORDER=PCI_BUS_ID or list GPU UUIDs",
+            seen=len(gpus),
+        )
+    return Grant("CUDA_VISIBLE_DEVICES", mask, tuple(granted), seen=len(gpus))
+
+
+def _cc(value: Any) -> tuple[int, ...] | None:
+    return tuple(value) if isinstance(value, (list, tuple)) else None
 
 
 def parse_devices(text: str) -> DeviceSpec:
@@ -63,21 +197,62 @@ def default_cpu_ranks() -> int:
     return max(1, min(2, len(os.sched_getaffinity(0))))
 
 
-def place(spec: DeviceSpec, gpu_count: int, no_gpu_reason: str = "") -> Placement:
-    """Resolve a spec against the GPUs NVML sees; raise DeviceSpecError if impossible."""
+def _cuda(gpus: Sequence[GrantedGpu]) -> Placement:
+    return Placement(
+        "cuda", len(gpus), ",".join(g.token for g in gpus), tuple(g.index for g in gpus)
+    )
+
+
+def place(
+    spec: DeviceSpec,
+    grant: Grant | int,
+    no_gpu_reason: str = "",
+    cuda_problem: str = "",
+) -> Placement:
+    """Resolve a spec against the granted GPUs; raise DeviceSpecError if impossible.
+
+    ``grant``: the granted GPUs (an int: that many GPUs, nothing restricting them);
+    ``cuda_problem``: why the ranks' torch cannot use a GPU at all ("" when it can).
+    """
+    if isinstance(grant, int):
+        grant = Grant.everything(grant)
     if spec.kind == "cpu":
         return Placement("cpu", spec.nproc or default_cpu_ranks())
     if spec.kind == "auto":
-        if gpu_count > 0:
-            return Placement("cuda", gpu_count, ",".join(str(i) for i in range(gpu_count)))
+        if grant.problem:
+            raise DeviceSpecError(grant.problem)
+        if grant.gpus and cuda_problem:
+            note = f"--devices auto: on the CPU, {cuda_problem}"
+            return Placement("cpu", default_cpu_ranks(), note=note)
+        if grant.gpus:
+            return _cuda(grant.gpus)
         return Placement("cpu", default_cpu_ranks())
-    if gpu_count == 0:
+    if not grant.seen:
         why = f": {no_gpu_reason}" if no_gpu_reason else ""
         raise DeviceSpecError(f"no GPU is visible{why}; use cpu or cpu:N")
-    missing = [i for i in spec.indices if i >= gpu_count]
-    if missing:
+    if grant.problem:
+        raise DeviceSpecError(grant.problem)
+    if grant.gpus and not grant.indices:
         raise DeviceSpecError(
-            f"GPU {', '.join(map(str, missing))} does not exist (this machine has {gpu_count}: "
-            f"0..{gpu_count - 1})"
+            f"{grant.describe()} grants MIG instances, which have no GPU index; use auto"
         )
-    return Placement("cuda", len(spec.indices), ",".join(map(str, spec.indices)))
+    by_index = {g.index: g for g in grant.gpus}
+    if grant.source is None:
+        count = len(grant.gpus)
+        missing = [i for i in spec.indices if i not in by_index]
+        if missing:
+            raise DeviceSpecError(
+                f"GPU {', '.join(map(str, missing))} does not exist (this machine has {count}: "
+                f"0..{count - 1})"
+            )
+    else:
+        theirs = [i for i in spec.indices if i not in by_index]
+        if theirs:
+            yours = ",".join(str(i) for i in sorted(grant.indices)) or "none"
+            raise DeviceSpecError(
+                f"GPU {', '.join(map(str, theirs))} is not yours: {grant.describe()} grants "
+                f"GPU {yours}"
+            )
+    if cuda_problem:
+        raise DeviceSpecError(f"{cuda_problem}; use cpu or cpu:N")
+    return _cuda([by_index[i] for i in spec.indices])

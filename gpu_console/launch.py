@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 
 from . import runs, torchrun
-from .devices import DeviceSpecError, Placement, parse_devices, place
+from .devices import DeviceSpecError, Placement, bf16_native, parse_devices, place, read_grant
 from .profile import Profile, ProfileError, find_profile, load_profile
 from .schema import show
 from .tasks import BUILTIN
@@ -127,12 +127,32 @@ def check_user_task(
 
 
 def resolve_placement(devices: str) -> Placement:
+    """``devices`` against the GPUs this user is granted and a torch that can use them."""
+    from . import torch_build
     from .telemetry import nvml
 
     spec = parse_devices(devices)
-    count = 0 if spec.kind == "cpu" else nvml.device_count()
-    reason = "" if count else nvml.status().reason
-    return place(spec, count, reason)
+    if spec.kind == "cpu":
+        return place(spec, 0)
+    gpus = nvml.identities()
+    reason = "" if gpus else nvml.status().reason
+    grant = read_grant(gpus)
+    return place(spec, grant, reason, torch_build.cuda_problem() if grant.gpus else "")
+
+
+def bf16_refusal(placement: Placement) -> str:
+    """Why bf16 cannot run on the placement's GPUs ("" when it can, or cannot be told)."""
+    from .telemetry import nvml
+
+    if placement.device_type != "cuda":
+        return ""
+    known = {g["index"]: g["compute_capability"] for g in nvml.identities()}
+    old = [
+        f"GPU {i} is {known[i][0]}.{known[i][1]}"
+        for i in placement.gpus
+        if known.get(i) is not None and not bf16_native(known[i])
+    ]
+    return f"bf16 needs compute capability ≥ 8.0 ({', '.join(old)})" if old else ""
 
 
 # Where the installed torchrun lacks one of these flags, the run gets its behaviour this way.
@@ -219,7 +239,9 @@ def worker_env(placement: Placement) -> dict[str, str]:
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     if placement.device_type == "cuda":
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the same indices as nvidia-smi and NVML
+        # The mask names GPUs by UUID (a subset of the user's grant, never wider): exact
+        # whatever CUDA's order; PCI_BUS_ID keeps any index a tool reads equal to NVML's.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices or ""
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -370,6 +392,8 @@ def prepare(
             "fp16 needs a GPU (its GradScaler is CUDA-only); use bf16 or fp32 on CPU",
             "fp16",
         )
+    if profile.train.precision == "bf16" and (why := bf16_refusal(placement)):
+        raise bad("train.precision", f"{why}; use auto (fp16 there) or fp32", "bf16")
     return profile, placement, resume_from
 
 
@@ -448,6 +472,7 @@ def _session(
             "device_type": placement.device_type,
             "nproc": placement.nproc,
             "cuda_visible_devices": placement.cuda_visible_devices,
+            "gpus": list(placement.gpus),  # NVML indices; the mask names them by UUID
         },
         "world_size": placement.nproc * (nodes.max_nodes if nodes else 1),
         "nodes": (

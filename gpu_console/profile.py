@@ -125,7 +125,7 @@ class CheckpointConfig:
 class HardwareConfig:
     devices: str = opt(
         "auto",
-        "auto (all GPUs, else CPU), GPU indices like '0,1', 'cpu' or 'cpu:N'",
+        "auto (all GPUs granted to you, else CPU), GPU indices like '0,1', 'cpu' or 'cpu:N'",
         check=_devices_check,
     )
     memory_fraction: float = opt(1.0, "cap of each GPU's memory for this process", gt=0.0, max=1.0)

@@ -202,3 +202,23 @@ def test_disk_and_port(tmp_path):
     assert disk.status in (PASS, WARN) and "GiB free under" in disk.detail
     port, number = check.check_port()
     assert port.status == PASS and f"127.0.0.1:{number} is free" in port.detail
+
+
+def test_bf16_follows_the_launch_rule_and_no_gloo_fallback_is_promised():
+    """A V100 (7.0) where torch.cuda.is_bf16_supported() says True (it counts emulation): check
+    says what launch does (auto → fp16, bf16 refused); a torch without NCCL cannot run on GPUs."""
+    gpu = {"index": 0, "name": "Tesla V100-SXM2-32GB", "capability": [7, 0], "uuid": None}
+    data = {
+        "torch": "2.11.0+cu130", "cuda_build": "13.0", "cuda_available": True, "errors": {},
+        "devices": [gpu], "cudnn": 91000, "gloo": True, "nccl_available": False, "nccl": None,
+        "bf16": [True], "matmul": [],
+    }  # fmt: skip
+    status = check.nvml.NvmlStatus(True, "", "550.54.15", "12.4")
+    rows, _ = check._torch_checks(check.WorkerResult(True, data, "", 1.0), status, 1)
+    rows = {r.name: r for r in rows}
+    assert rows["bf16"].status == WARN
+    assert "not on cuda:0 (capability below 8.0)" in rows["bf16"].detail
+    assert "--precision bf16 is refused" in rows["bf16"].detail
+    assert rows["nccl"].status == FAIL
+    assert "do not fall back to gloo" in rows["nccl"].detail
+    assert "fall back to gloo (slow)" not in rows["nccl"].detail

@@ -44,10 +44,14 @@ def test_no_driver_says_why_and_shows_the_cpu_fallback(monkeypatch):
 @pytest.mark.parametrize("n", [0, 1, 2, 8])
 def test_json_shape_for_every_gpu_count(monkeypatch, n):
     fake = install(monkeypatch, FakeNvml(n))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # nothing restricts the GPUs: all are yours
     result = devices("--json")
     assert result.exit_code == 0
     doc = json.loads(result.output)
-    assert set(doc) == {"gpus", "nvml", "host"}
+    assert set(doc) == {"gpus", "grant", "nvml", "host"}
+    assert doc["grant"] == {
+        "source": None, "value": None, "gpus": list(range(n)), "mig": [], "problem": None
+    }  # fmt: skip
     assert doc["nvml"] == {
         "available": True,
         "reason": "",
@@ -60,6 +64,7 @@ def test_json_shape_for_every_gpu_count(monkeypatch, n):
     for gpu, fake_gpu in zip(doc["gpus"], fake.gpus, strict=True):
         assert_gpu_json(gpu, fake_gpu)
         assert isinstance(gpu["busy"], bool) and isinstance(gpu["busy_reasons"], list)
+        assert gpu["yours"] is True
 
     table = devices()
     assert table.exit_code == 0
@@ -76,6 +81,7 @@ def test_json_shape_for_every_gpu_count(monkeypatch, n):
 
 def test_busy_gpus_are_marked_so_free_ones_can_be_picked(monkeypatch):
     fake = install(monkeypatch, FakeNvml(4))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # nothing restricts the GPUs: all are yours
     for g in fake.gpus:
         g.util_gpu = 0
     fake.gpus[0].processes = [(4242, 10 * GIB)]
@@ -141,7 +147,7 @@ def test_subprocess_json_on_this_machine(real_machine):
     proc = _cli("-m", "gpu_console", "devices", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert set(doc) == {"gpus", "nvml", "host"}
+    assert set(doc) == {"gpus", "grant", "nvml", "host"}
     assert doc["host"]["cores"] >= 1
     if not doc["nvml"]["available"]:  # this machine and CI: no driver
         assert doc["gpus"] == []

@@ -356,8 +356,8 @@ def test_cpu_ranks_get_their_share_of_the_cores_as_threads(monkeypatch, cores, n
 
 def test_place_cpu_and_gpus():
     assert place(parse_devices("cpu:3"), 4) == Placement("cpu", 3, None), "cpu:N ignores GPUs"
-    assert place(parse_devices("auto"), 3) == Placement("cuda", 3, "0,1,2")
-    assert place(parse_devices("2,0"), 4) == Placement("cuda", 2, "2,0")
+    assert place(parse_devices("auto"), 3) == Placement("cuda", 3, "0,1,2", (0, 1, 2))
+    assert place(parse_devices("2,0"), 4) == Placement("cuda", 2, "2,0", (2, 0))
     assert place(parse_devices("1"), 2).describe() == "GPU 1 (1 ranks)"
     assert place(parse_devices("cpu:2"), 0).describe() == "cpu × 2 ranks"
 

@@ -19,7 +19,7 @@ from conftest import (
     wait_for,
 )
 from conftest import test_env as cli_env
-from test_telemetry_fake import FakeNvml, install
+from test_telemetry_fake import FakeNvml, install, install_torch_build
 
 from gpu_console import launch
 from gpu_console.telemetry import nvml
@@ -68,10 +68,13 @@ def test_the_processes_a_test_starts_see_no_gpu_either(procs, runs_dir, tmp_path
 
 
 def test_auto_would_take_the_gpu_and_cpu_2_does_not(tmp_path, monkeypatch):
-    """Why a test that launches a run passes --devices: "auto" follows NVML."""
-    install(monkeypatch, FakeNvml(1))
+    """Why a test that launches a run passes --devices: "auto" follows NVML (on a CUDA torch,
+    with nothing restricting the GPUs: the pin's empty CUDA_VISIBLE_DEVICES grants none)."""
+    fake = install(monkeypatch, FakeNvml(1))
+    install_torch_build(monkeypatch, tmp_path)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     _, auto, _ = launch.prepare("quickstart", runs_dir=tmp_path / "runs")
-    assert (auto.device_type, auto.cuda_visible_devices) == ("cuda", "0")
+    assert (auto.device_type, auto.cuda_visible_devices) == ("cuda", fake.gpus[0].uuid)
     _, pinned, _ = launch.prepare("quickstart", devices="cpu:2", runs_dir=tmp_path / "runs")
     assert (pinned.device_type, pinned.nproc) == ("cpu", 2)
 

@@ -277,3 +277,16 @@ def assert_gpu_json(gpu: dict, fake_gpu: FakeGpu) -> None:
     assert gpu["sm_clock_max_mhz"] == fake_gpu.sm_clock_max
     assert isinstance(gpu["clock_event_reasons"], list)
     assert gpu["processes"] == [{"pid": p, "used_memory": m} for p, m in fake_gpu.processes]
+
+
+def install_torch_build(monkeypatch, folder, cuda: str | None = "12.4") -> None:
+    """The console reads the installed torch's build from ``torch/version.py`` (without
+    importing it): point it at one written here, a CUDA build unless ``cuda`` is None."""
+    from gpu_console import torch_build
+
+    path = folder / "version.py"
+    version = "2.11.0+cu124" if cuda else "2.11.0+cpu"
+    path.write_text(
+        f"__version__ = {version!r}\ncuda: Optional[str] = {cuda!r}\nhip: Optional[str] = None\n"
+    )
+    monkeypatch.setattr(torch_build, "version_file", lambda: path)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__, launch
+from ..devices import bf16_native
 from ..telemetry import nvml
 from ..telemetry.host import host_summary
 
@@ -262,8 +263,10 @@ def _torch_checks(
         rows.append(
             Check(
                 "nccl",
-                WARN,
-                errors.get("nccl") or "NCCL is not available: GPU runs fall back to gloo (slow)",
+                FAIL,
+                (errors.get("nccl") or "NCCL is not available")
+                + ": GPU runs use nccl (distributed.backend auto) and do not fall back to gloo; "
+                'set distributed.backend = "gloo" (slow) or run on the CPU (--devices cpu)',
             )
         )
 
@@ -300,15 +303,15 @@ def _torch_checks(
 
     # Precision support
     if cuda_ok and devices:
-        bf16 = d.get("bf16") or []
-        lacking = [f"cuda:{x['index']}" for x, ok in zip(devices, bf16, strict=False) if not ok]
+        # The launch's rule (capability ≥ 8.0), not is_bf16_supported(), which counts emulation.
+        lacking = [f"cuda:{x['index']}" for x in devices if not bf16_native(x["capability"])]
         if lacking:
             rows.append(
                 Check(
                     "bf16",
                     WARN,
-                    f"not on {', '.join(lacking)}: precision auto "
-                    "uses fp16 with a GradScaler there",
+                    f"not on {', '.join(lacking)} (capability below 8.0): precision auto "
+                    "uses fp16 with a GradScaler there, and --precision bf16 is refused",
                 )
             )
         else:
@@ -383,7 +386,7 @@ def _order_note(devices: list[dict[str, Any]]) -> str:
     if None in cuda_to_nvml or cuda_to_nvml == sorted(cuda_to_nvml):
         return ""
     pairs = ", ".join(f"cuda:{c}=NVML {n}" for c, n in enumerate(cuda_to_nvml))
-    return f"; CUDA order differs from NVML's ({pairs}); gpu-console sets CUDA_DEVICE_ORDER"
+    return f"; CUDA order differs from NVML's ({pairs}); gpu-console names a run's GPUs by UUID"
 
 
 def _collective_check(results: list[WorkerResult], backend: str, nvml_count: int) -> Check:

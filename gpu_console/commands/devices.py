@@ -38,17 +38,32 @@ def busy_reasons(gpu: dict[str, Any]) -> list[str]:
 
 
 def collect() -> dict[str, Any]:
-    """The ``--json`` document: ``{"gpus": [...], "nvml": {...}, "host": {...}}``."""
+    """The ``--json`` document: ``{"gpus": [...], "grant": {...}, "nvml": {...}, "host": {...}}``.
+
+    Each GPU's ``yours`` says whether the environment grants it (a run never uses one that
+    is not); ``grant`` says which variable decided, and why it could not be read, if so.
+    """
+    from ..devices import read_grant
+
     status = nvml.status()
+    samples = [s.to_json() for s in nvml.sample_gpus()]
+    grant = read_grant(samples)
     gpus = []
-    for sample in nvml.sample_gpus():
-        gpu = sample.to_json()
+    for gpu in samples:
         reasons = busy_reasons(gpu)
         gpu["busy"] = bool(reasons)
         gpu["busy_reasons"] = reasons
+        gpu["yours"] = grant.owns(gpu["index"])
         gpus.append(gpu)
     return {
         "gpus": gpus,
+        "grant": {
+            "source": grant.source,
+            "value": grant.value,
+            "gpus": sorted(grant.indices),
+            "mig": [g.token for g in grant.gpus if g.index is None],
+            "problem": grant.problem or None,
+        },
         "nvml": {
             "available": status.available,
             "reason": status.reason,
@@ -80,12 +95,16 @@ def _short_name(name: Any) -> str:
     return name if len(name) <= 18 else name[:17] + "…"
 
 
-def gpu_lines(gpu: dict[str, Any], name_width: int) -> list[str]:
+def gpu_lines(gpu: dict[str, Any], name_width: int, state_width: int = 4) -> list[str]:
     """Rich markup: one line of readings, then one of why it is busy and who holds it."""
     name = _short_name(gpu["name"]).ljust(name_width)
     if gpu["lost"]:
         return [f"{gpu['index']:>2} [red]lost[/]  {name}  stopped answering (needs a GPU reset)"]
-    state = "[yellow]busy[/]" if gpu["busy"] else "[green]free[/]"
+    if not gpu.get("yours", True):
+        state = "[dim]not yours[/]"  # a run never uses it; its readings are still shown
+    else:
+        state = "[yellow]busy[/]" if gpu["busy"] else "[green]free[/]"
+        state += " " * (state_width - 4)
     memory = f"{_gib(gpu['memory_used']):>4}/{_gib(gpu['memory_total'])} GiB"
     power = "n/a"
     if gpu["power_w"] is not None or gpu["power_limit_w"] is not None:
@@ -117,6 +136,7 @@ def gpu_lines(gpu: dict[str, Any], name_width: int) -> list[str]:
 
 def render(doc: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console(highlight=False, soft_wrap=True)
     host = doc["host"]
@@ -141,9 +161,20 @@ def render(doc: dict[str, Any]) -> None:
         console.print(host_line)
         return
     width = max(len(_short_name(g["name"])) for g in doc["gpus"])
+    state_width = 4 if all(g.get("yours", True) for g in doc["gpus"]) else len("not yours")
     for gpu in doc["gpus"]:
-        for line in gpu_lines(gpu, width):
+        for line in gpu_lines(gpu, width, state_width):
             console.print(line)
+    grant = doc["grant"]
+    if grant["problem"]:
+        console.print(f"[red]{escape(grant['problem'])}[/]")
+    elif grant["source"]:
+        yours = ",".join(map(str, grant["gpus"])) or "none"
+        mig = f" and MIG {', '.join(grant['mig'])}" if grant["mig"] else ""
+        console.print(
+            f"{grant['source']}={escape(grant['value'])} grants GPU {yours}{escape(mig)} "
+            "(--devices takes the numbers shown)"
+        )
     console.print(host_line)
 
 

@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+from ..devices import bf16_native
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -20,7 +22,7 @@ def resolve(requested: str, device_type: str, capability: tuple[int, int] | None
     bf16 explicitly where the CPU has native bf16 (AMX/AVX512-BF16) and the model is large.
     """
     if device_type == "cuda":
-        bf16_ok = capability is not None and capability >= (8, 0)
+        bf16_ok = bf16_native(capability)  # the rule launch and check apply too
         if requested == "auto":
             return "bf16" if bf16_ok else "fp16"
         if requested == "bf16" and not bf16_ok:

@@ -394,3 +394,21 @@ def uuids() -> dict[int, str]:
         if info and isinstance(info.get("uuid"), str):
             out[i] = info["uuid"]
     return out
+
+
+def identities() -> list[dict[str, Any]]:
+    """Each GPU's ``index``, ``uuid``, ``name`` and ``compute_capability`` (NA → None), read
+    once per NVML session: what a launch decides by, without sampling readings."""
+    out = []
+    for i in range(device_count()):
+        try:
+            info = _device(i)
+        except _GpuLost:
+            _lost.add(i)
+            info = _static.get(i)
+        ident = {"index": i, "uuid": None, "name": None, "compute_capability": None}
+        for key in ("uuid", "name", "compute_capability"):
+            value = (info or {}).get(key, NA)
+            ident[key] = None if value is NA else value
+        out.append(ident)
+    return out

@@ -190,8 +190,11 @@ class DeviceFeed:
         if on_gpu and gpus:
             run_gpus = sorted({i["gpu"] for i in infos if i["gpu"] is not None})
             if not run_gpus:
-                visible = (meta.get("placement") or {}).get("cuda_visible_devices") or ""
-                run_gpus = [int(x) for x in visible.split(",") if x.strip().isdigit()]
+                placed = meta.get("placement") or {}
+                visible = placed.get("cuda_visible_devices") or ""
+                run_gpus = [i for i in placed.get("gpus") or () if isinstance(i, int)] or [
+                    int(x) for x in visible.split(",") if x.strip().isdigit()
+                ]
             for idx in run_gpus or sorted(gpus):
                 g = gpus.get(idx)
                 if g is None:

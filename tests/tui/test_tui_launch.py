@@ -135,6 +135,7 @@ async def test_gpus_are_listed_live_toggled_with_space_and_bf16_needs_ampere(her
         FakeGpu(1, name="Tesla V100-SXM2-32GB", memory_total=32 * GIB, capability=(7, 0)),
     ]  # fmt: skip
     fake = install(monkeypatch, FakeNvml(gpus))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # nothing restricts the GPUs: both are yours
     app = ConsoleApp(runs_dir=here / "runs", devices_every_s=0.2)
     async with app.run_test(size=(120, 32)) as pilot:
         screen = await ready(pilot, app)
@@ -157,6 +158,32 @@ async def test_gpus_are_listed_live_toggled_with_space_and_bf16_needs_ampere(her
         assert screen.devices_spec().startswith("cpu:") and "→ CPU ×" in screen_text(app)
         await pilot.press("minus", "minus", "minus")
         assert screen.devices_spec() == "cpu:1" and "CPU × 1 rank" in screen_text(app)
+
+
+@pytest.mark.parametrize(
+    "env, yours",
+    [({"CUDA_VISIBLE_DEVICES": "2,3"}, ["2", "3"]), ({"SLURM_STEP_GPUS": "1"}, ["1"])],
+)
+async def test_gpus_outside_the_grant_are_not_yours_and_never_picked(here, monkeypatch, env, yours):
+    install(monkeypatch, FakeNvml(4))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    app = ConsoleApp(runs_dir=here / "runs")
+    async with app.run_test(size=(120, 32)) as pilot:
+        screen = await ready(pilot, app)
+        text = screen_text(app)
+        devices = screen.query_one("#device-list")
+        for i in range(4):
+            line = next(ln for ln in text.splitlines() if f"GPU {i} A100" in ln)
+            assert ("not yours" in line) == (str(i) not in yours), line
+            assert devices.get_option_at_index(i).disabled == (str(i) not in yours)
+        assert screen.devices_spec() == ",".join(yours), "auto takes the granted GPUs only"
+        assert f"→ GPU {','.join(yours)}" in text
+        devices.focus()
+        devices.highlighted = 0  # GPU 0 is never yours here: Space cannot pick it
+        await pilot.press("space")
+        assert screen.devices_spec() == ",".join(yours)
 
 
 async def test_a_launch_error_is_shown_and_the_app_keeps_going(here, no_gpu):

@@ -30,6 +30,7 @@ async def test_snapshot_launch_screen(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("gpu_console.devices.default_cpu_ranks", lambda: 2)
     install(monkeypatch, two_gpus())
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # nothing restricts the GPUs: both are yours
     app = ConsoleApp(runs_dir=tmp_path / "runs", devices_every_s=3600)
     async with app.run_test(size=(100, 32)) as pilot:
         await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 5, "the screen")

@@ -68,7 +68,9 @@ def _gpu_prompt(g: dict[str, Any]) -> Text:
     util, temp = g.get("util_gpu"), g.get("temperature_c")
     t.append(f"{'-' if util is None else util}% {'-' if temp is None else temp}°C")
     users = g.get("users") or []
-    if users:
+    if not g.get("yours", True):
+        t.append("  not yours", style="dim")  # outside the grant: shown, never picked
+    elif users:
         t.append("  busy: " + ", ".join(users[:2]), style="#ffd75f")
     return t
 
@@ -279,14 +281,16 @@ class LaunchScreen(Screen):
     # -- devices -----------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="devices", exit_on_error=False)
     def sample_devices(self) -> None:
-        from ...devices import default_cpu_ranks
+        from ...devices import default_cpu_ranks, read_grant
         from ...telemetry import nvml
         from ..messages import DevicesSampled
 
         status = nvml.status()
         gpus = [g.to_json() for g in nvml.sample_gpus()] if status.available else []
+        grant = read_grant(gpus)
         for g in gpus:
             g["users"] = _users(g.get("processes") or [])
+            g["yours"] = grant.owns(g["index"])
         self.post_message(
             DevicesSampled(status.available, status.reason, gpus, default_cpu_ranks())
         )
@@ -299,9 +303,11 @@ class LaunchScreen(Screen):
             self._devices_ready = True
             self.cpu_ranks = message.cpus
             self._setting = True
+            yours = self._yours()
             for g in self.gpus:
-                sel.add_option(Selection(_gpu_prompt(g), str(g["index"]), True))
-            sel.add_option(Selection(_cpu_prompt(self.cpu_ranks), CPU, not self.gpus))
+                mine = str(g["index"]) in yours
+                sel.add_option(Selection(_gpu_prompt(g), str(g["index"]), mine, disabled=not mine))
+            sel.add_option(Selection(_cpu_prompt(self.cpu_ranks), CPU, not yours))
             self._setting = False
             if self.preview is not None and not self.devices_touched:
                 self._apply_profile_devices(self.preview.devices)
@@ -326,10 +332,14 @@ class LaunchScreen(Screen):
                 self.cpu_ranks = parsed.nproc
                 self._cpu_prompt_refresh()
         elif parsed.kind == "cuda":
-            wanted = {str(i) for i in parsed.indices}
+            wanted = {str(i) for i in parsed.indices} & self._yours()
         else:
-            wanted = {str(g["index"]) for g in self.gpus} or {CPU}
+            wanted = self._yours() or {CPU}
         self._set_selection(wanted)
+
+    def _yours(self) -> set[str]:
+        """The listed GPUs the environment grants (the only ones a launch may pick)."""
+        return {str(g["index"]) for g in self.gpus if g.get("yours", True)}
 
     def _set_selection(self, wanted: set[str]) -> None:
         sel = self.query_one("#device-list", SelectionList)
@@ -401,11 +411,13 @@ class LaunchScreen(Screen):
             disabled.add("fp16")
             notes.append("fp16 needs a GPU (its GradScaler is CUDA-only)")
         else:
+            from ...devices import bf16_native
+
             by_index = {g["index"]: g for g in self.gpus}
             old = []
             for i in map(int, spec.split(",")):
                 cc = (by_index.get(i) or {}).get("compute_capability")
-                if cc and tuple(cc) < (8, 0):
+                if cc and not bf16_native(cc):
                     old.append(f"GPU {i} is {cc[0]}.{cc[1]}")
             if old:
                 disabled.add("bf16")
