@@ -56,7 +56,9 @@ class DataConfig:
     pin_memory: bool = opt(True, "page-locked host batches (CUDA only)")
     prefetch_factor: int = opt(2, "batches each worker loads ahead (num_workers > 0)", min=1)
     persistent_workers: bool = opt(True, "keep DataLoader workers between epochs")
-    seed: int = opt(0, "shuffling seed; each epoch reshuffles from it")
+    seed: int = opt(
+        0, "shuffling seed (each epoch reshuffles from it); seeds workers' draws per batch"
+    )
 
 
 @dataclass
