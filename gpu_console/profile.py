@@ -56,7 +56,9 @@ class DataConfig:
     pin_memory: bool = opt(True, "page-locked host batches (CUDA only)")
     prefetch_factor: int = opt(2, "batches each worker loads ahead (num_workers > 0)", min=1)
     persistent_workers: bool = opt(True, "keep DataLoader workers between epochs")
-    seed: int = opt(0, "shuffling seed; each epoch reshuffles from it")
+    seed: int = opt(
+        0, "shuffling seed (each epoch reshuffles from it); seeds workers' draws per batch"
+    )
 
 
 @dataclass
@@ -64,6 +66,11 @@ class TrainConfig:
     max_steps: int = opt(300, "optimizer steps in the whole run", min=1)
     lr: float = opt(1e-3, "peak learning rate (before lr_scaling)", gt=0.0)
     weight_decay: float = opt(0.01, "AdamW weight decay", min=0.0)
+    weight_decay_params: Literal["matrices", "all"] = opt(
+        "matrices",
+        "what decays: matrices (>= 2-D weights; no bias, norm, embedding or the model's "
+        "no_weight_decay()) or all",
+    )
     optimizer_impl: Literal["auto", "fused", "foreach", "for-loop"] = opt(
         "auto",
         "AdamW kernel: auto (fused where torch has one for the device), fused, foreach, for-loop",

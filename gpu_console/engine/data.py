@@ -3,15 +3,25 @@
 The position in the data is (epoch, batches consumed in that epoch): each epoch's order is
 a permutation drawn from ``data.seed + epoch``, so a resumed run rebuilds the exact same
 order and skips what it had consumed, with no generator state to carry.
+
+Random draws in the dataset (augmentations): with ``data.num_workers = 0`` they come from
+the rank's own RNG stream, which checkpoints carry. In worker processes, the global RNGs
+(torch, random, numpy) are seeded before each batch from (data.seed, rank, epoch, batch in
+the epoch): every rank draws differently, and a batch's draws do not depend on which worker
+fetches it or on when the iterator started, so a resumed run draws, batch for batch, what
+the uninterrupted run drew (same world size and batch size; the worker count may differ).
 """
 
 from __future__ import annotations
 
+import hashlib
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from ..profile import DataConfig
 from ..tasks.base import TensorSet, batch_collate
@@ -60,6 +70,75 @@ class ShardSampler(Sampler[int]):
         return max(0, mine - self.start_batch * self.batch_size)
 
 
+class KeyedBatch(NamedTuple):
+    """A batch's indices with where it is in the data, for the worker that fetches it."""
+
+    key: tuple
+    indices: list[int]
+
+
+def batch_seed(seed: int, rank: int, key: tuple) -> int:
+    """A 64-bit seed of (data.seed, rank, where the batch is), the same in every process."""
+    digest = hashlib.blake2b(repr((seed, rank, *key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def seed_worker_rngs(seed: int) -> None:
+    """About 40 µs: ``torch.manual_seed`` would take 0.4 ms seeding every backend's
+    generator, and a worker draws from the CPU's alone (CUDA is no use in a forked worker)."""
+    random.seed(seed)
+    torch.default_generator.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed % 2**32)
+
+
+class KeyedBatchSampler:
+    """The sampler's indices in batches, each keyed by (epoch, batch) (eval: its batch)."""
+
+    def __init__(self, sampler: ShardSampler, batch_size: int, drop_last: bool):
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+
+    def __iter__(self) -> Iterator[KeyedBatch]:
+        s = self.sampler
+        where = ("train", s.epoch) if s.shuffle else ("eval",)
+        n, batch = s.start_batch, []
+        for i in s:
+            batch.append(i)
+            if len(batch) == self.batch_size:
+                yield KeyedBatch((*where, n), batch)
+                n, batch = n + 1, []
+        if batch and not self.drop_last:
+            yield KeyedBatch((*where, n), batch)
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+
+class SeededFetch:
+    """The task's dataset, fetched a batch at a time; in a worker, the RNGs seeded per batch."""
+
+    def __init__(self, dataset: Dataset, seed: int, rank: int):
+        self.dataset, self.seed, self.rank = dataset, seed, rank
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> Any:
+        return self.dataset[i]
+
+    def __getitems__(self, batch: KeyedBatch | list[int]) -> Any:
+        if isinstance(batch, KeyedBatch):
+            if get_worker_info() is not None:  # the main process's RNGs are the rank's own
+                seed_worker_rngs(batch_seed(self.seed, self.rank, batch.key))
+            batch = batch.indices
+        getitems = getattr(self.dataset, "__getitems__", None)
+        return getitems(batch) if getitems else [self.dataset[i] for i in batch]
+
+
 def make_loader(
     dataset: Dataset, cfg: DataConfig, rank: int, world: int, train: bool, cuda: bool
 ) -> DataLoader:
@@ -71,10 +150,8 @@ def make_loader(
         )
     workers = cfg.num_workers
     return DataLoader(
-        dataset,
-        batch_size=cfg.batch_size,
-        sampler=sampler,
-        drop_last=train,
+        SeededFetch(dataset, cfg.seed, rank),  # type: ignore[arg-type]
+        batch_sampler=KeyedBatchSampler(sampler, cfg.batch_size, drop_last=train),
         collate_fn=batch_collate if isinstance(dataset, TensorSet) else None,
         num_workers=workers,
         pin_memory=cfg.pin_memory and cuda,
@@ -91,7 +168,7 @@ class Batches:
 
     def __init__(self, loader: DataLoader, position: DataPosition):
         self.loader = loader
-        self.sampler: ShardSampler = loader.sampler  # type: ignore[assignment]
+        self.sampler: ShardSampler = loader.batch_sampler.sampler  # type: ignore[union-attr]
         self.position = position
         self._it: Iterator | None = None
 

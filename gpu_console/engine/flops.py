@@ -54,7 +54,8 @@ class _NotHere(Exception):
 def sample_batch(loader: DataLoader) -> Any:
     """A training batch read from the loader's dataset directly (the loader is untouched)."""
     ds = loader.dataset
-    n = min(loader.batch_size or 1, len(ds))  # type: ignore[arg-type]
+    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", 1)
+    n = min(size, len(ds))  # type: ignore[arg-type]
     indices = list(range(n))
     getitems = getattr(ds, "__getitems__", None)
     items = getitems(indices) if getitems else [ds[i] for i in indices]

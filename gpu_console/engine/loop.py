@@ -183,9 +183,10 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
     torch.manual_seed(p.train.seed)  # identical init on every rank
     model = task.build_model().to(d.device)
     lr = scaled_lr(p.train.lr, d.world_size, p.distributed.lr_scaling)
-    optimizer = optim.build(
-        model.parameters(), lr, p.train.weight_decay, p.train.optimizer_impl, d.device.type
+    groups, decay = optim.groups(
+        task, model, p.train, lambda x: scaled_lr(x, d.world_size, p.distributed.lr_scaling)
     )
+    optimizer = optim.build(groups, lr, p.train.weight_decay, p.train.optimizer_impl, d.device.type)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, p.train))
     scaler = precision.make_scaler(prec, d.device.type)
 
@@ -204,7 +205,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
     if resume is not None:
         state = checkpoint.load(resume)
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        optim.load_state(optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
@@ -293,6 +294,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
         global_batch=p.data.batch_size * p.train.grad_accum * d.world_size,
         lr=lr,
         optimizer=f"AdamW ({optim.resolve_impl(p.train.optimizer_impl, d.device.type)})",
+        weight_decay=decay.fields(),
         ddp=_ddp_settings(ddp),
         # How gradients are summed: what a CPU run's speed depends on most.
         reduce="shared memory" if shared else f"{d.backend} ({why_not})",

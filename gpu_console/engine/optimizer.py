@@ -5,13 +5,31 @@ a Python loop over parameters, which for a small model costs more than the step'
 pass. ``train.optimizer_impl = "auto"`` uses the fused kernel (all parameters in one
 kernel) on CPU and CUDA alike, where this torch has it, else foreach. All implementations
 compute the same update up to float rounding; each is deterministic.
+
+Which parameters decay (``train.weight_decay_params``): ``matrices``, the convention of
+nanoGPT and timm, decays the weight matrices of layers that multiply (≥ 2 dimensions) and
+leaves biases, norm weights, embeddings and what the model names in its ``no_weight_decay()``
+(timm's convention; the built-in transformer names its positional parameter) undecayed:
+decaying them pulls scales and lookup rows towards zero without regularising anything.
+``all`` decays every parameter. A task with a ``param_groups(model)`` method decides itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
+
+# Modules whose parameters never decay under "matrices", whatever their shape.
+_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+_NORMS = tuple(
+    getattr(nn, name)
+    for name in ("LayerNorm", "GroupNorm", "RMSNorm", "LocalResponseNorm")
+    if hasattr(nn, name)
+) + (nn.modules.batchnorm._NormBase,)  # BatchNorm*, SyncBatchNorm, InstanceNorm*
 
 
 def resolve_impl(requested: str, device_type: str) -> str:
@@ -32,8 +50,127 @@ def adamw_kwargs(impl: str) -> dict[str, bool]:
     return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
 
 
+class ParamGroupError(ValueError):
+    """A task's ``param_groups`` that the optimizer cannot take; the message says why."""
+
+
+def no_decay_names(model: nn.Module) -> set[str]:
+    """Parameter names that do not decay under ``matrices``.
+
+    A module's ``no_weight_decay()`` names parameters relative to itself (timm's models
+    define it at the top, so the names are the model's own).
+    """
+    names: set[str] = set()
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        keep = isinstance(module, _EMBEDDINGS + _NORMS)
+        for name, q in module.named_parameters(recurse=False):
+            if keep or q.ndim < 2:
+                names.add(dot + name)
+        if callable(getattr(module, "no_weight_decay", None)):
+            names.update(dot + name for name in module.no_weight_decay())
+    return names
+
+
+def default_groups(model: nn.Module, weight_decay: float, which: str) -> list[dict[str, Any]]:
+    """The trainable parameters in a decayed and a not-decayed group (``which = "all"``: one)."""
+    named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    if which == "all":
+        return [{"params": [q for _, q in named], "weight_decay": weight_decay}]
+    skip = no_decay_names(model)
+    decay = [q for n, q in named if n not in skip]
+    rest = [q for n, q in named if n in skip]
+    return [
+        g
+        for g in (
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": rest, "weight_decay": 0.0},
+        )
+        if g["params"]
+    ]
+
+
+def task_groups(task: Any, model: nn.Module, scale_lr) -> list[dict[str, Any]] | None:
+    """The task's own groups, checked; a group's ``lr`` is scaled like ``train.lr``."""
+    hook = getattr(task, "param_groups", None)
+    if hook is None:
+        return None
+    groups = []
+    for i, group in enumerate(hook(model)):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ParamGroupError(
+                f"task.param_groups: group {i} must be a dict with 'params' (got {group!r:.80})"
+            )
+        group = dict(group, params=list(group["params"]))
+        if "lr" in group:
+            group["lr"] = scale_lr(float(group["lr"]))
+        groups.append(group)
+    grouped = {id(q) for g in groups for q in g["params"]}
+    missing = [n for n, q in model.named_parameters() if q.requires_grad and id(q) not in grouped]
+    if missing:
+        raise ParamGroupError(
+            f"task.param_groups: {len(missing)} trainable parameters are in no group "
+            f"(first: {missing[0]!r}); set requires_grad = False on those the model freezes"
+        )
+    return groups
+
+
+@dataclass
+class DecaySplit:
+    """How many parameters decay: shown in the start event."""
+
+    source: str  # "matrices", "all" or "task"
+    decayed_tensors: int = 0
+    decayed_params: int = 0
+    other_tensors: int = 0
+    other_params: int = 0
+
+    @classmethod
+    def of(cls, source: str, groups: list[dict[str, Any]], default_wd: float) -> DecaySplit:
+        split = cls(source)
+        for g in groups:
+            decays = g.get("weight_decay", default_wd) > 0
+            n, size = len(g["params"]), sum(q.numel() for q in g["params"])
+            if decays:
+                split.decayed_tensors += n
+                split.decayed_params += size
+            else:
+                split.other_tensors += n
+                split.other_params += size
+        return split
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "decayed": {"tensors": self.decayed_tensors, "params": self.decayed_params},
+            "not_decayed": {"tensors": self.other_tensors, "params": self.other_params},
+        }
+
+
+def groups(task: Any, model: nn.Module, train, scale_lr) -> tuple[list[dict], DecaySplit]:
+    """The optimizer's parameter groups: the task's own, else by ``train.weight_decay_params``."""
+    own = task_groups(task, model, scale_lr)
+    source = "task" if own is not None else train.weight_decay_params
+    chosen = own if own is not None else default_groups(model, train.weight_decay, source)
+    return chosen, DecaySplit.of(source, chosen, train.weight_decay)
+
+
+def load_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """The checkpoint's optimizer state, or why its groups do not fit this run's."""
+    theirs = [len(g["params"]) for g in state["param_groups"]]
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    if theirs != ours:
+        raise ParamGroupError(
+            f"the checkpoint's optimizer has parameter groups of {theirs} tensors, this run's "
+            f"{ours}: train.weight_decay_params or the task's param_groups differ from the "
+            "run that wrote it (a checkpoint from before the decay groups has one group: "
+            'resume it with --set train.weight_decay_params="all")'
+        )
+    optimizer.load_state_dict(state)
+
+
 def build(
-    params: Iterable[torch.nn.Parameter],
+    params: Iterable[torch.nn.Parameter] | list[dict[str, Any]],
     lr: float,
     weight_decay: float,
     impl: str,

@@ -44,6 +44,10 @@ class Encoder(nn.Module):
         self.ln = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, c.num_classes)
 
+    def no_weight_decay(self) -> set[str]:
+        """The positional table is a lookup, like the token embedding: it does not decay."""
+        return {"pos"}
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok(tokens) + self.pos[: tokens.shape[1]]
         for block in self.blocks:
