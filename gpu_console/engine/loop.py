@@ -41,7 +41,7 @@ import torch.distributed as dist
 from ..profile import Profile
 from ..runs import latest_checkpoint
 from ..tasks.base import Task
-from . import checkpoint, flops, precision, signals
+from . import checkpoint, determinism, flops, precision, signals
 from . import distributed as distmod
 from . import optimizer as optim
 from .control import Control
@@ -108,6 +108,7 @@ def train(
 ):
     p = profile
     signals.install()  # already done by __main__ before torch loaded; harmless again
+    determinism.setup(p.train.deterministic)  # before anything touches CUDA
     d = distmod.init(p.distributed, p.hardware, device_type)
     out = Reporter(run_dir, d.local_rank == 0)
     beat = heartbeat or _NullHeartbeat()
@@ -297,6 +298,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
         # How gradients are summed: what a CPU run's speed depends on most.
         reduce="shared memory" if shared else f"{d.backend} ({why_not})",
         threads=torch.get_num_threads(),
+        deterministic=determinism.in_effect(p.train.deterministic),
         versions={"torch": torch.__version__, "cuda": torch.version.cuda},
         **mfu.start_fields(),
     )
