@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_overhead.py [--devices 0] [--rounds 3] [--steps 300] [--json PATH]
     python benchmarks/gpu_overhead.py --smoke      # CPU, tiny model: checks the script only
+    python benchmarks/gpu_overhead.py --deterministic   # the cost of train.deterministic
 
 One invocation runs, alternately and ``--rounds`` times each (engine, plain, engine, ...):
 
@@ -22,6 +23,10 @@ log step's sync; the plain loop from ``perf_counter`` after ``torch.cuda.synchro
 Printed: per round the steps/s of both and their ratio (engine / plain); the median and
 range of the ratios (target >= 0.99); the MFU of both (the task's FLOPs per sample × samples/s
 over the GPUs' dense bf16 peak, gpu_console/peaks.py) and the engine's own reported MFU.
+
+``--deterministic``: the engine runs with ``train.deterministic = true`` (deterministic kernels,
+no TF32, no cuDNN autotuning), the plain loop as before with the profile's defaults: the ratio
+is then what determinism costs (times the engine's own overhead, measured without the flag).
 
 ``--smoke`` (= ``--devices cpu:2 --small --steps 40 --rounds 1``) runs the same code on CPU
 with a tiny encoder in fp32, to check the script where there is no GPU; its ratio means
@@ -75,7 +80,7 @@ class Setup:
     env: dict[str, str]  # the plain loop's (the GPUs the engine gets, as CUDA_VISIBLE_DEVICES)
 
 
-def make_setup(devices: str, steps: int, small: bool) -> Setup:
+def make_setup(devices: str, steps: int, small: bool, deterministic: bool = False) -> Setup:
     """Resolve the profile once; both sides get the same values from it."""
     from gpu_console.engine.optimizer import resolve_impl
     from gpu_console.profile import load_profile
@@ -143,7 +148,8 @@ def make_setup(devices: str, steps: int, small: bool) -> Setup:
         warm,
         p.data.batch_size * nproc,
         TransformerTask(p.task).flops_per_sample(),
-        sets,
+        # The plain loop keeps the profile's defaults (TF32, autotuning): the baseline.
+        sets + (["train.deterministic=true"] if deterministic else []),
         plain_args,
         env,
     )
@@ -218,6 +224,11 @@ def main() -> int:
         action="store_true",
         help="--devices cpu:2 --small --steps 40 --rounds 1: checks the script without a GPU",
     )
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="the engine with train.deterministic = true against the default plain loop",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args()
     if a.smoke:
@@ -225,9 +236,11 @@ def main() -> int:
 
     import torch
 
-    s = make_setup(a.devices, a.steps, a.small)
+    s = make_setup(a.devices, a.steps, a.small, a.deterministic)
     print(
-        f"gpu_overhead: {'small encoder' if a.small else 'encoder110m'}, --devices "
+        f"gpu_overhead: {'small encoder' if a.small else 'encoder110m'}, "
+        + ("engine deterministic, " if a.deterministic else "")
+        + f"--devices "
         f"{s.devices}, {s.precision}, {a.steps} steps (timed after step {s.warm}), "
         f"{a.rounds} rounds; torch {torch.__version__}",
         flush=True,
@@ -271,8 +284,12 @@ def main() -> int:
     print(f"engine steps/s  {fmt_spread(eng, '7.2f')}   MFU {pct(mfu(eng['median']))}")
     print(f"plain  steps/s  {fmt_spread(pla, '7.2f')}   MFU {pct(mfu(pla['median']))}")
     print(
-        f"ratio (engine / plain, per round) {fmt_spread(ratios, '5.3f')} over {a.rounds} "
-        f"rounds; target {TARGET}: {'met' if ok else 'NOT met'}"
+        f"ratio (engine / plain, per round) {fmt_spread(ratios, '5.3f')} over {a.rounds} rounds"
+        + (
+            " (engine deterministic: what determinism costs; no target)"
+            if a.deterministic
+            else f"; target {TARGET}: {'met' if ok else 'NOT met'}"
+        )
         + ("" if s.cuda else " (CPU: says nothing about GPUs)")
     )
     print(f"benchmark time {bench_s:.0f} s")
@@ -281,6 +298,7 @@ def main() -> int:
             "devices": s.devices,
             "where": where,
             "small": a.small,
+            "deterministic": a.deterministic,
             "precision": s.precision,
             "steps": a.steps,
             "timed_from_step": s.warm,

@@ -394,9 +394,10 @@ def summary_table(st: RunState, run_dir: Path) -> Table:
 
 def gpu_rows(st: RunState) -> list[tuple[str, str]]:
     """One row per GPU of the run, from its telemetry; none on a run without GPUs."""
-    from .telemetry.figures import describe, title
+    from .telemetry.figures import describe, several_nodes, title
 
-    return [(title(g), describe(g)) for g in st.gpus]
+    marked = several_nodes(st.gpus)
+    return [(title(g, marked), describe(g)) for g in st.gpus]
 
 
 def exit_code(st: RunState, interrupted: bool) -> int:

@@ -94,6 +94,11 @@ class TrainConfig:
         "stop",
         "non-finite gradient: stop (checkpoint last finite state), skip the update, or ignore",
     )
+    deterministic: bool = opt(
+        False,
+        "reproducible GPU runs: deterministic kernels, CUBLAS_WORKSPACE_CONFIG, no cuDNN "
+        "autotuning, no TF32 (slower; README: Reproducibility)",
+    )
 
 
 @dataclass
@@ -273,6 +278,7 @@ def resolve(
     elif isinstance(kind, str) and is_import_path(kind) and task_config is None:
         task_cfg = task_table  # validated later against the user's class
 
+    errors += _determinism_conflicts(built, data.get("hardware"))
     if errors:
         raise ProfileError([_blame(e, source, overridden) for e in errors])
     profile = Profile(task_kind=kind, task=task_cfg, **built)
@@ -284,6 +290,30 @@ def resolve(
             ]
         )
     return profile
+
+
+# What ``train.deterministic`` turns off: each is a source of run-to-run differences on GPUs.
+NOT_DETERMINISTIC = {
+    "cudnn_benchmark": "cuDNN's autotuning may pick a different kernel each run",
+    "tf32": "TF32 matmuls are not what deterministic mode promises",
+}
+
+
+def _determinism_conflicts(built: dict[str, Any], hardware: Any) -> list[str]:
+    """``train.deterministic`` turns off what works against it; naming one of those as true
+    in the profile or a ``--set`` is a contradiction, reported like any bad key."""
+    train, hw = built.get("train"), built.get("hardware")
+    if train is None or hw is None or not train.deterministic:
+        return []
+    given = hardware if isinstance(hardware, dict) else {}
+    errors = []
+    for key, why in NOT_DETERMINISTIC.items():
+        if given.get(key) is True:
+            errors.append(
+                f"hardware.{key}: must be false with train.deterministic = true ({why}) (got true)"
+            )
+        setattr(hw, key, False)  # a default gives way: run.toml says what the run does
+    return errors
 
 
 def _blame(problem: str, source: str, overridden: set[str] | frozenset[str]) -> str:

@@ -99,6 +99,24 @@ def create_run_dir(runs_dir: Path, name: str) -> Path:
     raise RunDirError(f"{runs_dir}: too many runs named {base}")
 
 
+NODES = "nodes.json"
+
+
+def write_nodes(run_dir: Path, nodes: list[dict[str, Any]]) -> None:
+    """A multi-node run's nodes (``node``, ``host``, ``run_dir``, ``rank``), each node's own
+    copy written by its first rank: how a reader finds the other nodes' run directories."""
+    atomic_write_json(Path(run_dir) / NODES, {"nodes": nodes})
+
+
+def read_nodes(run_dir: Path) -> list[dict[str, Any]]:
+    """The nodes of the run, [] for a single machine (or an unreadable file)."""
+    data = read_json(Path(run_dir) / NODES)
+    nodes = data.get("nodes") if isinstance(data, dict) else None
+    if not isinstance(nodes, list):
+        return []
+    return [n for n in nodes if isinstance(n, dict) and isinstance(n.get("run_dir"), str)]
+
+
 def read_status(run_dir: Path) -> dict[str, Any]:
     status = read_json(Path(run_dir) / STATUS)
     return status if isinstance(status, dict) else {}

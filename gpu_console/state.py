@@ -343,18 +343,34 @@ class TelemetryFold:
     everything before it, including the samples it took but did not write (the file thins
     out over a long run): it replaces what the lines before it gave, so an ended run's
     figures are exact. Samples after it (a run continued in the same directory) add on.
+
+    A run on several nodes has a run directory, and a recorder, per node; ``nodes.json``
+    (written by each node's first rank) names them all. With ``nodes`` (every reader but the
+    recorder, which folds its own file only), the other nodes' files are folded too, where
+    this machine can read them (a shared file system), and every GPU says its ``host`` and
+    ``node``. Another node's directory counts only if its ``nodes.json`` is this one's: a
+    same-named directory on an unshared disk is not the run's.
     """
 
-    def __init__(self, run_dir: Path | None = None):
-        self.tail = JsonlTail(Path(run_dir) / TELEMETRY_FILE) if run_dir is not None else None
+    def __init__(self, run_dir: Path | None = None, nodes: bool = True):
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.tail = JsonlTail(self.run_dir / TELEMETRY_FILE) if self.run_dir is not None else None
         self.done: dict[str, GpuFigures] = {}  # from summary lines
         self.current: dict[str, GpuFigures] = {}  # samples since the last summary
         self.nvml: dict[str, Any] = {}
         self.samples = 0
+        self.follow_nodes = nodes and self.run_dir is not None
+        self.place: dict[str, Any] = {}  # this directory's node and host
+        self.others: list[tuple[dict[str, Any], TelemetryFold]] = []
+        self._nodes_seen: list[dict[str, Any]] | None = None
+        self._launch_host: tuple[str | None] | None = None
 
     def skip_to_summary(self) -> bool:
         """Where the file ends with a summary line (an ended run), take it and skip the
         samples before it: no need to parse a long run's file to show its figures."""
+        self._find_nodes()
+        for _, other in self.others:
+            other.skip_to_summary()
         if self.tail is None or self.tail.offset:
             return False
         try:
@@ -372,11 +388,41 @@ class TelemetryFold:
         return True
 
     def poll(self) -> bool:
-        """Fold what is new in the file; True if anything was."""
+        """Fold what is new in the file (and the other nodes'); True if anything was."""
+        got = self._find_nodes()
         lines = self.tail.read() if self.tail is not None else []
         for line in lines:
             self.apply(line)
-        return bool(lines)
+        for _, other in self.others:
+            got |= other.poll()
+        return bool(lines) or got
+
+    def _find_nodes(self) -> bool:
+        """Read nodes.json (once it is written, and again if a new session rewrote it)."""
+        if not self.follow_nodes:
+            return False
+        from .runs import read_nodes
+
+        try:
+            nodes = read_nodes(self.run_dir)
+        except OSError:
+            return False
+        if not nodes or nodes == self._nodes_seen:
+            return False
+        self._nodes_seen = nodes
+        here = str(self.run_dir.resolve())
+        self.place = next((n for n in nodes if n["run_dir"] == here), {})
+        self.others = []
+        for n in nodes:
+            if n["run_dir"] == here:
+                continue
+            try:
+                theirs = read_nodes(Path(n["run_dir"]))
+            except OSError:
+                continue
+            if theirs == nodes:  # the same run, seen through a shared file system
+                self.others.append((n, TelemetryFold(Path(n["run_dir"]), nodes=False)))
+        return True
 
     def apply(self, line: dict[str, Any]) -> None:
         kind = line.get("kind")
@@ -400,6 +446,7 @@ class TelemetryFold:
             fig.add(float(t), g)
 
     def figures(self) -> list[GpuFigures]:
+        """This file's GPUs (not the other nodes')."""
         out = dict(self.done)
         for key, g in self.current.items():
             out[key] = out[key].merge(g) if key in out else g
@@ -409,8 +456,28 @@ class TelemetryFold:
         )
 
     def gpus(self) -> list[dict[str, Any]]:
-        """Per GPU of the run, as ``ls --json`` and summaries show it ([] without GPUs)."""
-        return [g.to_json() for g in self.figures()]
+        """Per GPU of the run, as ``ls --json`` and summaries show it ([] without GPUs); on
+        several nodes every node's GPUs (that this machine can read), each with its ``host``
+        and ``node``, ordered by node."""
+        if not self.follow_nodes:
+            return [g.to_json() for g in self.figures()]
+        here = self.place or {"node": 0, "host": self._host()}
+        out = [self._marked(g, here) for g in self.figures()]
+        for node, other in self.others:
+            out += [self._marked(g, node) for g in other.figures()]
+        return sorted(out, key=lambda g: g["node"] if isinstance(g["node"], int) else 0)
+
+    @staticmethod
+    def _marked(g: GpuFigures, node: dict[str, Any]) -> dict[str, Any]:
+        return {**g.to_json(), "host": node.get("host"), "node": node.get("node")}
+
+    def _host(self) -> str | None:
+        """A single machine's host: where the run was launched (meta.json), read once."""
+        if self._launch_host is None:
+            meta = read_json(self.run_dir / "meta.json") if self.run_dir is not None else None
+            host = current_session(meta).get("host") if isinstance(meta, dict) else None
+            self._launch_host = (host if isinstance(host, str) else None,)
+        return self._launch_host[0]
 
 
 def _gpu_key(g: dict[str, Any]) -> str:

@@ -6,6 +6,9 @@ looks like CI), or N plain GPUs where ``GPU_CONSOLE_TEST_GPUS=N`` rehearses a GP
 
 ``two_gpus``: for runs through the real CLI on CPU ranks.
 
+``node_gpus``: ``two_gpus`` as another machine's: UUIDs of its own, from
+``FAKE_NVML_MACHINE=N`` (two "nodes" on this one machine would otherwise share them).
+
 Two GPUs, each "held" by the rank whose LOCAL_RANK is its index among the engine processes
 under the calling process (the supervisor), as a driver lists a rank's CUDA context. Their
 readings are what the tests check the figures against: utilisation is constant, memory and
@@ -98,3 +101,11 @@ def machine() -> FakeNvml:
 def two_gpus() -> RunGpus:
     assert real.NVMLError  # the real error classes, as FakeNvml raises them
     return RunGpus()
+
+
+def node_gpus() -> RunGpus:
+    fake = two_gpus()
+    machine = int(os.environ.get("FAKE_NVML_MACHINE") or 0)
+    for g in fake.gpus:
+        g.uuid = f"GPU-{machine:08x}-1111-2222-3333-44445555{g.index:04x}"
+    return fake

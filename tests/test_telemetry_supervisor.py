@@ -270,14 +270,16 @@ def test_the_recorder_thins_the_file_and_its_summary_still_covers_every_tick(tmp
     assert fig["util_mean"] == pytest.approx(50, abs=0.1)
     assert fig["energy_source"] == "counter"
     assert fig["energy_wh"] == pytest.approx(ticks * 360 / 3600)  # 360 J a second
-    # A reader takes the summary as is: read in full, or only the summary (an ended run).
-    assert gpu_figures(tmp_path) == lines[-1]["gpus"]
+    # A reader takes the summary as is: read in full, or only the summary (an ended run),
+    # each GPU marked with its node (one machine: node 0; no meta.json here: no host).
+    summary = [{**g, "host": None, "node": 0} for g in lines[-1]["gpus"]]
+    assert gpu_figures(tmp_path) == summary
     fold = TelemetryFold(tmp_path)
     fold.poll()
-    assert fold.gpus() == lines[-1]["gpus"]
+    assert fold.gpus() == summary
     quick = TelemetryFold(tmp_path)
     assert quick.skip_to_summary() and quick.samples == 0  # no sample line parsed
-    assert quick.gpus() == lines[-1]["gpus"] and not quick.poll()
+    assert quick.gpus() == summary and not quick.poll()
     assert not TelemetryFold(tmp_path / "nowhere").skip_to_summary()
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -72,6 +74,22 @@ def init(cfg: DistributedConfig, hw: HardwareConfig, device_type: str) -> Dist:
     kwargs = {"device_id": device} if device_type == "cuda" else {}
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.collective_timeout_s), **kwargs)
     return Dist(rank, world, local_rank, local_world, device, backend)
+
+
+def nodes_of_run(run_dir: Path, d: Dist) -> list[dict]:
+    """Collective. Every node's place in the run, from each node's first rank: its node
+    (torchrun's group rank), host, run directory and global rank, ordered by node."""
+    mine = None
+    if d.local_rank == 0:
+        mine = {
+            "node": int(os.environ.get("GROUP_RANK", 0)),
+            "host": socket.gethostname(),
+            "run_dir": str(Path(run_dir).resolve()),
+            "rank": d.rank,
+        }
+    every: list[dict | None] = [None] * d.world_size
+    dist.all_gather_object(every, mine)
+    return sorted((p for p in every if p), key=lambda p: p["node"])
 
 
 def ddp_kwargs(cfg: DistributedConfig) -> dict:

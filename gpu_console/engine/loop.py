@@ -29,7 +29,6 @@ import contextlib
 import math
 import os
 import random
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 from ..profile import Profile
-from ..runs import latest_checkpoint
+from ..runs import latest_checkpoint, write_nodes
 from ..tasks.base import Task
-from . import checkpoint, flops, precision, signals
+from . import checkpoint, determinism, flops, precision, signals
 from . import distributed as distmod
 from . import optimizer as optim
 from .control import Control
@@ -108,6 +107,7 @@ def train(
 ):
     p = profile
     signals.install()  # already done by __main__ before torch loaded; harmless again
+    determinism.setup(p.train.deterministic)  # before anything touches CUDA
     d = distmod.init(p.distributed, p.hardware, device_type)
     out = Reporter(run_dir, d.local_rank == 0)
     beat = heartbeat or _NullHeartbeat()
@@ -164,19 +164,18 @@ def resume_point(run_dir: Path, requested: Path | None, restart: int, d) -> Path
     return path
 
 
-def where_rank_0_is(run_dir: Path, d) -> dict[str, str]:
-    """Rank 0's host and run directory: where the checkpoints are, told to every node."""
-    here: list[dict[str, str] | None] = [None]
-    if d.is_main:
-        here[0] = {"host": socket.gethostname(), "run_dir": str(Path(run_dir).resolve())}
-    dist.broadcast_object_list(here, src=0)
-    return here[0] or {}
-
-
 def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat, restart: int):
     out.status("starting")
     resume = resume_point(run_dir, resume, restart, d)
-    rank_0 = where_rank_0_is(run_dir, d) if d.world_size > d.local_world_size else None
+    # Several nodes: where each one's run directory is. Rank 0's holds the checkpoints; every
+    # node's console reads the others' telemetry through nodes.json (a shared file system).
+    nodes = distmod.nodes_of_run(run_dir, d) if d.world_size > d.local_world_size else []
+    rank_0 = next(
+        ({"host": n["host"], "run_dir": n["run_dir"]} for n in nodes if n["rank"] == 0), None
+    )
+    if nodes and out.active:
+        with contextlib.suppress(OSError):  # only the other nodes' telemetry depends on it
+            write_nodes(run_dir, nodes)
     prec = precision.resolve(p.train.precision, d.device.type, distmod.cuda_capability())
 
     # -- model, optimizer, schedule ---------------------------------------------------------
@@ -299,6 +298,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
         # How gradients are summed: what a CPU run's speed depends on most.
         reduce="shared memory" if shared else f"{d.backend} ({why_not})",
         threads=torch.get_num_threads(),
+        deterministic=determinism.in_effect(p.train.deterministic),
         versions={"torch": torch.__version__, "cuda": torch.version.cuda},
         **mfu.start_fields(),
     )

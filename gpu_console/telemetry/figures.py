@@ -33,6 +33,16 @@ def describe(fig: dict[str, Any], name: bool = True, short: bool = False) -> str
     return f"{fig.get('name') or 'GPU'}: {text}" if name else text
 
 
-def title(fig: dict[str, Any]) -> str:
+def title(fig: dict[str, Any], nodes: bool = False) -> str:
+    """``GPU 0``; with ``nodes`` (a run whose GPUs span several nodes) ``GPU 0, node 1 (host)``."""
     index = fig.get("index")
-    return f"GPU {index}" if index is not None else f"GPU {fig.get('uuid')}"
+    name = f"GPU {index}" if index is not None else f"GPU {fig.get('uuid')}"
+    if nodes and fig.get("node") is not None:
+        host = fig.get("host")
+        name += f", node {fig['node']}" + (f" ({host})" if host else "")
+    return name
+
+
+def several_nodes(figs: Any) -> bool:
+    """Whether a run's GPUs (``TelemetryFold.gpus()``) come from more than one node."""
+    return len({(g.get("node"), g.get("host")) for g in figs}) > 1

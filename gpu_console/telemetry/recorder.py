@@ -176,7 +176,7 @@ class Recorder:
 
         # What the file holds already (a run continued in its directory): the fold and the
         # thinning go on from it, so the summary covers the whole run and the bound holds.
-        self.fold = TelemetryFold(self.run_dir)
+        self.fold = TelemetryFold(self.run_dir, nodes=False)  # this node's file: its own
         self.fold.poll()
         self.thinning = Thinning(self.level_lines, self.fold.samples)
         if self._take is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from ...telemetry.figures import describe, title
+from ...telemetry.figures import describe, several_nodes, title
 from ..devices import DeviceCard, DeviceView
 from .panel import TextPanel
 from .text import bar, human_bytes, spark
@@ -108,16 +108,17 @@ def devices_text(view: DeviceView, width: int) -> Text:
             out.append_text(cpu_card(card, width))
     if not view.cards:
         out.append("\nno ranks yet", style="dim")
+    marked = several_nodes(view.gpus)  # another node's GPUs: named with their node and host
     for fig in figures.values():  # GPUs of the run without a card of their own
         out.append("\n")
-        out.append_text(figures_line(fig))
+        out.append_text(figures_line(fig, marked))
     return out
 
 
-def figures_line(fig: dict) -> Text:
+def figures_line(fig: dict, nodes: bool = False) -> Text:
     """What one GPU did over the run so far (the run's telemetry, folded)."""
     t = Text(no_wrap=True, overflow="ellipsis")
-    t.append(f"{title(fig)} ", style="bold")
+    t.append(f"{title(fig, nodes)} ", style="bold")
     t.append(f"{fig.get('name') or '?'}", style="bold #87afff")
     t.append(f"   run: {describe(fig, name=False, short=True)}", style="dim")
     return t
