@@ -24,6 +24,7 @@ from pathlib import Path
 from . import runs, torchrun
 from .devices import DeviceSpecError, Placement, parse_devices, place
 from .profile import Profile, ProfileError, find_profile, load_profile
+from .resume_changes import refused
 from .schema import show
 from .tasks import BUILTIN
 
@@ -371,7 +372,7 @@ def prepare(
             "fp16",
         )
     if resume_run is not None:
-        no = [c for c in resume_changes(profile, resume_run, placement.nproc) if c.cls == "refused"]
+        no = refused(resume_changes(profile, resume_run, placement.nproc))
         if no:
             more = f"; also {', '.join(c.key for c in no[1:])}" if no[1:] else ""
             first = no[0]

@@ -236,3 +236,18 @@ def test_fewer_ranks_and_a_larger_batch_continue_at_the_next_sample(procs, tmp_p
     order = torch.randperm(8192, generator=torch.Generator().manual_seed(0)).tolist()
     assert len(indices) == 480
     assert sorted(indices) == sorted(order[:480])
+
+
+def test_a_checkpoint_with_the_old_position_format_still_resumes(procs, tmp_path):
+    runs, run = _finished_run(procs, tmp_path, max_steps=4)
+    path = run / "checkpoints" / "step-00000004" / "state.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["data"] == {"epoch": 0, "samples": 4 * 32 * 2}
+    state["data"] = {"epoch": 0, "batch": 4}  # as gpu-console wrote it before: per rank
+    torch.save(state, path)
+    result = procs.cli(
+        "run", "--resume", str(run), "--headless", "--runs-dir", str(runs),
+        "--set", "train.max_steps=6", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _state(run, 6)["data"] == {"epoch": 0, "samples": 6 * 32 * 2}
