@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .events import append_control
+from .resume_changes import line as change_line
 from .state import RunFollower, RunState, describe_stopped, read_heartbeats
 
 POLL_S = 0.2
@@ -267,6 +268,8 @@ def _notable(e: dict, console: Console) -> None:
             f"started: {e.get('world_size')} × {e.get('device_type')} ranks, "
             f"{e.get('precision')}, task {e.get('task')}, {e.get('params'):,} parameters"
         )
+        for change in e.get("changes") or []:  # a resumed run's, against the run it resumes
+            say(f"  {change_line(change)}", "yellow" if change.get("class") == "warning" else None)
         if (e.get("nodes") or 1) > 1:
             where = e.get("rank_0") or {}
             say(

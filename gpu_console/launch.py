@@ -24,6 +24,7 @@ from pathlib import Path
 from . import runs, torchrun
 from .devices import DeviceSpecError, Placement, bf16_native, parse_devices, place, read_grant
 from .profile import Profile, ProfileError, find_profile, load_profile
+from .resume_changes import refused
 from .schema import show
 from .tasks import BUILTIN
 
@@ -394,7 +395,31 @@ def prepare(
         )
     if profile.train.precision == "bf16" and (why := bf16_refusal(placement)):
         raise bad("train.precision", f"{why}; use auto (fp16 there) or fp32", "bf16")
+    if resume_run is not None:
+        no = refused(resume_changes(profile, resume_run, placement.nproc))
+        if no:
+            more = f"; also {', '.join(c.key for c in no[1:])}" if no[1:] else ""
+            first = no[0]
+            raise bad(
+                first.key, f"a resumed run cannot change it (was {show(first.old)}): "
+                f"{first.why}{more}", first.new,
+            )  # fmt: skip
     return profile, placement, resume_from
+
+
+def resume_changes(profile: Profile, run: Path, world_size: int) -> list:
+    """What resuming ``run`` with ``profile`` on ``world_size`` ranks changes, each classified
+    (resume_changes.TABLE): against its run.toml and the world size of its last session."""
+    from .profile import parse_toml
+    from .resume_changes import classify
+
+    try:
+        old = parse_toml(run / "run.toml")
+    except ProfileError:
+        return []  # a run without a readable run.toml: nothing to compare with
+    meta = runs.read_json(run / "meta.json")
+    world = runs.current_session(meta).get("world_size") if isinstance(meta, dict) else None
+    return classify(old, profile.to_dict(), world if isinstance(world, int) else None, world_size)
 
 
 def start(
@@ -413,10 +438,15 @@ def start(
     """
     if resume_from is not None and nodes is None:
         return continue_run(profile, placement, resume_from.parent.parent, resume_from, argv)
+    changes = []
+    if resume_from is not None:
+        world = placement.nproc * (nodes.max_nodes if nodes else 1)
+        changes = resume_changes(profile, resume_from.parent.parent, world)
     run_dir = runs.create_run_dir(runs_dir, profile.profile.name or "run")
     try:
         runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
         session = _session(run_dir, profile, placement, resume_from, argv, nodes, os.getcwd())
+        session["changes"] = [c.as_dict() for c in changes]
         meta = {
             "id": run_dir.name,
             "command": session["command"],
@@ -518,6 +548,7 @@ def continue_run(
             "torchrun": meta.get("torchrun"),
         }]  # fmt: skip
     n = len(sessions)  # the session that ended
+    changes = resume_changes(profile, run_dir, placement.nproc)  # before run.toml is rewritten
     try:
         history = run_dir / "history"
         history.mkdir(mode=0o700, exist_ok=True)
@@ -535,6 +566,9 @@ def continue_run(
         runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
         cwd = run_cwd(run_dir) or os.getcwd()
         session = _session(run_dir, profile, placement, resume_from, argv, None, cwd)
+        # What changed against the session that ended, classified: the engine's start event
+        # carries it, and it tells the engine the batch size an old checkpoint counted in.
+        session["changes"] = [c.as_dict() for c in changes]
         meta["sessions"] = [*sessions, session]
         runs.atomic_write_json(run_dir / "meta.json", meta)
         # The new supervisor writes status.json from scratch; until it does, no reader may

@@ -276,7 +276,7 @@ def test_set_position_yields_exactly_the_tail_after_k_batches(k):
         full.set_position(2, 0)
         order = full.indices()
         s = ShardSampler(n, rank, world, bs, seed=11, shuffle=True)
-        s.set_position(2, k)
+        s.set_position(2, k * bs * world)  # samples the whole run consumed
         assert list(s) == order[k * bs :]
         assert len(s) == len(order) - k * bs
 
@@ -294,13 +294,13 @@ def test_batches_cross_epoch_boundaries_and_track_the_position():
         x, y = batches.next()
         assert torch.equal(y, x * 10)  # TensorSet rows stay together
         assert x.shape == (8,)
-        positions.append((batches.position.epoch, batches.position.batch))
+        positions.append((batches.position.epoch, batches.position.samples))
         epochs[batches.position.epoch].extend(x.tolist())
-    assert positions == [(0, b) for b in range(1, 6)] + [(1, b) for b in range(1, 6)]
+    assert positions == [(0, 8 * b) for b in range(1, 6)] + [(1, 8 * b) for b in range(1, 6)]
     assert sorted(epochs[0]) == list(range(40))
     assert sorted(epochs[1]) == list(range(40))
     assert epochs[0] != epochs[1]
-    assert batches.position.state_dict() == {"epoch": 1, "batch": 5}
+    assert batches.position.state_dict() == {"epoch": 1, "samples": 40}
 
 
 def test_batches_do_not_touch_the_global_torch_rng():

@@ -73,7 +73,7 @@ def test_deferred_stop_fails_at_the_same_step_with_the_same_checkpoint(procs, tm
     a, b = _checkpoint(now_run, 4), _checkpoint(later_run, 4)
     for key in ("model", "optimizer", "scheduler", "step", "data"):
         assert _same(a[key], b[key]), key
-    assert b["data"] == {"epoch": 0, "batch": 5} and b["scheduler"]["last_epoch"] == 4
+    assert b["data"] == {"epoch": 0, "samples": 5 * 32 * 2} and b["scheduler"]["last_epoch"] == 4
 
 
 def test_deferred_skip_skips_the_same_updates(procs, tmp_path):
@@ -109,14 +109,14 @@ def test_a_deferred_guard_gates_updates_on_the_device_and_settles_later(monkeypa
     opt = torch.optim.AdamW([w], lr=0.1, fused=True)
 
     class Position:
-        epoch, batch = 0, 0
+        epoch, samples = 0, 0
 
     guard = Guard("stop", opt, None, torch.device("cpu"))
     assert guard.deferred
     norms = [1.0, float("nan"), 2.0]  # the latch holds after the bad one
     kept = None
     for i, norm in enumerate(norms):
-        Position.batch = i + 1
+        Position.samples = i + 1
         w.grad = torch.full((4,), 0.5)
         assert guard.bad_now(torch.tensor(norm), torch.tensor(0.0), Position) is False
         opt.step()

@@ -35,7 +35,8 @@ def test_each_batch_draws_the_same_whoever_fetches_it_and_wherever_the_loader_st
     full = draws(workers=2, batches=14)  # 5 batches an epoch: nearly three epochs
     assert draws(workers=1, batches=14) == full
     # From the middle of epoch 1 (an odd batch: the other worker takes it), as a resume does.
-    assert draws(workers=2, start=DataPosition(1, 3), batches=6) == full[8:14]
+    # Batch 3 of epoch 1: 3 batches × 4 samples × 2 ranks consumed.
+    assert draws(workers=2, start=DataPosition(1, samples=3 * 4 * 2), batches=6) == full[8:14]
     rows = [row for batch in full for row in batch]
     assert len({tuple(r[1:]) for r in rows}) == len(rows)  # every sample draws anew
 

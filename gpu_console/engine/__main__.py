@@ -74,6 +74,7 @@ def _run(run_dir: Path, heartbeat: Heartbeat) -> None:
         Path(resume) if resume else None,
         heartbeat=heartbeat,
         restart=restart_count(),
+        changes=meta.get("changes") or [],
     )
 
 

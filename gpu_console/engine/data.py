@@ -1,8 +1,13 @@
 """Sharded, resumable data loading.
 
-The position in the data is (epoch, batches consumed in that epoch): each epoch's order is
-a permutation drawn from ``data.seed + epoch``, so a resumed run rebuilds the exact same
-order and skips what it had consumed, with no generator state to carry.
+The position in the data is (epoch, samples the whole run consumed in that epoch): each
+epoch's order is a permutation drawn from ``data.seed + epoch``, and the ranks take it in
+turns (rank r the samples at r, r + world, ...), so what every rank consumed together is
+always a prefix of that permutation. A resumed run rebuilds the same order and deals out
+what follows the prefix, with no generator state to carry, whatever its world size and
+batch size: no sample of the epoch is skipped or repeated (the epoch's ragged tail, fewer
+samples than one batch on every rank, is dropped as always). With the same world and batch
+it is the very same split, batch for batch.
 
 Random draws in the dataset (augmentations): with ``data.num_workers = 0`` they come from
 the rank's own RNG stream, which checkpoints carry. In worker processes, the global RNGs
@@ -30,28 +35,50 @@ from ..tasks.base import TensorSet, batch_collate
 @dataclass
 class DataPosition:
     epoch: int = 0
-    batch: int = 0  # micro-batches this rank consumed in the epoch
+    samples: int = 0  # of the epoch's order, consumed by all ranks together
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch": self.batch}
+        return {"epoch": self.epoch, "samples": self.samples}
+
+    @classmethod
+    def from_state(cls, state: dict, world_size: int, batch_size: int) -> DataPosition:
+        """A checkpoint's position; before samples were kept it held this rank's micro-batches
+        (``batch``), from a run of ``world_size`` ranks and ``batch_size`` samples each."""
+        if "samples" in state:
+            return cls(int(state["epoch"]), int(state["samples"]))
+        return cls(int(state["epoch"]), int(state["batch"]) * batch_size * world_size)
 
 
 class ShardSampler(Sampler[int]):
-    """This rank's share of a seeded per-epoch permutation, from a given batch onwards."""
+    """This rank's share of a seeded per-epoch permutation, from a given sample onwards."""
 
     def __init__(self, n: int, rank: int, world: int, batch_size: int, seed: int, shuffle: bool):
         self.n, self.rank, self.world = n, rank, world
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
         self.epoch = 0
-        self.start_batch = 0
-        # Training drops the ragged tail so every rank takes the same number of steps.
-        self.per_rank = (n // world) // batch_size * batch_size if shuffle else -(-n // world)
+        self.start = 0  # samples of the epoch's order already consumed by all ranks
+        self.per_rank = self._per_rank()
 
-    def set_position(self, epoch: int, start_batch: int) -> None:
-        self.epoch, self.start_batch = epoch, start_batch
+    def _per_rank(self) -> int:
+        """Samples this rank takes from ``start`` to the epoch's end."""
+        if not self.shuffle:
+            return -(-self.n // self.world)
+        # Training drops the ragged tail so every rank takes the same number of steps.
+        return ((self.n - self.start) // self.world) // self.batch_size * self.batch_size
+
+    def set_position(self, epoch: int, start: int) -> None:
+        self.epoch, self.start = epoch, start
+        self.per_rank = self._per_rank()
+
+    @property
+    def start_batch(self) -> int:
+        """The batch of the epoch (each rank's count) that ``start`` falls on: it keys the
+        worker seeds, exactly so where world and batch size are unchanged since ``start``."""
+        return self.start // (self.world * self.batch_size)
 
     def batches_per_epoch(self) -> int:
-        return self.per_rank // self.batch_size
+        """Whole batches per rank in a training epoch read from its start."""
+        return (self.n // self.world) // self.batch_size
 
     def indices(self) -> list[int]:
         if self.shuffle:
@@ -59,15 +86,16 @@ class ShardSampler(Sampler[int]):
             order = torch.randperm(self.n, generator=g)
         else:
             order = torch.arange(self.n)
-        shard = order[self.rank : self.world * self.per_rank : self.world]
-        return shard[self.start_batch * self.batch_size :].tolist()
+        first = self.start + self.rank
+        return order[first : self.start + self.world * self.per_rank : self.world].tolist()
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices())
 
     def __len__(self) -> int:
-        mine = self.per_rank if self.shuffle else len(range(self.rank, self.n, self.world))
-        return max(0, mine - self.start_batch * self.batch_size)
+        if self.shuffle:
+            return max(0, self.per_rank)
+        return len(range(self.start + self.rank, self.n, self.world))
 
 
 class KeyedBatch(NamedTuple):
@@ -171,9 +199,10 @@ class Batches:
         self.sampler: ShardSampler = loader.batch_sampler.sampler  # type: ignore[union-attr]
         self.position = position
         self._it: Iterator | None = None
+        self._step = self.sampler.batch_size * self.sampler.world  # samples per micro-batch
 
     def _start_epoch(self) -> None:
-        self.sampler.set_position(self.position.epoch, self.position.batch)
+        self.sampler.set_position(self.position.epoch, self.position.samples)
         self._it = iter(self.loader)
 
     def next(self):
@@ -185,5 +214,5 @@ class Batches:
             self.position = DataPosition(self.position.epoch + 1, 0)
             self._start_epoch()
             batch = next(self._it)
-        self.position.batch += 1
+        self.position.samples += self._step
         return batch

@@ -43,6 +43,7 @@ from ..tasks.base import Task
 from . import checkpoint, determinism, flops, precision, signals
 from . import distributed as distmod
 from . import optimizer as optim
+from . import resume as resuming
 from .control import Control
 from .data import Batches, DataPosition, make_loader
 from .exchange import Exchange, Row
@@ -104,6 +105,7 @@ def train(
     resume: Path | None,
     heartbeat: Heartbeat | None = None,
     restart: int = 0,
+    changes: list[dict] | None = None,
 ):
     p = profile
     signals.install()  # already done by __main__ before torch loaded; harmless again
@@ -113,7 +115,7 @@ def train(
     beat = heartbeat or _NullHeartbeat()
     try:
         try:
-            _train(run_dir, p, task, d, out, resume, beat, restart)
+            _train(run_dir, p, task, d, out, resume, beat, restart, changes or [])
         except torch.OutOfMemoryError as e:  # torch.cuda.OutOfMemoryError is this class
             # The step the loop was in (its heartbeat knows), counted from 1 like step events.
             raise OutOfMemory(oom_message(e, d, p, beat.step)) from e
@@ -164,7 +166,9 @@ def resume_point(run_dir: Path, requested: Path | None, restart: int, d) -> Path
     return path
 
 
-def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat, restart: int):
+def _train(
+    run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat, restart: int, changes
+):
     out.status("starting")
     resume = resume_point(run_dir, resume, restart, d)
     # Several nodes: where each one's run directory is. Rank 0's holds the checkpoints; every
@@ -204,18 +208,24 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
     if resume is not None:
         state = checkpoint.load(resume)
         model.load_state_dict(state["model"])
+        settings = resuming.Settings.of(optimizer, scheduler)  # this profile's, not the saved
         optim.load_state(optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        settings.restore(optimizer, scheduler)
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         step = int(state["step"])
-        position = DataPosition(**state["data"])
+        position = resuming.data_position(state, changes, p.data.batch_size)
         ranks = state.get("ranks") or []
         if len(ranks) == d.world_size:
             checkpoint.restore_rng(ranks[d.rank]["rng"], d.device)
         else:
             out.log("warning", f"resumed on {d.world_size} ranks from {len(ranks)}: RNG reseeded")
-        out.log("info", f"resumed from {resume} at step {step}")
+        out.log(
+            "info",
+            f"resumed from {resume} at step {step} "
+            f"(epoch {position.epoch}, sample {position.samples} of its order)",
+        )
 
     autocast = precision.autocast(prec, d.device.type)
     # MFU: FLOPs per sample (the task's count, else measured once on the bare model by the
@@ -285,6 +295,7 @@ def _train(run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat
         restart=restart,
         max_restarts=p.distributed.max_restarts,
         resumed_from=str(resume) if resume else None,
+        changes=changes if resume else [],  # against the run resumed, classified at launch
         # Several machines: this node's place (torchrun's group rank) and where rank 0 is,
         # which writes the checkpoints and reads commands alongside each node's first rank.
         node=int(os.environ.get("GROUP_RANK", 0)),

@@ -91,7 +91,7 @@ class Guard:
         self.optimizer.found_inf = bad  # read by the fused AdamW kernel, never by the host
         self._norms.append(grad_norm)
         self._losses.append(last_loss)
-        self._positions.append((position.epoch, position.batch))
+        self._positions.append((position.epoch, position.samples))
         return False
 
     def settle(self) -> Settled:

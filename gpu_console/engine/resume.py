@@ -1,0 +1,81 @@
+"""Resuming from a checkpoint with the settings of the profile the run resumes with.
+
+``optimizer.load_state_dict`` brings back the saved param groups' settings (lr, weight
+decay, betas, the kernel flags) and ``scheduler.load_state_dict`` the saved base lrs: a
+``--resume RUN --set train.lr=0.5`` would go on at the old lr. What a resumed run takes
+from the checkpoint is its state (weights, moments, step counts, the schedule's position);
+its settings come from its profile, as built before the state was loaded. Which changes
+a resume accepts is decided before launch (gpu_console/resume_changes.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .data import DataPosition
+
+
+@dataclass
+class Settings:
+    """The settings of a freshly built optimizer and schedule, to outlive a state load."""
+
+    groups: list[dict[str, Any]]
+    base_lrs: list[float]
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer, scheduler) -> Settings:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        return cls(groups, list(scheduler.base_lrs))
+
+    def restore(self, optimizer: torch.optim.Optimizer, scheduler) -> None:
+        """Put the settings back over loaded state; the lr is the schedule's at its step.
+
+        With unchanged settings this writes the very values the state held (the same
+        floats, computed the same way), so an unchanged resume stays bit-exact.
+        """
+        if len(self.groups) != len(optimizer.param_groups):
+            raise ValueError(
+                f"the checkpoint's optimizer has {len(optimizer.param_groups)} param groups, "
+                f"this run's {len(self.groups)}"
+            )
+        for group, fresh in zip(optimizer.param_groups, self.groups, strict=True):
+            group.update(fresh)
+            if group.get("fused") or group.get("capturable"):
+                # The kernel may have changed (train.optimizer_impl): these keep the step
+                # count on the parameters' device, as load_state_dict would have put it.
+                _steps_to_device(optimizer, group["params"])
+        scheduler.base_lrs = list(self.base_lrs)
+        step = scheduler.last_epoch
+        pairs = zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+        lrs = [base * f(step) for base, f in pairs]
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        # What get_last_lr() (the step events' lr) reads; the scheduler sets it the same way.
+        scheduler._last_lr = list(lrs)
+
+
+def _steps_to_device(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
+    for q in params:
+        state = optimizer.state.get(q)
+        step = state.get("step") if state else None
+        if isinstance(step, torch.Tensor) and step.device != q.device:
+            state["step"] = step.to(device=q.device, dtype=torch.float32)
+
+
+def old_batch_size(changes: list[dict], batch_size: int) -> int:
+    """The batch size the checkpoint was written with (the session's recorded change, if
+    any): an old checkpoint counts its position in this rank's micro-batches of it."""
+    for c in changes:
+        if c.get("key") == "data.batch_size" and isinstance(c.get("old"), int):
+            return c["old"]
+    return batch_size
+
+
+def data_position(state: dict, changes: list[dict], batch_size: int) -> DataPosition:
+    """The checkpoint's data position in samples, whatever format it was written in."""
+    world = int(state.get("world_size") or len(state.get("ranks") or []) or 1)
+    return DataPosition.from_state(state["data"], world, old_batch_size(changes, batch_size))

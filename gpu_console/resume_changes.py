@@ -1,0 +1,165 @@
+"""What a resumed run does with each change to its profile: the one table (no torch).
+
+``--resume RUN`` continues from RUN's newest checkpoint. Every key whose resolved value
+differs from the run's run.toml (and the world size, against the session that ended) falls
+in one class:
+
+- ``applied``: in effect from the first resumed step. The engine builds its optimizer and
+  schedule from the new profile and writes their settings over the restored state
+  (engine/resume.py); the loop reads the rest (cadences, clipping, nan policy) every step.
+- ``warning``: accepted, and the start says what it costs (the split of the data, the RNG
+  streams or the shuffle order differ from an unchanged run: not bit-exact).
+- ``refused``: the checkpoint cannot be loaded into it (the model is built from the task's
+  keys): the launch stops before anything is written.
+
+Launch refuses, records the list in the session (meta.json), and the engine's ``start``
+event carries it; the headless start lines print it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .schema import show
+
+APPLIED, WARNING, REFUSED = "applied", "warning", "refused"
+
+_OPTIMIZER = "written over the restored optimizer's param groups"
+_SCHEDULE = "the schedule's base lr and current lr are recomputed from it"
+_EACH_STEP = "read by the loop at every step"
+_SPLIT = (
+    "the data continues at the next sample of the epoch's order (none skipped, none "
+    "repeated), but batches, RNG streams and losses differ from an unchanged run"
+)
+
+# section.key (or section.* for a whole section) → (class, what it means on resume).
+TABLE: dict[str, tuple[str, str]] = {
+    "profile.*": (APPLIED, "a label"),
+    "task.*": (
+        REFUSED,
+        "the checkpoint's model was built from the task's keys and cannot be loaded into "
+        "another; start a new run to change it",
+    ),
+    "train.lr": (APPLIED, f"{_OPTIMIZER}; {_SCHEDULE}"),
+    "train.weight_decay": (APPLIED, _OPTIMIZER),
+    "train.optimizer_impl": (APPLIED, _OPTIMIZER),
+    "train.warmup_steps": (APPLIED, _SCHEDULE),
+    "train.schedule": (APPLIED, _SCHEDULE),
+    "train.min_lr_ratio": (APPLIED, _SCHEDULE),
+    "train.max_steps": (APPLIED, f"the run's end; {_SCHEDULE}"),
+    "train.clip_grad_norm": (APPLIED, _EACH_STEP),
+    "train.nan_policy": (APPLIED, _EACH_STEP),
+    "train.eval_every": (APPLIED, _EACH_STEP),
+    "train.log_every": (APPLIED, _EACH_STEP),
+    "train.weight_decay_params": (
+        APPLIED,
+        "the optimizer's parameter groups are built from it: the checkpoint's groups must "
+        "match them (the ranks say so in one line when they do not)",
+    ),
+    "train.deterministic": (APPLIED, "set in every rank before CUDA starts"),
+    "train.precision": (APPLIED, "the weights are kept in fp32: autocast changes, they do not"),
+    "train.grad_accum": (WARNING, f"the global batch changes; {_SPLIT}"),
+    "train.seed": (
+        WARNING,
+        "the model is restored, not initialised; the RNG state comes from the checkpoint "
+        "(the seed matters again only where ranks are reseeded: a world size change)",
+    ),
+    "data.batch_size": (WARNING, f"the global batch changes; {_SPLIT}"),
+    "data.num_workers": (
+        WARNING,
+        "between none and some workers a task's random draws come from another stream "
+        "(the rank's own, or seeds per batch): they differ from an unchanged run; between "
+        "1 and more workers they are the same",
+    ),
+    "data.seed": (
+        WARNING,
+        "the epoch's order is drawn anew: until the epoch ends, samples may repeat or be skipped",
+    ),
+    "data.pin_memory": (APPLIED, "how batches reach the GPU"),
+    "data.prefetch_factor": (APPLIED, "how far workers load ahead"),
+    "data.persistent_workers": (APPLIED, "whether workers live between epochs"),
+    "distributed.lr_scaling": (APPLIED, f"{_OPTIMIZER}; {_SCHEDULE}"),
+    "distributed.*": (APPLIED, "how this session's ranks are set up"),
+    "checkpoint.*": (APPLIED, _EACH_STEP),
+    "hardware.*": (APPLIED, "how this session's ranks are placed and set up"),
+    "world_size": (WARNING, f"{_SPLIT}; each rank's RNG is reseeded"),
+}
+
+
+def rule(key: str) -> tuple[str, str]:
+    """The class of ``key`` and why. A key nobody classified is accepted with a warning."""
+    section = key.split(".")[0]
+    return TABLE.get(key) or TABLE.get(f"{section}.*") or (WARNING, "its effect is not known")
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    old: Any
+    new: Any
+    cls: str
+    why: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "old": self.old, "new": self.new, "class": self.cls,
+                "why": self.why}  # fmt: skip
+
+    def line(self) -> str:
+        """``train.lr 0.003 → 0.5 (applied)``."""
+        return line(self.as_dict())
+
+
+def line(change: dict[str, Any]) -> str:
+    """One change as the headless start lines print it (a dict as events carry it)."""
+    text = f"{change.get('key')} {_show(change.get('old'))} → {_show(change.get('new'))}"
+    cls = change.get("class")
+    if cls == WARNING:
+        return f"{text} (warning: {change.get('why')})"
+    return f"{text} ({cls})"
+
+
+def _show(value: Any) -> str:
+    return "(none)" if value is None else show(value)
+
+
+def _flat(profile: dict[str, Any]) -> dict[str, Any]:
+    return {
+        f"{section}.{key}": value
+        for section, table in profile.items()
+        if isinstance(table, dict)
+        for key, value in table.items()
+    }
+
+
+def classify(
+    old: dict[str, Any],
+    new: dict[str, Any],
+    old_world: int | None = None,
+    new_world: int | None = None,
+) -> list[Change]:
+    """Every difference between a run's run.toml (``old``) and the profile it resumes with.
+
+    Both are resolved profiles as ``Profile.to_dict`` writes them. A key the old run.toml
+    does not hold (written by an older gpu-console) is not a change, except in ``[task]``,
+    where a key of another task is one.
+    """
+    before, after = _flat(old), _flat(new)
+    changes = []
+    for key in [*after, *(k for k in before if k not in after)]:
+        if key not in before and not key.startswith("task."):
+            continue
+        was, now = before.get(key), after.get(key)
+        if was == now and type(was) is type(now):
+            continue
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (was, now))
+        if numbers and was == now:
+            continue  # 1 and 1.0: the same number, as TOML may have written it
+        changes.append(Change(key, was, now, *rule(key)))
+    if old_world is not None and new_world is not None and old_world != new_world:
+        changes.append(Change("world_size", old_world, new_world, *rule("world_size")))
+    return changes
+
+
+def refused(changes: list[Change]) -> list[Change]:
+    return [c for c in changes if c.cls == REFUSED]
