@@ -31,6 +31,7 @@ import os
 import random
 import socket
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,9 +135,26 @@ def train(
             out.log("error", str(e))
         raise
     finally:
+        close_task(task, out, d.rank)
         out.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def close_task(task: Task, out: Reporter, rank: int) -> None:
+    """The task's optional ``close()``: on every rank, however the run ended.
+
+    Its failure is reported (a warning event, the traceback on the rank's stderr) and does
+    not change how the run ended: the run's status is already written.
+    """
+    close = getattr(task, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception as e:
+        traceback.print_exc()
+        out.log("warning", f"the task's close() failed on rank {rank}: {type(e).__name__}: {e}")
 
 
 def resume_point(run_dir: Path, requested: Path | None, restart: int, d) -> Path | None:
