@@ -224,33 +224,44 @@ class Resumed:
 def resume(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size: int) -> Resumed:
     """Load a checkpoint into the run's objects and drop it: nothing of it stays referenced.
 
-    The file is memory-mapped, so no rank holds a second copy of it in memory while loading.
-    The optimizer keeps state tensors it is handed as they are when dtype and device already
-    match (CPU runs), which would tie its state to the file's mapping (a file a later prune
-    deletes, on another node's file system too): it gets copies, one tensor at a time.
+    The file is memory-mapped, so no rank holds a second copy of it in memory while loading
+    (the mapped pages are the page cache's).
     """
     state = load(path)
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(_owned(state["optimizer"]))
+    optimizer.load_state_dict(state["optimizer"])
+    _own_optimizer_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     ranks = state.get("ranks") or []
     rng = ranks[rank]["rng"] if len(ranks) == world_size else None
-    if rng is not None:
-        rng = _owned(rng)
     return Resumed(int(state["step"]), dict(state["data"]), rng, len(ranks))
 
 
-def _owned(obj: Any) -> Any:
-    """``obj`` with every tensor in it copied out of the mapped file."""
+def _own_optimizer_state(optimizer, loaded: dict[str, Any]) -> None:
+    """Copy out of the mapping the state tensors the optimizer kept as it was handed them.
+
+    ``Optimizer.load_state_dict`` keeps a tensor whose dtype and device already match its
+    parameter's (a CPU run) instead of copying it, which would tie the run to the file's
+    mapping (a file a later prune deletes, on another node's file system too). Copied one
+    tensor at a time; on a GPU the optimizer made its own copies and nothing is copied here.
+    """
+    mapped = {p for t in _tensors(loaded) if (p := t.untyped_storage().data_ptr())}
+    for per_param in optimizer.state.values():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in mapped:
+                per_param[key] = value.clone()
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
-        return obj.clone()
+        return [obj]
     if isinstance(obj, dict):
-        return {k: _owned(v) for k, v in obj.items()}
+        obj = list(obj.values())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_owned(v) for v in obj)
-    return obj
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def find_latest(run_dir: Path) -> Path | None:
