@@ -871,3 +871,27 @@ def test_human_duration():
     assert headless.human_duration(65) == "1:05"
     assert headless.human_duration(3600) == "1:00:00"
     assert headless.human_duration(3 * 3600 + 2 * 60 + 1) == "3:02:01"
+
+
+# -- the task's close() -----------------------------------------------------------------------
+
+
+class ClosesBadly:
+    def close(self):
+        raise ValueError("writer already closed")
+
+
+def test_a_task_close_that_raises_is_a_warning_not_the_runs_outcome(tmp_path, capsys):
+    from gpu_console.engine.loop import close_task
+    from gpu_console.engine.reporter import Reporter
+
+    out = Reporter(tmp_path, True)
+    close_task(ClosesBadly(), out, 1)  # does not raise
+    close_task(object(), out, 1)  # a task without close() is fine
+    out.close()
+    (log,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert (log["kind"], log["level"]) == ("log", "warning")
+    assert log["message"] == (
+        "the task's close() failed on rank 1: ValueError: writer already closed"
+    )
+    assert "Traceback" in capsys.readouterr().err
