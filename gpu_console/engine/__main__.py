@@ -7,6 +7,7 @@ stop, not a death.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from pathlib import Path
@@ -38,7 +39,11 @@ def main(argv: list[str]) -> None:
     # The rank's work is done and recorded, and its process group destroyed. Leave without
     # the interpreter's teardown: there, about one process in ten here aborted in a C++ static
     # destructor ("terminate called without an active exception", torch 2.13 + gloo), which
-    # torchrun reports as a failed rank and the supervisor as a failed run.
+    # torchrun reports as a failed rank and the supervisor as a failed run. What a normal exit
+    # does for the user's code still happens: its atexit handlers (a TensorBoard or W&B
+    # finaliser, a profiler's export) and logging's flush (itself an atexit handler) run
+    # first; the abort was in C++ destructors, which run after them.
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

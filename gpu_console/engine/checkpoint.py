@@ -4,6 +4,11 @@ Layout: ``checkpoints/step-00000100/{state.pt,meta.json}`` and ``checkpoints/LAT
 Every rank's RNG state is gathered to rank 0, the only writer. Rank 0 writes into a
 temporary directory, fsyncs, renames it into place, then rewrites LATEST atomically, so
 LATEST always names a complete checkpoint. Loading uses ``weights_only=True``.
+
+While rank 0 writes, the other ranks wait for its outcome on a group of their own
+(:func:`write_group`: gloo, with a timeout no write outlasts), not in the next training
+collective, whose timeout (``distributed.collective_timeout_s``) a slow disk would exceed.
+Every rank returns the same outcome, so every node knows when a checkpoint failed.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..runs import atomic_write_text, fsync_dir, latest_checkpoint
+from .optimizer import load_state as load_optimizer_state
 
 STATE = "state.pt"
 
@@ -55,6 +63,18 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+# How long the other ranks wait for rank 0's write. A store-based wait would do as well, but
+# only a process group's timeout is public API; gloo, because its collectives wait on the CPU
+# (a CUDA run's NCCL collectives have a watchdog of their own).
+WRITE_WAIT_S = 6 * 3600
+
+
+def write_group(collective_timeout_s: float) -> dist.ProcessGroup:
+    """Collective (every rank, once, at setup): where ranks wait for rank 0's write."""
+    wait = max(WRITE_WAIT_S, collective_timeout_s)
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=wait))
+
+
 def save(
     run_dir: Path,
     step: int,
@@ -63,19 +83,53 @@ def save(
     rank_state: dict[str, Any],
     keep_last: int,
     is_main: bool,
-) -> dict[str, Any] | None:
-    """Collective: every rank calls it at the same step. Rank 0 returns the event fields.
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Collective: every rank calls it at the same step, and every rank gets rank 0's outcome.
 
-    At every instant LATEST names a complete checkpoint: a new one is written whole into a
-    temporary directory first; a directory LATEST may name is never renamed or deleted
-    while named. An OSError (a full disk) leaves LATEST and what it names untouched.
+    ``{"ok": True, "event": {...}}`` (the checkpoint event's fields), or, when rank 0 could
+    not write it (an OSError: a full disk), ``{"ok": False, "error": ..., "latest": ...}``
+    with the name LATEST still holds. At every instant LATEST names a complete checkpoint:
+    a new one is written whole into a temporary directory first; a directory LATEST may
+    name is never renamed or deleted while named. A failure leaves LATEST and what it names
+    untouched. The ranks wait for the outcome on ``group`` (:func:`write_group`).
     """
     started = time.perf_counter()
     gathered: list[Any] | None = [None] * dist.get_world_size() if is_main else None
     dist.gather_object(rank_state, gathered, dst=0)
-    if not is_main:
-        return None
-    ckpts = Path(run_dir) / "checkpoints"
+    outcome: list[dict[str, Any] | None] = [None]
+    if is_main:
+        assert gathered is not None
+        ckpts = Path(run_dir) / "checkpoints"
+        try:
+            event = _write(ckpts, step, reason, state, gathered, keep_last)
+            event["seconds"] = round(time.perf_counter() - started, 4)
+            outcome[0] = {"ok": True, "event": event}
+        except OSError as e:
+            previous = latest_checkpoint(run_dir)
+            outcome[0] = {"ok": False, "error": str(e), "latest": previous and previous.name}
+    # Any other exception leaves rank 0 here: torchrun then ends the waiting ranks.
+    dist.broadcast_object_list(outcome, src=0, group=group)
+    assert outcome[0] is not None
+    return outcome[0]
+
+
+def failure(step: int, reason: str, outcome: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A failed save's error line, and its fields for the supervisor (``checkpoint_failed``)."""
+    previous = outcome["latest"]
+    kept = (
+        f"the previous checkpoint {previous} is complete and still named in LATEST"
+        if previous
+        else "there is no earlier checkpoint"
+    )
+    message = f"checkpoint at step {step} ({reason}) could not be written: {outcome['error']}"
+    fields = {"step": step, "reason": reason, "error": outcome["error"], "latest": previous}
+    return f"{message}; {kept}", fields
+
+
+def _write(
+    ckpts: Path, step: int, reason: str, state: dict[str, Any], gathered: list, keep_last: int
+) -> dict[str, Any]:
     ckpts.mkdir(parents=True, exist_ok=True)
     _clean_debris(ckpts)
     name = step_dir_name(step)
@@ -104,13 +158,7 @@ def save(
     shutil.rmtree(tmp, ignore_errors=True)
     prune(ckpts, keep_last)
     _clean_debris(ckpts)  # what an earlier failed or killed save left, now LATEST moved on
-    return {
-        "step": step,
-        "path": str(final),
-        "seconds": round(time.perf_counter() - started, 4),
-        "bytes": nbytes,
-        "reason": reason,
-    }
+    return {"step": step, "path": str(final), "bytes": nbytes, "reason": reason}
 
 
 TMP, LINK = ".tmp-", ".link-"
@@ -162,7 +210,61 @@ def prune(ckpts: Path, keep_last: int) -> None:
 
 
 def load(path: Path) -> dict[str, Any]:
-    return torch.load(Path(path) / STATE, map_location="cpu", weights_only=True)
+    """The checkpoint's dict, its tensors mapped from the file (pages read as they are used)."""
+    return torch.load(Path(path) / STATE, map_location="cpu", mmap=True, weights_only=True)
+
+
+@dataclass
+class Resumed:
+    step: int
+    data: dict[str, Any]
+    rng: dict[str, Any] | None  # this rank's RNG state; None when the world size changed
+    ranks: int  # how many ranks' RNG states the checkpoint holds
+    world_size: int  # the world size of the run that wrote it
+
+
+def resume(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size: int) -> Resumed:
+    """Load a checkpoint into the run's objects and drop it: nothing of it stays referenced.
+
+    The file is memory-mapped, so no rank holds a second copy of it in memory while loading
+    (the mapped pages are the page cache's).
+    """
+    state = load(path)
+    model.load_state_dict(state["model"])
+    load_optimizer_state(optimizer, state["optimizer"])  # or why its groups do not fit
+    _own_optimizer_state(optimizer, state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    ranks = state.get("ranks") or []
+    rng = ranks[rank]["rng"] if len(ranks) == world_size else None
+    world = int(state.get("world_size") or len(ranks) or 1)
+    return Resumed(int(state["step"]), dict(state["data"]), rng, len(ranks), world)
+
+
+def _own_optimizer_state(optimizer, loaded: dict[str, Any]) -> None:
+    """Copy out of the mapping the state tensors the optimizer kept as it was handed them.
+
+    ``Optimizer.load_state_dict`` keeps a tensor whose dtype and device already match its
+    parameter's (a CPU run) instead of copying it, which would tie the run to the file's
+    mapping (a file a later prune deletes, on another node's file system too). Copied one
+    tensor at a time; on a GPU the optimizer made its own copies and nothing is copied here.
+    """
+    mapped = {p for t in _tensors(loaded) if (p := t.untyped_storage().data_ptr())}
+    for per_param in optimizer.state.values():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in mapped:
+                per_param[key] = value.clone()
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def find_latest(run_dir: Path) -> Path | None:

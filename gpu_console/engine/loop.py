@@ -30,6 +30,7 @@ import math
 import os
 import random
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,9 +137,26 @@ def train(
             out.log("error", str(e))
         raise
     finally:
+        close_task(task, out, d.rank)
         out.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def close_task(task: Task, out: Reporter, rank: int) -> None:
+    """The task's optional ``close()``: on every rank, however the run ended.
+
+    Its failure is reported (a warning event, the traceback on the rank's stderr) and does
+    not change how the run ended: the run's status is already written.
+    """
+    close = getattr(task, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception as e:
+        traceback.print_exc()
+        out.log("warning", f"the task's close() failed on rank {rank}: {type(e).__name__}: {e}")
 
 
 def resume_point(run_dir: Path, requested: Path | None, restart: int, d) -> Path | None:
@@ -206,21 +224,16 @@ def _train(
     random.seed(p.train.seed + d.rank)
     torch.manual_seed(p.train.seed + 1_000_003 * (d.rank + 1))  # per-rank dropout streams
     if resume is not None:
-        state = checkpoint.load(resume)
-        model.load_state_dict(state["model"])
         settings = resuming.Settings.of(optimizer, scheduler)  # this profile's, not the saved
-        optim.load_state(optimizer, state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        back = checkpoint.resume(resume, model, optimizer, scheduler, scaler, d.rank, d.world_size)
         settings.restore(optimizer, scheduler)
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        step = int(state["step"])
-        position = resuming.data_position(state, changes, p.data.batch_size)
-        ranks = state.get("ranks") or []
-        if len(ranks) == d.world_size:
-            checkpoint.restore_rng(ranks[d.rank]["rng"], d.device)
+        step = back.step
+        position = resuming.position_of(back.data, back.world_size, changes, p.data.batch_size)
+        if back.rng is not None:
+            checkpoint.restore_rng(back.rng, d.device)
         else:
-            out.log("warning", f"resumed on {d.world_size} ranks from {len(ranks)}: RNG reseeded")
+            out.log("warning", f"resumed on {d.world_size} ranks from {back.ranks}: RNG reseeded")
+        del back
         out.log(
             "info",
             f"resumed from {resume} at step {step} "
@@ -243,6 +256,7 @@ def _train(
     batches = Batches(train_loader, position)
     control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
     params = [q for q in model.parameters() if q.requires_grad]
+    writes = checkpoint.write_group(p.distributed.collective_timeout_s)
 
     def save(reason: str) -> bool:
         """Collective. False when rank 0 could not write it (the previous one stays)."""
@@ -257,31 +271,17 @@ def _train(
             "world_size": d.world_size,
         }
         rank_state = {"rng": checkpoint.capture_rng(d.device)}
-        try:
-            info = checkpoint.save(
-                run_dir, step, reason, state, rank_state, p.checkpoint.keep_last, d.is_main
-            )
-        except OSError as e:  # rank 0 only: the others are done once their state is gathered
-            previous = latest_checkpoint(run_dir)
-            kept = (
-                f"the previous checkpoint {previous.name} is complete and still named in LATEST"
-                if previous
-                else "there is no earlier checkpoint"
-            )
-            out.log(
-                "error",
-                f"checkpoint at step {step} ({reason}) could not be written: {e}; {kept}",
-                checkpoint_failed={
-                    "step": step,
-                    "reason": reason,
-                    "error": str(e),
-                    "latest": previous.name if previous else None,
-                },
-            )
-            return False
-        if info:
-            out.event("checkpoint", **info)
-        return True
+        outcome = checkpoint.save(
+            run_dir, step, reason, state, rank_state, p.checkpoint.keep_last, d.is_main, writes
+        )
+        if outcome["ok"]:
+            if d.is_main:
+                out.event("checkpoint", **outcome["event"])
+            return True
+        # Every node's first rank says so: each node's status records the stop as unsaved.
+        message, failed = checkpoint.failure(step, reason, outcome)
+        out.log("error", message, checkpoint_failed=failed)
+        return False
 
     out.start(
         world_size=d.world_size,

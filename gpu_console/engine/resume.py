@@ -78,4 +78,9 @@ def old_batch_size(changes: list[dict], batch_size: int) -> int:
 def data_position(state: dict, changes: list[dict], batch_size: int) -> DataPosition:
     """The checkpoint's data position in samples, whatever format it was written in."""
     world = int(state.get("world_size") or len(state.get("ranks") or []) or 1)
-    return DataPosition.from_state(state["data"], world, old_batch_size(changes, batch_size))
+    return position_of(state["data"], world, changes, batch_size)
+
+
+def position_of(data: dict, world: int, changes: list[dict], batch_size: int) -> DataPosition:
+    """A saved position (``data``, written by ``world`` ranks) in samples."""
+    return DataPosition.from_state(data, world, old_batch_size(changes, batch_size))

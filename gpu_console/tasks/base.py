@@ -19,10 +19,15 @@ e.g. accuracy) that eval averages over the whole eval set.
 Optional hooks (the engine looks them up; a task without them works the same):
 
         def flops_per_sample(self) -> float: ...   # training FLOPs of one sample, for MFU
+        def close(self) -> None: ...               # teardown: every rank, however it ended
 
 ``flops_per_sample``: forward and backward (about 3× the forward), 2 FLOPs per multiply-add,
 as :class:`torch.utils.flop_counter.FlopCounterMode` counts them (matmuls, convolutions,
 attention). Without it the engine measures one batch with that counter before training.
+
+``close``: on every rank once training has ended (finished, stopped or failed; after a
+failure other ranks may be gone, so no collectives). Its exception is reported as a warning,
+not as the run's outcome. The process's atexit handlers run after it, before the rank exits.
 """
 
 from __future__ import annotations
