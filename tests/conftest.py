@@ -130,6 +130,45 @@ def only_run(runs_dir: Path) -> Path:
     return dirs[0]
 
 
+def start_nodes(
+    procs,
+    profile: Path,
+    runs_dirs: list[Path],
+    *,
+    node_ranks: bool = False,
+    envs: list[dict] | None = None,
+    cwd: Path | None = None,
+) -> tuple[list[subprocess.Popen], str]:
+    """A run over len(runs_dirs) one-rank "nodes" on loopback, started as a user starts one: the
+    same command on every node, each with its runs directory (the same one where the file
+    system is shared), through one c10d rendezvous endpoint. Returns the consoles and it."""
+    from gpu_console.launch import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    consoles = []
+    for node, runs in enumerate(runs_dirs):
+        where = ["--node-rank", str(node)] if node_ranks else []
+        consoles.append(
+            procs.start(
+                "run",
+                str(profile),
+                "--headless",
+                "--devices",
+                "cpu:1",
+                "--nnodes",
+                str(len(runs_dirs)),
+                *where,
+                "--rdzv-endpoint",
+                endpoint,
+                "--runs-dir",
+                str(runs),
+                env=envs[node] if envs else None,
+                cwd=cwd,
+            )  # fmt: skip
+        )
+    return consoles, endpoint
+
+
 def repo_pythonpath() -> str:
     """PYTHONPATH with this checkout first and what the machine had after it (a GPU node may
     carry the console's own dependencies on PYTHONPATH)."""

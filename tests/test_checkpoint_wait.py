@@ -8,11 +8,18 @@ and every rank, on every node, learns whether the write succeeded.
 from __future__ import annotations
 
 import torch
-from conftest import events_of, only_run, read_status, run_dirs, task_profile, wait_for
+from conftest import (
+    events_of,
+    only_run,
+    read_status,
+    run_dirs,
+    start_nodes,
+    task_profile,
+    wait_for,
+)
 from test_survive_data import FULL_DISK_TASK
 
 from gpu_console.events import append_control
-from gpu_console.launch import free_port
 
 TIMEOUT_S = 3.0
 SLOW_S = 10.0
@@ -80,25 +87,8 @@ def test_every_node_learns_that_rank_0s_write_failed(procs, runs_dir, tmp_path):
         max_steps=1_000_000,
         extra="[checkpoint]\nevery_steps = 5\n",
     )
-    endpoint = f"127.0.0.1:{free_port()}"
     dirs = [runs_dir / "node0", runs_dir / "node1"]
-    consoles = [
-        procs.start(
-            "run",
-            str(profile),
-            "--headless",
-            "--devices",
-            "cpu:1",
-            "--nnodes",
-            "2",
-            "--rdzv-endpoint",
-            endpoint,
-            "--runs-dir",
-            str(d),
-            cwd=tmp_path,
-        )
-        for d in dirs
-    ]
+    consoles, _ = start_nodes(procs, profile, dirs, cwd=tmp_path)
     runs = [wait_for(lambda d=d: run_dirs(d) and only_run(d), what="a run directory") for d in dirs]
 
     def failed(run):

@@ -10,33 +10,21 @@ from __future__ import annotations
 
 import json
 
-from conftest import events_of, fast_profile, only_run, read_status, run_dirs, wait_for
-
-from gpu_console.launch import free_port
+from conftest import (
+    events_of,
+    fast_profile,
+    only_run,
+    read_status,
+    run_dirs,
+    start_nodes,
+    wait_for,
+)
 
 
 def test_two_nodes_train_one_run_through_a_c10d_rendezvous(procs, runs_dir, tmp_path):
     profile = fast_profile(tmp_path, max_steps=20)
-    endpoint = f"127.0.0.1:{free_port()}"
     dirs = [runs_dir / "node0", runs_dir / "node1"]
-    consoles = [
-        procs.start(
-            "run",
-            str(profile),
-            "--headless",
-            "--devices",
-            "cpu:1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            str(node),
-            "--rdzv-endpoint",
-            endpoint,
-            "--runs-dir",
-            str(dirs[node]),
-        )
-        for node in (0, 1)
-    ]
+    consoles, endpoint = start_nodes(procs, profile, dirs, node_ranks=True)
     outs = []
     for console in consoles:
         out, err = console.communicate(timeout=180)
@@ -71,24 +59,8 @@ def test_stop_from_either_node_stops_both(procs, runs_dir, tmp_path):
     from gpu_console.events import append_control
 
     profile = fast_profile(tmp_path, max_steps=1_000_000)
-    endpoint = f"127.0.0.1:{free_port()}"
     dirs = [runs_dir / "node0", runs_dir / "node1"]
-    consoles = [
-        procs.start(
-            "run",
-            str(profile),
-            "--headless",
-            "--devices",
-            "cpu:1",
-            "--nnodes",
-            "2",
-            "--rdzv-endpoint",
-            endpoint,
-            "--runs-dir",
-            str(d),
-        )
-        for d in dirs
-    ]
+    consoles, _ = start_nodes(procs, profile, dirs)
     runs = [wait_for(lambda d=d: run_dirs(d) and only_run(d), what="a run directory") for d in dirs]
     wait_for(lambda: all(events_of(r, "step") for r in runs), what="steps on both nodes")
     # The node without rank 0 takes the command: every node's first rank reads its file.

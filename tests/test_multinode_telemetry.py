@@ -13,10 +13,9 @@ import json
 import socket
 from pathlib import Path
 
-from conftest import fast_profile, read_status, run_dirs
+from conftest import fast_profile, read_status, run_dirs, start_nodes
 from test_telemetry_supervisor import fake_env
 
-from gpu_console.launch import free_port
 from gpu_console.runs import NODES, read_nodes, write_nodes
 from gpu_console.state import TelemetryFold, gpu_figures
 from gpu_console.telemetry.recorder import Recorder
@@ -35,24 +34,9 @@ def uuids_in(run: Path) -> set[str]:
 
 def test_two_nodes_sharing_a_runs_directory_show_both_nodes_gpus(procs, runs_dir, tmp_path):
     profile = fast_profile(tmp_path, max_steps=40)
-    endpoint = f"127.0.0.1:{free_port()}"
-    consoles = [
-        procs.start(
-            "run",
-            str(profile),
-            "--headless",
-            "--devices",
-            "cpu:1",
-            "--nnodes",
-            "2",
-            "--rdzv-endpoint",
-            endpoint,
-            "--runs-dir",
-            str(runs_dir),
-            env=machine_env(machine),
-        )  # fmt: skip
-        for machine in (0, 1)
-    ]
+    consoles, _ = start_nodes(
+        procs, profile, [runs_dir, runs_dir], envs=[machine_env(0), machine_env(1)]
+    )
     outs = []
     for console in consoles:
         out, err = console.communicate(timeout=180)
