@@ -95,6 +95,8 @@ def make_setup(devices: str, steps: int, small: bool, deterministic: bool = Fals
     base = load_profile(str(PROFILE))
     log_every = base.train.log_every
     sets = [f"train.max_steps={steps}", f"train.warmup_steps={min(20, steps // 10)}"]
+    # The plain loop's AdamW decays every parameter (one group): the same update here.
+    sets.append("train.weight_decay_params=all")
     sets += SMALL if small else []
     p = load_profile(str(PROFILE), sets)
     warm = max(log_every, math.ceil(steps * 0.1 / log_every) * log_every)

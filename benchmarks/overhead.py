@@ -160,6 +160,8 @@ def make_setup(profile_name: str, steps: int, log_every: int | None) -> Setup:
         "train.eval_every=0",  # eval only after the last step, outside the timed window
         "checkpoint.every_steps=0",
         "checkpoint.at_end=false",
+        # The plain loop's AdamW decays every parameter (one group): the same update here.
+        "train.weight_decay_params=all",
     ]
     if base.train.warmup_steps > steps:
         sets.append(f"train.warmup_steps={steps // 10}")
