@@ -83,6 +83,8 @@ def test_resume_continues_in_the_same_directory_from_anywhere(procs, runs_dir, t
     run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     wait_for(lambda: len(events_of(run, "step")) >= 5, what="5 steps")
     wait_for(lambda: len(read_heartbeats(run)) == 2, what="both ranks' heartbeats")
+    # status.json follows the events on the supervisor's next tick: the refusal names it.
+    wait_for(lambda: read_status(run).get("state") == "running", what="status.json: running")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
 
