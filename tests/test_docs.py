@@ -24,6 +24,12 @@ def test_quickstart_has_exactly_two_commands_and_ci_runs_the_test_one():
     commands = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
     assert len(commands) == 2
     assert "gpu-console run quickstart --headless" in commands[0]
+    # A fresh machine's system Python may refuse pip (PEP 668): the first command makes a
+    # virtual environment and installs into it.
+    steps = [step.strip() for step in commands[0].split("&&")]
+    assert steps[0].startswith("python3 -m venv ")
+    assert steps[1].startswith(". ") and steps[1].endswith("/bin/activate")
+    assert any(step.startswith("pip install torch==") for step in steps[2:])
     assert commands[1] in (REPO / ".ci" / "run").read_text()
 
 
