@@ -213,11 +213,9 @@ def text(plan: dict[str, Any]) -> str:
         rows.append(("", d["why"]))
     rows.append(("precision", f"{plan['precision']} ({plan['precision_why']})"))
     rows.append(("task", f"{plan['task']} ({plan['task_class']})"))
-    trainable = (
-        "all trainable"
-        if plan["trainable"] == plan["params"]
-        else (f"{plan['trainable']:,} trainable")
-    )
+    trainable = f"{plan['trainable']:,} trainable"
+    if plan["trainable"] == plan["params"]:
+        trainable = "all trainable"
     rows.append(("parameters", f"{plan['params']:,} ({trainable})"))
     data = plan["data"]
     evals = f", {data['eval_samples']:,} eval" if data["eval_samples"] is not None else ", no eval"
