@@ -71,9 +71,7 @@ def one_rank_group(tmp_path: Path):
 
 
 @pytest.mark.parametrize("sync", [True, False])
-def test_the_installed_torchs_ddp_takes_the_buffer_setting_without_a_warning(
-    one_rank_group, sync
-):
+def test_the_installed_torchs_ddp_takes_the_buffer_setting_without_a_warning(one_rank_group, sync):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     d = distmod.Dist(0, 1, 0, 1, torch.device("cpu"), "gloo")
     with warnings.catch_warnings():
