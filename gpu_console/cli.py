@@ -91,11 +91,20 @@ def run(
     rdzv_endpoint: str | None = typer.Option(
         None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous, the same on every node."
     ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Check everything, build the model once, print the plan; "
+        "start nothing, write nothing.",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
 ) -> None:
     """Start a run. The run keeps training if this terminal goes away."""
     from . import launch
 
     nodes = launch.parse_nodes(nnodes, node_rank, rdzv_endpoint)
+    if as_json and not dry_run:
+        raise launch.LaunchError("--json: only with --dry-run (a run reports with --headless)")
 
     if precision is not None and precision not in ("auto", "fp32", "bf16", "fp16"):
         raise launch.LaunchError(
@@ -120,6 +129,12 @@ def run(
     )
     if placement.note:
         print(placement.note, file=sys.stderr)
+    if dry_run:
+        from . import dry_run as plan
+
+        built = plan.build(prof, placement, resume_from, folder, profile_arg=profile,
+                           devices=devices, overrides=overrides, nodes=nodes)  # fmt: skip
+        raise typer.Exit(plan.show(built, as_json))
     from . import headless as reporter  # after the checks: a bad input fails before Rich loads
 
     launched = launch.start(prof, placement, folder, resume_from, nodes=nodes)

@@ -71,6 +71,11 @@ def _slug(name: str) -> str:
     return slug or "run"
 
 
+def run_dir_name(name: str) -> str:
+    """``<name>-<YYYYmmdd-HHMMSS>``: the directory a run launched now gets (``-2``… on a clash)."""
+    return f"{_slug(name)}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def create_run_dir(runs_dir: Path, name: str) -> Path:
     """``runs_dir/<name>-<YYYYmmdd-HHMMSS>`` (0700), with logs/ and checkpoints/ inside."""
     runs_dir = Path(runs_dir)
@@ -80,8 +85,7 @@ def create_run_dir(runs_dir: Path, name: str) -> Path:
         raise RunDirError(f"{runs_dir}: cannot create the runs directory ({e.strerror})") from None
     if not os.access(runs_dir, os.W_OK | os.X_OK):
         raise RunDirError(f"{runs_dir}: the runs directory is not writable")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = f"{_slug(name)}-{stamp}"
+    base = run_dir_name(name)
     for n in range(1, 1000):
         path = runs_dir / (base if n == 1 else f"{base}-{n}")
         try:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -93,14 +95,38 @@ def nodes_of_run(run_dir: Path, d: Dist) -> list[dict]:
 
 
 def ddp_kwargs(cfg: DistributedConfig) -> dict:
-    """Every ``[distributed]`` knob that DDP's constructor takes."""
+    """Every ``[distributed]`` knob that DDP's constructor takes, in this torch's words."""
     return {
         "static_graph": cfg.static_graph,
         "bucket_cap_mb": cfg.bucket_cap_mb,
         "find_unused_parameters": cfg.find_unused_parameters,
-        "broadcast_buffers": cfg.broadcast_buffers,
         "gradient_as_bucket_view": cfg.gradient_as_bucket_view,
+        **buffer_sync_kwargs(cfg.broadcast_buffers, _ddp_parameters()),
     }
+
+
+def _ddp_parameters() -> frozenset[str]:
+    return frozenset(inspect.signature(DDP.__init__).parameters)
+
+
+def buffer_sync_kwargs(sync: bool, accepted: frozenset[str]) -> dict:
+    """``distributed.broadcast_buffers`` as the DDP constructor of this torch takes it.
+
+    The key means what DDP's ``broadcast_buffers`` always meant: buffers are broadcast from
+    rank 0 when DDP is built and before each forward, or (false) neither. torch 2.13 deprecates
+    ``broadcast_buffers`` (a FutureWarning on every rank) for ``forward_sync_buffers``, which
+    covers the forward only (buffers are then always synced at init). So: ``true`` is
+    ``forward_sync_buffers=True`` there (the same behaviour); ``false`` takes
+    ``init_sync_buffers=False`` where a torch has it, and until then stays the old keyword,
+    which torch's own deprecation message says to keep using for that case.
+    """
+    if "forward_sync_buffers" not in accepted:
+        return {"broadcast_buffers": sync}
+    if sync:
+        return {"forward_sync_buffers": True}
+    if "init_sync_buffers" in accepted:
+        return {"forward_sync_buffers": False, "init_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def convert_batchnorm(model: nn.Module, cfg: DistributedConfig) -> nn.Module:
@@ -113,7 +139,15 @@ def convert_batchnorm(model: nn.Module, cfg: DistributedConfig) -> nn.Module:
 def wrap(model: nn.Module, cfg: DistributedConfig, d: Dist) -> DDP:
     model = convert_batchnorm(model, cfg)
     device_ids = [d.device.index] if d.device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids, **ddp_kwargs(cfg))
+    kwargs = ddp_kwargs(cfg)
+    with warnings.catch_warnings():
+        if "broadcast_buffers" in kwargs and not kwargs["broadcast_buffers"]:
+            # Asked for no buffer sync at all, which only the deprecated keyword says on a
+            # torch without init_sync_buffers (buffer_sync_kwargs): its notice is not news.
+            warnings.filterwarnings(
+                "ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning
+            )
+        return DDP(model, device_ids=device_ids, **kwargs)
 
 
 def cuda_capability() -> tuple[int, int] | None:

@@ -1,0 +1,291 @@
+"""``gpu-console run PROFILE --dry-run``: the plan of a run, with nothing written.
+
+``cli.run`` checks the launch exactly as a real run does (``launch.prepare``: profile,
+overrides, devices, resume target); then this module asks the engine what it would build
+(``python -m gpu_console.engine.plan``: the task's model, datasets, optimizer and schedule,
+once, on the CPU) and prints the plan. No run directory, no runs directory, no file: a run
+directory's name is only computed. No torch here (the engine's part is a subprocess).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import launch, runs
+from .devices import Placement, parse_devices
+from .profile import Profile, find_profile
+from .resume_changes import line as change_line
+
+PLAN_TIMEOUT_S = 300
+
+
+def engine_plan(
+    profile: Profile, placement: Placement, world_size: int, cwd: str, start_step: int = 0
+) -> dict:
+    """The engine's half of the plan, or LaunchError naming the task and what went wrong."""
+    doc = {
+        "profile": profile.to_dict(),
+        "device_type": placement.device_type,
+        "world_size": world_size,
+        "start_step": start_step,
+    }
+    env = launch.worker_env(placement)  # the GPUs a rank would see, the threads it would use
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # not even a user task's __pycache__
+    kind = profile.task_kind
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "gpu_console.engine.plan"],
+            input=json.dumps(doc),
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=env,
+            timeout=PLAN_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise launch.LaunchError(
+            f"task {kind}: building the model and data took longer than {PLAN_TIMEOUT_S} s"
+        ) from None
+    try:
+        answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        why = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        raise launch.LaunchError(f"task {kind}: the plan could not be built ({why[0]})") from None
+    if "error" in answer:
+        raise launch.LaunchError(answer["error"])
+    return answer["plan"]
+
+
+def check_runs_dir(folder: Path) -> None:
+    """What ``runs.create_run_dir`` would refuse, found without creating anything."""
+    if folder.exists():
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            raise runs.RunDirError(f"{folder}: the runs directory is not writable")
+        return
+    parent = folder.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise runs.RunDirError(f"{folder}: cannot create the runs directory (Permission denied)")
+
+
+def _no_gpu_reason() -> str:
+    from .telemetry import nvml
+
+    reason = nvml.status().reason
+    return f"no GPU visible: {reason}" if reason else "no GPU granted to this user"
+
+
+def _devices_from(devices: str | None, overrides: list[str] | None) -> str:
+    if devices is not None:
+        return "--devices"
+    if any(s.split("=")[0].strip() == "hardware.devices" for s in overrides or []):
+        return "--set"
+    return "the profile's hardware.devices"
+
+
+def _precision_why(requested: str, resolved: str, device_type: str, cap: list | None) -> str:
+    if requested != "auto":
+        return "as asked"
+    if device_type == "cpu":
+        return "auto: fp32 on CPU"
+    has = f"compute capability {cap[0]}.{cap[1]}" if cap else "this GPU"
+    return f"auto: {resolved} on {has}"
+
+
+def build(
+    profile: Profile,
+    placement: Placement,
+    resume_from: Path | None,
+    runs_dir: Path,
+    *,
+    profile_arg: str | None,
+    devices: str | None = None,
+    overrides: list[str] | None = None,
+    nodes: launch.Nodes | None = None,
+) -> dict[str, Any]:
+    """The whole plan as a JSON-ready dict: the profile's facts and the engine's."""
+    world = placement.nproc * (nodes.max_nodes if nodes else 1)
+    resume_run = resume_from.parent.parent if resume_from is not None else None
+    cwd = (launch.run_cwd(resume_run) if resume_run else None) or os.getcwd()
+    start = 0
+    if resume_from is not None:
+        meta = runs.read_json(resume_from / "meta.json")  # prepare checked its step
+        start = meta["step"] if isinstance(meta, dict) else 0
+    built = engine_plan(profile, placement, world, cwd, start)
+    if resume_run is not None and nodes is None:
+        run_dir, creates = resume_run, False  # a resumed run continues in its own directory
+    else:
+        check_runs_dir(runs_dir)
+        run_dir, creates = runs_dir / runs.run_dir_name(profile.profile.name or "run"), True
+    why = placement.note
+    auto = parse_devices(profile.hardware.devices).kind == "auto"
+    if not why and auto and placement.device_type == "cpu":
+        why = f"auto: on the CPU, {_no_gpu_reason()}"
+    t, c = profile.train, profile.checkpoint
+    source = profile_arg or (str(resume_run / "run.toml") if resume_run else None)
+    plan: dict[str, Any] = {
+        "dry_run": True,
+        "profile": profile.profile.name,
+        "profile_file": str(find_profile(source).absolute()) if source else None,
+        "devices": {
+            "spec": profile.hardware.devices,
+            "from": _devices_from(devices, overrides),
+            "device_type": placement.device_type,
+            "ranks_per_node": placement.nproc,
+            "nodes": nodes.nnodes if nodes else "1",
+            "world_size": world,
+            "gpus": list(placement.gpus),
+            "cuda_visible_devices": placement.cuda_visible_devices,
+            "why": why,
+        },
+        "precision": built["precision"],
+        "precision_why": _precision_why(
+            t.precision, built["precision"], placement.device_type, built["capability"]
+        ),
+        "task": built["task"],
+        "task_class": built["task_class"],
+        "params": built["params"],
+        "trainable": built["trainable"],
+        "data": {
+            "train_samples": built["train_samples"],
+            "eval_samples": built["eval_samples"],
+            "batches_per_epoch": built["batches_per_epoch"],
+            "epochs": built["epochs"],
+        },
+        "batch_size": profile.data.batch_size,
+        "grad_accum": t.grad_accum,
+        "global_batch": built["global_batch"],
+        "max_steps": t.max_steps,
+        "lr": built["lr"],
+        "lr_scaling": profile.distributed.lr_scaling,
+        "optimizer": built["optimizer"],
+        "weight_decay": built["weight_decay"],
+        "param_groups": built["param_groups"],
+        "schedule": built["schedule"],
+        "eval_every": t.eval_every,
+        "log_every": t.log_every,
+        "checkpoint": {
+            "every_steps": c.every_steps,
+            "keep_last": c.keep_last,
+            "at_end": c.at_end,
+            "on_stop": c.on_stop,
+        },
+        "run_dir": str(run_dir.absolute()),
+        "creates_run_dir": creates,
+        "resume": None,
+        "torch": built["versions"]["torch"],
+    }
+    if resume_run is not None:
+        plan["resume"] = {
+            "run": str(resume_run.absolute()),
+            "checkpoint": str(resume_from.absolute()),
+            "step": start,
+            "changes": [ch.as_dict() for ch in launch.resume_changes(profile, resume_run, world)],
+        }
+    return plan
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def _n(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def text(plan: dict[str, Any]) -> str:
+    """Plain lines, one fact each, every path whole (copyable, never cut to a width)."""
+    d, s, ck = plan["devices"], plan["schedule"], plan["checkpoint"]
+    rows: list[tuple[str, str]] = [("profile", f"{plan['profile']} ({plan['profile_file']})")]
+    where = f"{d['ranks_per_node']} × {d['device_type']}"
+    if d["device_type"] == "cuda":
+        where += f" (GPU {','.join('MIG' if g is None else str(g) for g in d['gpus'])})"
+    if d["nodes"] != "1":
+        where += f" on each of {d['nodes']} nodes: {d['world_size']} ranks"
+    rows.append(("devices", f"{where} ({d['spec']}, from {d['from']})"))
+    if d["why"]:
+        rows.append(("", d["why"]))
+    rows.append(("precision", f"{plan['precision']} ({plan['precision_why']})"))
+    rows.append(("task", f"{plan['task']} ({plan['task_class']})"))
+    trainable = f"{plan['trainable']:,} trainable"
+    if plan["trainable"] == plan["params"]:
+        trainable = "all trainable"
+    rows.append(("parameters", f"{plan['params']:,} ({trainable})"))
+    data = plan["data"]
+    evals = f", {data['eval_samples']:,} eval" if data["eval_samples"] is not None else ", no eval"
+    rows.append(
+        (
+            "data",
+            f"{data['train_samples']:,} train samples{evals}; "
+            f"{data['batches_per_epoch']:,} batches per rank per epoch",
+        )
+    )
+    rows.append(
+        (
+            "batch",
+            f"{plan['batch_size']} per rank × {_ranks(d['world_size'])} × "
+            f"{plan['grad_accum']} grad_accum = {plan['global_batch']:,} global",
+        )
+    )
+    left = ""
+    if plan["resume"]:
+        start = plan["resume"]["step"]
+        left = f"{plan['max_steps'] - start:,} left after step {start}; "
+    rows.append(("steps", f"{plan['max_steps']:,} ({left}{data['epochs']:.3g} epochs)"))
+    scaled = f", scaled {plan['lr_scaling']}" if plan["lr_scaling"] != "none" else ""
+    rows.append(("optimizer", f"{plan['optimizer']}, lr {_n(plan['lr'])}{scaled}"))
+    for i, g in enumerate(plan["param_groups"], 1):
+        lr = f", lr {_n(g['lr'])}" if g["lr"] != plan["lr"] else ""
+        rows.append(
+            (
+                f"  group {i}",
+                f"{g['tensors']} tensors, {g['params']:,} params, "
+                f"weight_decay {g['weight_decay']:g}{lr}",
+            )
+        )
+    rows.append(("  decay", f"by {plan['weight_decay']['source']} (train.weight_decay_params)"))
+    warm = f"warmup {s['warmup_steps']} steps, then " if s["warmup_steps"] else ""
+    decay = (
+        "constant"
+        if s["kind"] == "constant"
+        else f"{s['kind']} decay to {_n(s['min_lr_ratio'] * plan['lr'])} at step {s['max_steps']}"
+    )
+    rows.append(
+        (
+            "schedule",
+            f"{warm}{decay} (lr {_n(s['first_lr'])} at step {s['start_step'] + 1}, "
+            f"{_n(s['last_lr'])} at step {s['max_steps']})",
+        )
+    )
+    every = (
+        f"every {plan['eval_every']} steps and at the end" if plan["eval_every"] else "at the end"
+    )
+    rows.append(("eval", every if data["eval_samples"] is not None else "none (no eval set)"))
+    cadence = [f"every {ck['every_steps']} steps"] if ck["every_steps"] else []
+    cadence += ["at the end"] if ck["at_end"] else []
+    cadence += ["on stop"] if ck["on_stop"] else []
+    keep = f"keep last {ck['keep_last']}" if ck["keep_last"] else "keep all"
+    rows.append(("checkpoint", f"{', '.join(cadence) or 'never'}; {keep}"))
+    resume = plan["resume"]
+    if resume:
+        rows.append(("resume", f"from {resume['checkpoint']} (step {resume['step']})"))
+        for i, change in enumerate(resume["changes"]):
+            rows.append(("changes" if i == 0 else "", change_line(change)))
+        if not resume["changes"]:
+            rows.append(("changes", "none"))
+    made = "would be created" if plan["creates_run_dir"] else "continued in place"
+    rows.append(("run dir", f"{plan['run_dir']} ({made})"))
+    width = max(len(k) for k, _ in rows)
+    head = f"dry run of {plan['profile']}: nothing was written"
+    return "\n".join([head, *(f"{k:<{width}}  {v}" for k, v in rows)])
+
+
+def show(plan: dict[str, Any], as_json: bool) -> int:
+    print(json.dumps(plan, indent=2) if as_json else text(plan))
+    return 0

@@ -1,0 +1,143 @@
+"""``python -m gpu_console.engine.plan``: what a run would build, for ``run --dry-run``.
+
+The console never imports torch, so it asks this subprocess. It reads ``{"profile": ...,
+"device_type": ..., "world_size": ...}`` (the resolved profile as run.toml would hold it) on
+stdin, builds the task's model, datasets, optimizer and schedule once on the CPU with the
+engine's own builders (the ones loop.py calls), and prints one JSON line: ``{"plan": {...}}``,
+or ``{"error": "..."}`` naming the task and its exception's last line. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import torch
+
+from ..profile import Profile, resolve, with_task_config
+from ..tasks.loader import TaskLoadError, load_task_class
+from . import optimizer as optim
+from . import precision
+from .data import make_loader
+from .schedule import lr_factor, scaled_lr
+
+SOURCE = "the resolved profile"
+
+
+class TaskBuildError(Exception):
+    """The task failed to import or build: a user's own code raised."""
+
+
+def describe_optimizer(opt: torch.optim.Optimizer) -> str:
+    """``AdamW (fused)``: the class and the implementation it was built with."""
+    d = opt.defaults
+    impl = "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
+    return f"{type(opt).__name__} ({impl})"
+
+
+def _last_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[-1]}" if lines else type(e).__name__
+
+
+def _call(kind: str, what: str, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:
+        raise TaskBuildError(f"task {kind}: {what} failed: {_last_line(e)}") from e
+
+
+def capability(device_type: str) -> tuple[int, int] | None:
+    """The first granted GPU's compute capability (the console's mask makes it device 0)."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_capability(0)
+    return None
+
+
+def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> dict[str, Any]:
+    """The facts a run would start from, built as loop.py builds them (model on the CPU)."""
+    kind = p.task_kind
+    try:
+        task_cls = load_task_class(kind)
+    except TaskLoadError as e:
+        raise TaskBuildError(f"task {kind}: {e}") from None
+    p = with_task_config(p, task_cls.Config, SOURCE)
+    task = _call(kind, "its constructor", task_cls, p.task)
+    prec = precision.resolve(p.train.precision, device_type, capability(device_type))
+
+    torch.manual_seed(p.train.seed)  # as the loop does before build_model
+    model = _call(kind, "build_model()", task.build_model)
+    lr = scaled_lr(p.train.lr, world_size, p.distributed.lr_scaling)
+    groups, decay = optim.groups(
+        task, model, p.train, lambda x: scaled_lr(x, world_size, p.distributed.lr_scaling)
+    )
+    # The optimizer is built for the run's device type (its kernel choice), over CPU tensors:
+    # every implementation a run can pick takes them.
+    opt = optim.build(groups, lr, p.train.weight_decay, p.train.optimizer_impl, device_type)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.train))
+
+    train_set, eval_set = _call(kind, "build_datasets()", task.build_datasets)
+    # Rank 0's loader: every rank's has the same number of batches (ShardSampler).
+    try:
+        loader = make_loader(train_set, p.data, 0, world_size, True, device_type == "cuda")
+    except ValueError as e:  # names the key: data.batch_size against the data set's size
+        raise TaskBuildError(str(e)) from None
+    per_epoch = len(loader)
+    micro_steps = p.train.max_steps * p.train.grad_accum
+    return {
+        "task": kind,
+        "task_class": f"{task_cls.__module__}:{task_cls.__qualname__}",
+        "precision": prec,
+        "capability": list(capability(device_type) or []) or None,
+        "params": sum(q.numel() for q in model.parameters()),
+        "trainable": sum(q.numel() for q in model.parameters() if q.requires_grad),
+        "train_samples": len(train_set),
+        "eval_samples": len(eval_set) if eval_set is not None else None,
+        "batches_per_epoch": per_epoch,
+        "epochs": micro_steps / per_epoch,
+        "global_batch": p.data.batch_size * p.train.grad_accum * world_size,
+        "lr": lr,
+        "optimizer": describe_optimizer(opt),
+        "weight_decay": decay.fields(),
+        "param_groups": [
+            {
+                "tensors": len(g["params"]),
+                "params": sum(q.numel() for q in g["params"]),
+                "weight_decay": g["weight_decay"],
+                "lr": g["initial_lr"],  # the peak: LambdaLR has set "lr" to the first step's
+            }
+            for g in opt.param_groups
+        ],
+        "schedule": {
+            "kind": p.train.schedule,
+            "warmup_steps": p.train.warmup_steps,
+            "min_lr_ratio": p.train.min_lr_ratio,
+            "max_steps": p.train.max_steps,
+            "start_step": start_step,
+            # The lr of the first update this run makes (a resumed one: after start_step).
+            "first_lr": lr * lr_factor(start_step, p.train)
+            if start_step
+            else scheduler.get_last_lr()[0],
+            "last_lr": lr * lr_factor(p.train.max_steps - 1, p.train),
+        },
+        "versions": {"torch": torch.__version__},
+    }
+
+
+def main() -> int:
+    doc = json.loads(sys.stdin.read())
+    try:
+        p = resolve(doc["profile"], SOURCE)
+        world, start = int(doc["world_size"]), int(doc.get("start_step") or 0)
+        answer = {"plan": plan(p, doc["device_type"], world, start)}
+    except TaskBuildError as e:
+        answer = {"error": str(e)}
+    except Exception as e:  # a profile key the task's data cannot meet (batch_size, ...)
+        answer = {"error": f"task {doc['profile']['task'].get('kind')}: {_last_line(e)}"}
+    print(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
