@@ -58,8 +58,8 @@ COALESCE_S = 5.0
 REAP_PEERS_AFTER_S = 2.0
 # A kill on request: the signal the supervisor gets → the run's final state and its reason.
 KILLS = {
-    signal.SIGUSR2: ("killed", "killed on request"),
-    signal.SIGINT: ("interrupted", "interrupted: killed before a checkpoint"),
+    signal.SIGUSR2: ("killed", "on request, no checkpoint"),
+    signal.SIGINT: ("interrupted", "killed before a checkpoint"),
 }
 
 

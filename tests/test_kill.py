@@ -108,7 +108,7 @@ def test_stop_now_kills_a_running_run_no_checkpoint_exit_137(procs, runs_dir, tm
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"{run.name}: killed (exit code 137)"
     final = _assert_ended_at_once(procs, runs_dir, tmp_path, run, console, status, "killed", 137)
-    assert final["reason"] == "killed on request"
+    assert final["reason"] == "on request, no checkpoint"
     again = procs.cli("stop", run.name, "--now", "--runs-dir", str(runs_dir))
     assert again.returncode == 2 and "already ended (state killed)" in again.stderr
 
@@ -144,7 +144,7 @@ def test_second_ctrl_c_interrupts_at_once_exit_130(procs, runs_dir, tmp_path):
     final = _assert_ended_at_once(
         procs, runs_dir, tmp_path, run, console, status, "interrupted", 130
     )
-    assert final["reason"] == "interrupted: killed before a checkpoint"
+    assert final["reason"] == "killed before a checkpoint"
 
 
 def test_one_ctrl_c_stops_with_a_checkpoint_at_the_step_the_summary_shows(
