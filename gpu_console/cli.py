@@ -261,15 +261,20 @@ def ls_cmd(
 @app.command("stop")
 def stop_cmd(
     run: str = typer.Argument(..., help="Run directory, or a run name under the runs directory."),
-    now: bool = typer.Option(False, "--now", help="Terminate the run's processes now."),
+    now: bool = typer.Option(
+        False, "--now", help="Kill the run's processes now: no checkpoint, state killed."
+    ),
     runs_dir: Path | None = RunsDirOpt,
 ) -> None:
-    """Stop a run gracefully (checkpoint, then exit), or at once with --now."""
+    """Stop a run gracefully (checkpoint, then exit), or kill it at once with --now."""
     from .commands import runs as command
 
-    if now:
-        path = command.stop_now(run, _runs_dir(runs_dir))
-        typer.echo(f"{path.name}: terminating")
+    if now:  # exit 0: the kill was delivered (the run's own exit code is 137)
+        path, status = command.stop_now(run, _runs_dir(runs_dir))
+        if status:
+            typer.echo(f"{path.name}: {status.get('state')} (exit code {status.get('exit_code')})")
+        else:
+            typer.echo(f"{path.name}: kill sent; its end is not recorded yet")
         return
     path, _, acks = command.request(run, _runs_dir(runs_dir), "stop")
     states = [a.get("state") for a in acks]

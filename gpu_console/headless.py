@@ -2,7 +2,9 @@
 
 On a terminal: one Rich progress line. Elsewhere (CI, nohup, ``| tee``): a plain line
 every few seconds and one for each notable event, never a flood of carriage returns.
-Ctrl-C: first a graceful stop (checkpoint), then terminate the run, then kill it.
+Ctrl-C: first a graceful stop (checkpoint, exit 0); the second kills the run now, no
+checkpoint (the supervisor records ``interrupted``, exit 130); a third, should the supervisor
+not answer, kills the run's processes from here.
 SIGTERM/SIGUSR1 to this process (a scheduler signalling the job's script): the run's
 graceful stop, as if the supervisor had been signalled; the console follows it to its end.
 SIGHUP (the terminal went away) ends this console only: the run goes on, and its run
@@ -27,10 +29,10 @@ from rich.text import Text
 
 from .events import append_control
 from .resume_changes import line as change_line
+from .runs import EXIT_FAILED
 from .state import RunFollower, RunState, describe_stopped, read_heartbeats
 
 POLL_S = 0.2
-EXIT_FINISHED, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 def human_bytes(n: float | None) -> str:
@@ -57,7 +59,8 @@ def fmt(x: float | None, spec: str = ".4f") -> str:
 
 
 class Interrupts:
-    """Ctrl-C escalation: stop with a checkpoint → terminate the tree → kill it.
+    """Ctrl-C escalation: stop with a checkpoint → the supervisor kills the run (interrupted)
+    → this console kills the tree itself.
 
     The signal handler only counts presses; :meth:`act` (called from the follow loop) does
     the work, so a second Ctrl-C arriving mid-print never re-enters I/O.
@@ -79,17 +82,17 @@ class Interrupts:
                 append_control(self.run_dir, "stop")
                 self.console.print(
                     "stopping: finishing the step and writing a checkpoint "
-                    "(Ctrl-C again to terminate)",
+                    "(Ctrl-C again to kill it now, no checkpoint)",
                     style="yellow",
                 )
             elif self.acted == 2:
                 if sup:
-                    _signal(sup, signal.SIGINT)
-                self.console.print("terminating the run (Ctrl-C again to kill)", style="red")
+                    _signal(sup, signal.SIGINT)  # supervisor.KILLS: interrupted, exit 130
+                self.console.print("interrupting: killing the run now, no checkpoint", style="red")
             elif self.acted == 3:
                 if sup:
                     kill_tree(sup)
-                self.console.print("killed", style="red")
+                self.console.print("killed its processes from this console", style="red")
 
 
 class SchedulerSignals:
@@ -404,9 +407,6 @@ def gpu_rows(st: RunState) -> list[tuple[str, str]]:
 
 
 def exit_code(st: RunState, interrupted: bool) -> int:
-    if st.state == "finished":
-        return EXIT_FINISHED
-    if st.state == "stopped":
-        checkpointed = st.status.get("checkpointed_on_stop", False)
-        return EXIT_FINISHED if checkpointed else EXIT_INTERRUPTED
-    return EXIT_FAILED
+    """The run's exit code (:func:`runs.exit_code`: the number status.json holds)."""
+    code = st.exit_code
+    return EXIT_FAILED if code is None else code

@@ -17,7 +17,38 @@ from pathlib import Path
 from typing import Any
 
 STATUS = "status.json"
-FINAL_STATES = {"finished", "stopped", "failed"}
+# ``interrupted`` and ``killed``: ended at once on request, no checkpoint (the supervisor's
+# word: the engine never writes them).
+FINAL_STATES = {"finished", "stopped", "failed", "interrupted", "killed"}
+
+# The run's exit code (DESIGN.md "Exit codes"): the same number in status.json, ``ls --json``,
+# ``status --json`` and the exit of the command that followed the run.
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_KILLED = 0, 1, 2, 130, 137
+
+
+def exit_code(state: str | None, checkpointed: bool = True) -> int | None:
+    """The exit code of a run that ended in ``state``; None while it is live.
+
+    ``checkpointed``: a ``stopped`` run wrote its stop checkpoint (status.json's
+    ``checkpointed_on_stop``); one that could not ended interrupted (130).
+    """
+    if state == "finished":
+        return EXIT_OK
+    if state == "stopped":
+        return EXIT_OK if checkpointed else EXIT_INTERRUPTED
+    if state == "interrupted":
+        return EXIT_INTERRUPTED
+    if state == "killed":
+        return EXIT_KILLED
+    if state in ("failed", "lost"):
+        return EXIT_FAILED
+    return None
+
+
+def status_exit_code(status: dict[str, Any], state: str | None = None) -> int | None:
+    """:func:`exit_code` from status.json (``state``: the one a reader derived, e.g. lost)."""
+    checkpointed = status.get("checkpointed_on_stop") is True
+    return exit_code(state or status.get("state"), checkpointed)
 
 
 class RunDirError(Exception):

@@ -26,7 +26,7 @@ from .fold import (  # noqa: F401
     stall_min_s,
     true_step,
 )
-from .runs import FINAL_STATES, current_session, read_json, read_status
+from .runs import FINAL_STATES, current_session, read_json, read_status, status_exit_code
 
 # A rank's heartbeat thread writes about once a second; this much silence means it is frozen.
 HEARTBEAT_SILENT_S = 5.0
@@ -152,6 +152,14 @@ class RunState(RunFold):
     @property
     def done(self) -> bool:
         return bool(self.status.get("ended")) and self.state in FINAL_STATES
+
+    @property
+    def exit_code(self) -> int | None:
+        """The run's exit code (:func:`runs.exit_code`, status.json's number); None while it
+        is live. ``lost`` (set by a follower whose supervisor vanished) is a failure."""
+        if not (self.done or self.state == "lost"):
+            return None
+        return status_exit_code(self.status, self.state)
 
     def elapsed_s(self) -> float | None:
         start = self.status.get("started") or self.started_t

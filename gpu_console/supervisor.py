@@ -12,8 +12,14 @@ engine), and when torchrun exits it kills whatever of the run is left.
 Signals: SIGTERM/SIGUSR1 (a scheduler) → SIGUSR1 to the workers, which checkpoint and stop
 at the next step (reason ``signal``); after ``shutdown_grace_s`` the tree is killed. Signals
 that arrive within :data:`COALESCE_S` of the first are the same request (a scheduler often
-signals every process of a job at once); a later SIGTERM, or SIGINT (the console's second
-Ctrl-C) → terminate the tree now. SIGHUP is ignored.
+signals every process of a job at once); a later SIGTERM → terminate the tree. SIGHUP is
+ignored.
+
+Kill on request (:data:`KILLS`): SIGUSR2 (``stop --now``, the console's kill) ends the run
+``killed`` (exit 137), SIGINT (the headless console's second Ctrl-C) ``interrupted`` (exit
+130). The supervisor records that state in status.json first, then SIGKILLs torchrun and
+every process under it at once: no rank gets to checkpoint or print a traceback, and ranks
+hung in a step or a collective die the same.
 
 A rank that dies without having ended cleanly (its heartbeat does not say ``done``) is a
 crash: its peers get :data:`REAP_PEERS_AFTER_S` to notice on their own, then they are
@@ -50,6 +56,11 @@ TICK_S = 0.2
 KILL_AFTER_TERM_S = 5.0
 COALESCE_S = 5.0
 REAP_PEERS_AFTER_S = 2.0
+# A kill on request: the signal the supervisor gets → the run's final state and its reason.
+KILLS = {
+    signal.SIGUSR2: ("killed", "on request, no checkpoint"),
+    signal.SIGINT: ("interrupted", "killed before a checkpoint"),
+}
 
 
 def _prctl(option: int, value: int) -> None:
@@ -97,6 +108,8 @@ class Supervisor:
         self.recorder = Recorder(run_dir)  # telemetry.jsonl, from start to the final status
         self.torchrun_log_offset = 0
         self.torchrun_stop_deadline: float | None = None  # grace after torchrun was signalled
+        self.kill_signal: int | None = None  # a kill on request, acted on at the next tick
+        self.killed: tuple[str, str] | None = None  # (state, reason) once the tree was killed
 
     # -- signals -------------------------------------------------------------------------
     def on_graceful(self, signum: int, frame) -> None:
@@ -107,6 +120,10 @@ class Supervisor:
             self.graceful_deadline = now + self.grace_s  # the loop asks the ranks
         elif now - self.graceful_since > COALESCE_S:
             self.on_terminate(signum, frame)
+
+    def on_kill(self, signum: int, frame) -> None:
+        if self.kill_signal is None:  # the first request names the end (killed or interrupted)
+            self.kill_signal = signum
 
     def on_terminate(self, signum: int, frame) -> None:
         if self.terminate_at is None:
@@ -210,6 +227,22 @@ class Supervisor:
         for p in self._tree():
             _send(p, signal.SIGKILL)
 
+    def kill_now(self) -> None:
+        """A kill on request: status.json says so first, then the whole tree is SIGKILLed.
+
+        torchrun goes first, so its agent never sees a rank die (no failure report, no
+        restart); the ranks and their DataLoader workers follow in the same breath, hung or
+        not. Whatever forks meanwhile dies with its parent (PDEATHSIG) or in :meth:`_sweep`.
+        """
+        state, reason = KILLS[self.kill_signal]
+        self.killed = (state, reason)
+        self.status.update(state=state, reason=reason, exit_code=runs.exit_code(state))
+        self.write_status(force=True)
+        tree = self._tree()
+        first = [p for p in tree if self.proc is not None and p.pid == self.proc.pid]
+        for p in first + [p for p in tree if p not in first]:
+            _send(p, signal.SIGKILL)
+
     # -- status --------------------------------------------------------------------------
     def write_status(self, force: bool = False) -> None:
         text = json.dumps(self.status, sort_keys=True)
@@ -223,6 +256,8 @@ class Supervisor:
         for e in self.events.read():
             self.fold.apply(e)
         self.status.update(self.fold.to_status())
+        if self.killed is not None:  # the engine's last word (running) is not the end
+            self.status["state"], self.status["reason"] = self.killed
         self.engine_checkpointed = self.fold.checkpointed
 
     # -- the run -------------------------------------------------------------------------
@@ -230,7 +265,8 @@ class Supervisor:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self.on_graceful)
         signal.signal(signal.SIGUSR1, self.on_graceful)
-        signal.signal(signal.SIGINT, self.on_terminate)
+        for sig in KILLS:
+            signal.signal(sig, self.on_kill)
 
     def run(self) -> int:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -253,6 +289,9 @@ class Supervisor:
         self.write_status()
         while self.proc.poll() is None:
             time.sleep(TICK_S)
+            if self.kill_signal is not None and self.killed is None:
+                self.kill_now()
+                continue
             self.fold_events()
             now = time.monotonic()
             self._watch_workers(now)
@@ -288,13 +327,17 @@ class Supervisor:
         return 1
 
     def finish(self, code: int) -> int:
+        """Record how the run ended; the run's exit code (:func:`runs.exit_code`) is returned,
+        torchrun's own is kept as ``torchrun_exit``."""
         self.recorder.stop()  # its last sample and summary land before the status says ended
-        engine_state = self.status["state"]
-        self.status["exit_code"] = code
+        engine_state = self.fold.state
+        self.status["torchrun_exit"] = code
         self.status["ended"] = time.time()
         self.status["pids"]["workers"] = []
-        agent_signal = torchrun_signal(self.run_dir) if code > 0 else None
-        if code == 0 and engine_state in ("finished", "stopped"):
+        agent_signal = torchrun_signal(self.run_dir) if code > 0 and not self.killed else None
+        if self.killed is not None:
+            state, self.status["reason"] = self.killed
+        elif code == 0 and engine_state in ("finished", "stopped"):
             state = engine_state
         elif engine_state == "stopped" and (agent_signal or self.signal_stop or self.terminated):
             # torchrun was signalled too (a scheduler signals every process of a job): it
@@ -322,9 +365,11 @@ class Supervisor:
             self.status["failure"] = failure_summary(self.run_dir, code)
             self.status["reason"] = self.status["failure"]["summary"]
         self.status["state"] = state
-        self.status["checkpointed_on_stop"] = engine_state == "stopped" and self.engine_checkpointed
+        checkpointed = state == "stopped" and engine_state == "stopped" and self.engine_checkpointed
+        self.status["checkpointed_on_stop"] = checkpointed
+        self.status["exit_code"] = runs.exit_code(state, checkpointed)
         self.write_status(force=True)
-        return 0 if state in ("finished", "stopped") else 1
+        return self.status["exit_code"]
 
 
 def previous_status(run_dir: Path, sessions: Any) -> dict[str, Any]:

@@ -247,13 +247,13 @@ def _run_pids(status):
     return [status["pids"]["torchrun"], *status["pids"]["workers"]]
 
 
-def test_second_ctrl_c_terminates_a_run_that_cannot_stop(procs, runs_dir, tmp_path):
+def test_second_ctrl_c_kills_a_run_that_cannot_stop(procs, runs_dir, tmp_path):
     console, run, status = _hung_run(procs, runs_dir, tmp_path)
     console.send_signal(signal.SIGINT)
     _, err = console.communicate(timeout=120)
     assert console.returncode == 130, _printed(tmp_path) + err
     final = read_status(run)
-    assert final["state"] == "stopped" and "terminated" in final["reason"]
+    assert (final["state"], final["exit_code"]) == ("interrupted", 130)
     assert not final["checkpointed_on_stop"]
     assert not any(pid_alive(p) for p in _run_pids(status))
 
@@ -262,7 +262,7 @@ def test_third_ctrl_c_kills_the_run_at_once(procs, runs_dir, tmp_path):
     console, run, status = _hung_run(procs, runs_dir, tmp_path)
     console.send_signal(signal.SIGINT)
     # Pending signals of one kind merge: send the third only once the second took effect.
-    wait_for(lambda: "terminating" in _printed(tmp_path), what="the second Ctrl-C's effect")
+    wait_for(lambda: "interrupting" in _printed(tmp_path), what="the second Ctrl-C's effect")
     console.send_signal(signal.SIGINT)
     wait_for(
         lambda: not any(pid_alive(p) for p in _run_pids(status)),

@@ -766,6 +766,8 @@ def test_exit_codes_follow_the_design():
     assert headless.exit_code(state_of("stopped", checkpointed_on_stop=False), True) == 130
     assert headless.exit_code(state_of("stopped"), True) == 130
     assert headless.exit_code(state_of("failed"), False) == 1
+    assert headless.exit_code(state_of("interrupted"), True) == 130
+    assert headless.exit_code(state_of("killed"), False) == 137
     lost = RunState()
     lost.state = "lost"
     assert headless.exit_code(lost, False) == 1

@@ -85,7 +85,7 @@ def test_a_stuck_rank_is_flagged_stalled_named_and_dumped(procs, runs_dir, tmp_p
 
     assert procs.cli("stop", "--now", run.name, "--runs-dir", str(runs_dir)).returncode == 0
     console.communicate(timeout=120)
-    assert read_status(run)["state"] == "stopped"
+    assert read_status(run)["state"] == "killed"  # DESIGN.md: --now ends it killed, exit 137
     assert events_of(run, "step")[-1]["step"] == 7
 
 

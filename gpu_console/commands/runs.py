@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 
 from ..events import append_control, read_events
-from ..runs import FINAL_STATES, RunDirError, find_run, read_status
+from ..runs import FINAL_STATES, RunDirError, find_run, read_status, status_exit_code
 from ..state import derived_state, gpu_figures, read_heartbeats
 
 DUMP_TIMEOUT_S = 30.0
@@ -45,16 +45,18 @@ def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
         status = read_status(run)
         started = status.get("started") or run.stat().st_mtime
         last = status.get("ended") or status.get("last_step_t") or started
+        state = derived_state(status, now)
         rows.append(
             {
                 "name": run.name,
                 "path": str(run),
-                "state": derived_state(status, now),
+                "state": state,
                 "reason": status.get("reason", ""),
                 "step": status.get("step"),
                 "max_steps": status.get("max_steps"),
                 "loss": status.get("loss"),
                 "best_loss": status.get("best_loss"),  # finite losses, every session's
+                "exit_code": status_exit_code(status, state),  # None while live
                 "restarts": status.get("restarts") or 0,
                 "mfu": status.get("mfu_mean"),  # the session's mean; None with the reason:
                 "mfu_not_shown": status.get("mfu_not_shown"),
@@ -90,19 +92,36 @@ def request(run_arg: str, runs_dir: Path, cmd: str, wait_s: float = ACK_TIMEOUT_
     return run, cid, []
 
 
-def stop_now(run_arg: str, runs_dir: Path) -> Path:
-    """Terminate the run's processes now (the supervisor records the end)."""
+# The supervisor's kill on request (supervisor.KILLS): ``killed``, exit 137, no checkpoint.
+KILL_SIGNAL = signal.SIGUSR2
+KILL_WAIT_S = 10.0
+
+
+def stop_now(run_arg: str, runs_dir: Path, wait_s: float = KILL_WAIT_S) -> tuple[Path, dict]:
+    """Kill the run now: its supervisor records ``killed``, then SIGKILLs every process of it.
+
+    Returns the run and its status.json once the supervisor recorded the end (waiting up to
+    ``wait_s``; ``{}`` if it has not by then: the kill was delivered all the same).
+    """
     run = find_run(run_arg, runs_dir)
     status = _live(run)
     pids = status.get("pids", {})
     try:
-        os.kill(pids["supervisor"], signal.SIGINT)
-    except (KeyError, ProcessLookupError):
+        os.kill(pids["supervisor"], KILL_SIGNAL)
+    except (KeyError, TypeError, ProcessLookupError):
+        # No supervisor to record it (the run shows lost): its processes are killed here.
         for pid in [pids.get("torchrun"), *(pids.get("workers") or [])]:
             if pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-    return run
+        return run, {}
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        status = read_status(run)
+        if status.get("ended"):
+            return run, status
+        time.sleep(0.05)
+    return run, {}
 
 
 def checkpoint_after(run: Path, cid: str) -> dict[str, Any] | None:

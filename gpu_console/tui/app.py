@@ -167,7 +167,7 @@ class ConsoleApp(App[int]):
                                 run.action_pause)  # fmt: skip
             yield SystemCommand("Stop the run", "Checkpoint, then exit; asks y/n (s)",
                                 run.action_stop)  # fmt: skip
-            yield SystemCommand("Kill the run", "Terminate it now, no checkpoint; asks y/n (k)",
+            yield SystemCommand("Kill the run", "Kill it now, no checkpoint; asks y/n (k)",
                                 run.action_kill)  # fmt: skip
             yield SystemCommand("Detach", "Quit; the run keeps training (d)", run.action_detach)
         if run is not None:

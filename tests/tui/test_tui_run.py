@@ -126,16 +126,16 @@ async def test_s_asks_and_y_stops_the_run(fake_live):
     assert app.return_code == 0
 
 
-async def test_k_asks_and_y_has_the_supervisor_terminate_the_run(fake_live):
+async def test_k_asks_and_y_has_the_supervisor_kill_the_run(fake_live):
     app = app_on(fake_live.run_dir)
     async with app.run_test(size=(80, 24)) as pilot:
         await loaded(pilot, app)
         await pilot.press("k")
         assert isinstance(app.screen, ConfirmScreen)
         await pilot.press("y")
-        marker = fake_live.run_dir / "SIGINT-received"
-        await until(pilot, marker.exists, 10, "SIGINT at the supervisor")
-        await until(pilot, lambda: "supervisor is terminating" in screen_text(app), 5, "the ack")
+        marker = fake_live.run_dir / "SIGUSR2-received"  # supervisor.KILLS: killed
+        await until(pilot, marker.exists, 10, "the kill signal at the supervisor")
+        await until(pilot, lambda: "supervisor is killing" in screen_text(app), 5, "the ack")
         assert control_lines(fake_live.run_dir) == []  # a kill is a signal, not a command
 
 

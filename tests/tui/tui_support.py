@@ -66,10 +66,11 @@ def control_lines(run_dir: Path) -> list[dict]:
 
 SUPERVISOR = """
 import pathlib, signal, sys, time
-def on_int(signum, frame):
-    pathlib.Path(sys.argv[1], "SIGINT-received").write_text("1")
+def on_signal(signum, frame):
+    pathlib.Path(sys.argv[1], f"{signal.Signals(signum).name}-received").write_text("1")
     sys.exit(0)
-signal.signal(signal.SIGINT, on_int)
+signal.signal(signal.SIGINT, on_signal)
+signal.signal(signal.SIGUSR2, on_signal)  # the supervisor's kill on request
 pathlib.Path(sys.argv[1], "supervisor-ready").write_text("1")
 while True:
     time.sleep(0.05)

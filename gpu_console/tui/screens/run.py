@@ -54,15 +54,15 @@ CHART_EVERY_S = 0.5
 
 
 def exit_code_of(s: RunSnapshot | None, status_checkpointed: bool | None = None) -> int:
-    """The console's exit code for a run (DESIGN.md): 0 finished or stopped with its
-    checkpoint, 130 stopped without one, 1 failed or lost; 0 while it is still live."""
+    """The console's exit code for a run: the run's own (:func:`runs.exit_code`: 0 finished
+    or stopped with its checkpoint, 130 interrupted, 137 killed, 1 failed or lost); 0 while
+    it is still live."""
+    from ...runs import EXIT_FAILED, exit_code
+
     if s is None or s.live:
         return 0
-    if s.state == "finished":
-        return 0
-    if s.state == "stopped":
-        return 0 if status_checkpointed else 130
-    return 1
+    code = exit_code(s.state, bool(status_checkpointed))
+    return EXIT_FAILED if code is None else code
 
 
 class RunScreen(Screen):
@@ -308,7 +308,7 @@ class RunScreen(Screen):
         self.app.push_screen(
             ConfirmScreen(
                 "Kill the run now?",
-                "Its processes are terminated at once: no checkpoint is written.",
+                "Its processes are killed at once: no checkpoint is written (state killed).",
             ),
             answer,
         )
@@ -319,11 +319,11 @@ class RunScreen(Screen):
         from ...runs import RunDirError
 
         try:
-            stop_now(str(self.run_dir), self.run_dir.parent)
+            stop_now(str(self.run_dir), self.run_dir.parent, wait_s=0)
         except (RunDirError, OSError) as e:
             self.post_message(Notice(f"kill: {e}", False))
             return
-        self.post_message(Notice("kill: the supervisor is terminating the run", True))
+        self.post_message(Notice("kill: the supervisor is killing the run", True))
 
     def on_notice(self, message: Notice) -> None:
         style = "#ff5f5f" if not message.ok else "#ffaf5f"

@@ -21,6 +21,8 @@ STATE_STYLE = {
     "finished": "bold #87afff",
     "stopped": "bold #ffd75f",
     "failed": "bold #ff5f5f",
+    "interrupted": "bold #ffaf5f",
+    "killed": "bold #ffaf5f",
     "lost": "bold #ff5f5f",
     "stalled": "bold #ff87ff",
     "restarting": "bold #ffaf5f",
