@@ -75,7 +75,9 @@ class TrainConfig:
         "auto",
         "AdamW kernel: auto (fused where torch has one for the device), fused, foreach, for-loop",
     )
-    warmup_steps: int = opt(0, "linear warmup from 0 to lr", min=0)
+    warmup_steps: int = opt(
+        0, "linear warmup from 0 to lr (a shorter --set train.max_steps clamps it)", min=0
+    )
     schedule: Literal["constant", "linear", "cosine"] = opt(
         "cosine", "learning-rate decay after warmup"
     )
@@ -130,7 +132,9 @@ class CheckpointConfig:
     every_steps: int = opt(0, "checkpoint every N steps (0 = never on an interval)", min=0)
     keep_last: int = opt(3, "complete checkpoints to keep (0 = keep all)", min=0)
     on_stop: bool = opt(True, "checkpoint when the run is stopped or signalled")
-    at_end: bool = opt(True, "checkpoint when max_steps is reached")
+    at_end: bool = opt(
+        True, "checkpoint when max_steps is reached (reason end, also where an interval falls)"
+    )
 
 
 @dataclass
