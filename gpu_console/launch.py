@@ -443,7 +443,8 @@ def _steps_left(run: Path, step: int, max_steps: int, bad) -> None:
 
 def resume_changes(profile: Profile, run: Path, world_size: int | None) -> list:
     """What resuming ``run`` with ``profile`` on ``world_size`` ranks changes, each classified
-    (resume_changes.TABLE): against its run.toml and the world size of its last session."""
+    (resume_changes.TABLE): against its run.toml and the world size of its last session
+    (``world_size`` None: not compared, as before the devices are placed)."""
     from .profile import parse_toml
     from .resume_changes import classify
 
