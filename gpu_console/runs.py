@@ -139,8 +139,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path if (path / "meta.json").is_file() else None
 
 
-def list_checkpoints(run_dir: Path) -> list[dict[str, Any]]:
-    """The complete checkpoints on disk, oldest first: what pruning (``keep_last``) left.
+def list_checkpoints(run_dir: Path, newest: int | None = None) -> list[dict[str, Any]]:
+    """The complete checkpoints on disk, oldest first: what pruning (``keep_last``) left; only
+    the ``newest`` N directories are read when given (``keep_last = 0`` may keep thousands).
 
     Each: ``step``, ``reason`` and ``t`` from its meta.json (written last, so a directory
     without one is incomplete), ``bytes`` of its state.pt, ``path``, and ``latest`` for the
@@ -150,10 +151,11 @@ def list_checkpoints(run_dir: Path) -> list[dict[str, Any]]:
     latest = latest_checkpoint(run_dir)
     found = []
     try:
-        entries = sorted(e for e in ckpts.iterdir() if re.fullmatch(r"step-\d+", e.name))
+        entries = [e for e in ckpts.iterdir() if re.fullmatch(r"step-\d+", e.name)]
     except OSError:  # no checkpoints/ yet, or unreadable
         return []
-    for entry in entries:
+    entries.sort(key=lambda e: int(e.name[5:]))
+    for entry in entries[-newest:] if newest else entries:
         try:
             meta = read_json(entry / "meta.json") if (entry / "meta.json").is_file() else None
         except OSError:  # unreadable, or pruned while read

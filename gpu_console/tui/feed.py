@@ -28,6 +28,7 @@ from .series import Point, Series
 
 LIVE_STATES = ("starting", "running", "paused", "stopping", "stalled", "restarting")
 LOG_LINES = 500
+CHECKPOINT_ROWS = 50  # the newest checkpoints on disk the panel lists
 _META_KEYS = ("v", "t", "kind", "step")
 
 
@@ -288,7 +289,7 @@ class RunFeed:
         if not written and seen == self._checkpoints_seen:
             return False
         self._checkpoints_seen = seen
-        found = list_checkpoints(self.run_dir)
+        found = list_checkpoints(self.run_dir, newest=CHECKPOINT_ROWS)
         changed, self.checkpoints = found != self.checkpoints, found
         return changed
 

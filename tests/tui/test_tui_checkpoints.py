@@ -13,6 +13,7 @@ from tui_support import recorded_run_fixture, until  # noqa: F401 - fixtures
 
 from gpu_console.engine import checkpoint
 from gpu_console.events import EventWriter
+from gpu_console.runs import list_checkpoints
 from gpu_console.tui import synthetic
 from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.feed import RunFeed
@@ -89,6 +90,7 @@ def test_the_feed_sees_a_changed_directory_without_an_event(tmp_path):
     assert [c["step"] for c in feed.snapshot().checkpoints] == [100, 200, 300]
     assert [c["latest"] for c in feed.snapshot().checkpoints] == [False, False, True]
     assert feed.snapshot().checkpoints[-1]["reason"] == "end"  # the engine's last: end
+    assert [c["step"] for c in list_checkpoints(run, newest=2)] == [200, 300]
     checkpoint.prune(run / "checkpoints", 1)
     os.utime(run / "checkpoints", ns=(1, 1))  # a new mtime, whatever the clock's resolution
     assert feed.poll()
