@@ -127,8 +127,9 @@ def run(
         runs_dir=folder,
         name=name,
     )
-    if placement.note:
-        print(placement.note, file=sys.stderr)
+    for note in [*prof.notes, placement.note]:
+        if note:
+            print(note, file=sys.stderr)
     if dry_run:
         from . import dry_run as plan
 
@@ -297,7 +298,8 @@ def checkpoint_cmd(
     if event is None:
         typer.echo(f"{path.name}: checkpoint requested; no acknowledgement yet", err=True)
         raise typer.Exit(1)
-    typer.echo(f"{event['path']} (step {event['step']}, {event['bytes']:,} bytes)")
+    size = f"{event['bytes']:,} bytes" if isinstance(event.get("bytes"), int) else "-"
+    typer.echo(f"{event['path']} (step {event['step']}, {size}, {event.get('reason')})")
 
 
 @app.command("dump")

@@ -202,6 +202,8 @@ def follow(
             (signal.SIGUSR1, scheduler),
         )
     }
+    if resumed := _resumed_line(run_dir):
+        console.print(resumed, highlight=False)
     console.print(Text.assemble("run ", (run_dir.name, "bold"), f"  ({run_dir})"))
     try:
         if tty:
@@ -214,6 +216,21 @@ def follow(
     st = follower.state
     console.print(summary_table(st, run_dir))
     return exit_code(st, interrupts.count > 0 or bool(scheduler.received))
+
+
+def _resumed_line(run_dir: Path) -> Text | None:
+    """``resumed from RUN at step N``: a resumed session's first line (None for a new run)."""
+    from .runs import current_session, read_json
+
+    meta = read_json(run_dir / "meta.json")
+    resumed = current_session(meta).get("resume_from") if isinstance(meta, dict) else None
+    if not isinstance(resumed, str):
+        return None
+    ckpt = Path(resumed)  # RUN/checkpoints/step-N
+    written = read_json(ckpt / "meta.json")
+    step = written.get("step") if isinstance(written, dict) else None
+    at = f" at step {step}" if isinstance(step, int) else ""
+    return Text.assemble("resumed from ", (ckpt.parent.parent.name, "bold"), at)
 
 
 class Watch:

@@ -355,6 +355,8 @@ def prepare(
         origin = flags.get(key) or ("--set" if key in set_keys else source)
         return LaunchError(f"{origin}: {key}: {problem} (got {show(value)})")
 
+    if resume_run is not None:
+        _same_task_kind(resume_run, profile_arg, sets, bad)  # before its keys are judged
     profile = load_profile(profile_arg, sets)
     task_cwd = None
     if resume_run is not None:
@@ -366,17 +368,20 @@ def prepare(
                 f"({run_name}); leave --name out (got {name!r})"
             )
         profile.profile.name = run_name
-        if resume_step >= profile.train.max_steps:
-            raise bad(
-                "train.max_steps",
-                f"the newest checkpoint is at step {resume_step}: nothing left to train; "
-                "raise it (--set train.max_steps=N)",
-                profile.train.max_steps,
-            )
         task_cwd = run_cwd(resume_run)
     elif name:
         profile.profile.name = name
     profile = check_user_task(profile, source, set_keys | set(flags), cwd=task_cwd)
+    if resume_run is not None:
+        no = refused(resume_changes(profile, resume_run, None))
+        if no:
+            more = f"; also {', '.join(c.key for c in no[1:])}" if no[1:] else ""
+            first = no[0]
+            raise bad(
+                first.key, f"a resumed run cannot change it (was {show(first.old)}): "
+                f"{first.why}{more}", first.new,
+            )  # fmt: skip
+        _steps_left(resume_run, resume_step, profile.train.max_steps, bad)
     try:
         placement = resolve_placement(profile.hardware.devices)
     except DeviceSpecError as e:
@@ -395,21 +400,51 @@ def prepare(
         )
     if profile.train.precision == "bf16" and (why := bf16_refusal(placement)):
         raise bad("train.precision", f"{why}; use auto (fp16 there) or fp32", "bf16")
-    if resume_run is not None:
-        no = refused(resume_changes(profile, resume_run, placement.nproc))
-        if no:
-            more = f"; also {', '.join(c.key for c in no[1:])}" if no[1:] else ""
-            first = no[0]
-            raise bad(
-                first.key, f"a resumed run cannot change it (was {show(first.old)}): "
-                f"{first.why}{more}", first.new,
-            )  # fmt: skip
     return profile, placement, resume_from
 
 
-def resume_changes(profile: Profile, run: Path, world_size: int) -> list:
+def _same_task_kind(run: Path, profile_arg: str, sets: list[str], bad) -> None:
+    """Another task (another profile's, or ``--set task.kind``): one line, before the new
+    task's keys are checked against the old task's (which would name each of them)."""
+    from .profile import apply_overrides, parse_toml
+
+    def kind(data: dict) -> object:
+        task = data.get("task")
+        return task.get("kind", "mlp") if isinstance(task, dict) else "mlp"
+
+    try:
+        old = kind(parse_toml(run / "run.toml"))
+    except ProfileError:
+        return  # nothing to compare with (resume_changes says the same)
+    new = kind(apply_overrides(parse_toml(find_profile(profile_arg)), sets)[0])
+    if new != old:
+        raise bad(
+            "task.kind",
+            f"{run.name} trained task {show(old)}: a resumed run keeps its task and model; "
+            "start a new run, or resume without PROFILE",
+            new,
+        )
+
+
+def _steps_left(run: Path, step: int, max_steps: int, bad) -> None:
+    """A run whose newest checkpoint is at (or past) max_steps has nothing left to train."""
+    if step == max_steps:
+        raise LaunchError(
+            f"--resume: {run}: already at max_steps {step}; raise train.max_steps to continue "
+            "(--set train.max_steps=N)"
+        )
+    if step > max_steps:
+        raise bad(
+            "train.max_steps",
+            f"{run.name} is already at step {step}; raise it above {step} to continue",
+            max_steps,
+        )
+
+
+def resume_changes(profile: Profile, run: Path, world_size: int | None) -> list:
     """What resuming ``run`` with ``profile`` on ``world_size`` ranks changes, each classified
-    (resume_changes.TABLE): against its run.toml and the world size of its last session."""
+    (resume_changes.TABLE): against its run.toml and the world size of its last session
+    (``world_size`` None: not compared, as before the devices are placed)."""
     from .profile import parse_toml
     from .resume_changes import classify
 

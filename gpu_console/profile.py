@@ -75,7 +75,9 @@ class TrainConfig:
         "auto",
         "AdamW kernel: auto (fused where torch has one for the device), fused, foreach, for-loop",
     )
-    warmup_steps: int = opt(0, "linear warmup from 0 to lr", min=0)
+    warmup_steps: int = opt(
+        0, "linear warmup from 0 to lr (a shorter --set train.max_steps clamps it)", min=0
+    )
     schedule: Literal["constant", "linear", "cosine"] = opt(
         "cosine", "learning-rate decay after warmup"
     )
@@ -130,7 +132,9 @@ class CheckpointConfig:
     every_steps: int = opt(0, "checkpoint every N steps (0 = never on an interval)", min=0)
     keep_last: int = opt(3, "complete checkpoints to keep (0 = keep all)", min=0)
     on_stop: bool = opt(True, "checkpoint when the run is stopped or signalled")
-    at_end: bool = opt(True, "checkpoint when max_steps is reached")
+    at_end: bool = opt(
+        True, "checkpoint when max_steps is reached (reason end, also where an interval falls)"
+    )
 
 
 @dataclass
@@ -165,6 +169,9 @@ class Profile:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    # Lines the user should read about how the profile was resolved (the CLI prints them on
+    # stderr); not part of run.toml.
+    notes: list[str] = field(default_factory=list, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"profile": schema.to_dict(self.profile)}
@@ -282,14 +289,31 @@ def resolve(
     if errors:
         raise ProfileError([_blame(e, source, overridden) for e in errors])
     profile = Profile(task_kind=kind, task=task_cfg, **built)
-    if profile.train.warmup_steps > profile.train.max_steps:
-        raise ProfileError(
-            [
-                f"{source}: train.warmup_steps: must not exceed train.max_steps="
-                f"{profile.train.max_steps} (got {profile.train.warmup_steps})"
-            ]
-        )
+    _fit_warmup(profile, source, overridden)
     return profile
+
+
+def _fit_warmup(profile: Profile, source: str, overridden: set[str] | frozenset[str]) -> None:
+    """A warmup longer than the run: clamped when ``--set train.max_steps`` shortened the
+    profile's run (README's way to make a short run), refused when both values were asked
+    for in one place (the file, or ``--set``): that is a contradiction, not a shortening.
+    run.toml then holds the clamped value, the one the schedule uses."""
+    train = profile.train
+    if train.warmup_steps <= train.max_steps:
+        return
+    if "train.max_steps" in overridden and "train.warmup_steps" not in overridden:
+        profile.notes.append(
+            f"--set train.max_steps={train.max_steps}: train.warmup_steps {train.warmup_steps}"
+            f" → {train.max_steps} (the profile's warmup is longer than this run; the lr rises"
+            " to its peak over the whole run)"
+        )
+        train.warmup_steps = train.max_steps
+        return
+    problem = (
+        f"train.warmup_steps: must not exceed train.max_steps={train.max_steps} "
+        f"(got {train.warmup_steps})"
+    )
+    raise ProfileError([_blame(problem, source, overridden)])
 
 
 # What ``train.deterministic`` turns off: each is a source of run-to-run differences on GPUs.

@@ -174,6 +174,47 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path if (path / "meta.json").is_file() else None
 
 
+def list_checkpoints(run_dir: Path, newest: int | None = None) -> list[dict[str, Any]]:
+    """The complete checkpoints on disk, oldest first: what pruning (``keep_last``) left; only
+    the ``newest`` N directories are read when given (``keep_last = 0`` may keep thousands).
+
+    Each: ``step``, ``reason`` and ``t`` from its meta.json (written last, so a directory
+    without one is incomplete), ``bytes`` of its state.pt, ``path``, and ``latest`` for the
+    one ``checkpoints/LATEST`` names.
+    """
+    ckpts = Path(run_dir) / "checkpoints"
+    latest = latest_checkpoint(run_dir)
+    found = []
+    try:
+        entries = [e for e in ckpts.iterdir() if re.fullmatch(r"step-\d+", e.name)]
+    except OSError:  # no checkpoints/ yet, or unreadable
+        return []
+    entries.sort(key=lambda e: int(e.name[5:]))
+    for entry in entries[-newest:] if newest else entries:
+        try:
+            meta = read_json(entry / "meta.json") if (entry / "meta.json").is_file() else None
+        except OSError:  # unreadable, or pruned while read
+            continue
+        if not isinstance(meta, dict):
+            continue
+        try:
+            size: int | None = (entry / "state.pt").stat().st_size
+        except OSError:
+            size = None
+        step = meta.get("step")
+        found.append(
+            {
+                "step": step if isinstance(step, int) else int(entry.name[5:]),
+                "reason": meta.get("reason"),
+                "t": meta.get("t"),
+                "bytes": size,
+                "path": str(entry),
+                "latest": latest is not None and entry.name == latest.name,
+            }
+        )
+    return found
+
+
 def current_session(meta: dict[str, Any]) -> dict[str, Any]:
     """meta.json as the running session sees it: the run's facts, then its last session's.
 

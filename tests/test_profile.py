@@ -318,3 +318,40 @@ def test_show_renders_values_as_typed():
     assert schema.show("a") == "'a'"
     assert schema.show(1.5) == "1.5"
     assert schema.show([1, "a"]) == "[1, 'a']"
+
+
+def test_a_shorter_run_clamps_the_profiles_warmup_and_says_so(tmp_path):
+    # README shortens a run with --set train.max_steps: the profile's warmup gives way, and
+    # run.toml holds what the schedule uses.
+    path = write_profile(tmp_path / "p.toml", "[train]\nmax_steps = 300\nwarmup_steps = 20\n")
+    prof = load_profile(str(path), ["train.max_steps=10"])
+    assert prof.train.warmup_steps == 10 and prof.train.max_steps == 10
+    assert prof.notes == [
+        "--set train.max_steps=10: train.warmup_steps 20 → 10 (the profile's warmup is longer "
+        "than this run; the lr rises to its peak over the whole run)"
+    ]
+    assert tomllib.loads(prof.to_toml())["train"]["warmup_steps"] == 10
+    # A warmup that fits is left as it is, without a note.
+    fits = load_profile(str(path), ["train.max_steps=20"])
+    assert fits.train.warmup_steps == 20 and fits.notes == []
+
+
+@pytest.mark.parametrize(
+    "text, sets, blamed",
+    [
+        # Both asked for on the command line: a contradiction the user just typed.
+        ("[train]\nwarmup_steps = 20\n", ["train.max_steps=10", "train.warmup_steps=50"], "--set"),
+        # A warmup typed on the command line that the profile's run cannot hold.
+        ("[train]\nmax_steps = 10\n", ["train.warmup_steps=50"], "--set"),
+        # Both in the file: its author's contradiction.
+        ("[train]\nmax_steps = 10\nwarmup_steps = 50\n", [], "FILE"),
+    ],
+)
+def test_a_warmup_asked_for_beyond_the_run_is_refused(tmp_path, text, sets, blamed):
+    path = write_profile(tmp_path / "p.toml", text)
+    with pytest.raises(ProfileError) as err:
+        load_profile(str(path), sets)
+    origin = str(path) if blamed == "FILE" else blamed
+    assert err.value.problems == [
+        f"{origin}: train.warmup_steps: must not exceed train.max_steps=10 (got 50)"
+    ]

@@ -165,8 +165,10 @@ def test_resume_continues_in_the_same_directory_from_anywhere(procs, runs_dir, t
     assert again.returncode == 2, again.stdout + again.stderr
     (line,) = again.stderr.splitlines()
     # Found by name under ./runs: named as found.
-    assert line.startswith(f"gpu-console: runs/{run.name}/run.toml: train.max_steps: "), line
-    assert f"newest checkpoint is at step {stopped_at + 20}: nothing left" in line, line
+    assert line == (
+        f"gpu-console: --resume: runs/{run.name}: already at max_steps {stopped_at + 20}; "
+        "raise train.max_steps to continue (--set train.max_steps=N)"
+    ), line
     # --name would rename the run: refused.
     renamed = procs.cli(
         "run", "--resume", run.name, "--headless", "--name", "other",

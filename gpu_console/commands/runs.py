@@ -125,11 +125,14 @@ def stop_now(run_arg: str, runs_dir: Path, wait_s: float = KILL_WAIT_S) -> tuple
 
 
 def checkpoint_after(run: Path, cid: str) -> dict[str, Any] | None:
-    """The checkpoint event written for request ``cid`` (it follows the 'received' ack)."""
+    """The checkpoint that answers request ``cid``: the one written for it (its event follows
+    the 'received' ack), or the one its step already had (named in the 'done' ack)."""
     seen = False
     for e in read_events(run / "events.jsonl"):
         if e.get("kind") == "control" and e.get("id") == cid:
             seen = True
+            if isinstance(e.get("checkpoint"), dict):
+                return e["checkpoint"]
         elif seen and e.get("kind") == "checkpoint":
             return e
     return None

@@ -114,6 +114,28 @@ def save(
     return outcome[0]
 
 
+@dataclass
+class Newest:
+    """The newest checkpoint this session wrote (its event's fields, the same on every rank).
+
+    A step is checkpointed once: a request at that step (an interval's, or a request while
+    paused) is answered with it, and the interval at the run's last step is left to the end
+    checkpoint, which every profile's run then ends with (reason ``end``).
+    """
+
+    event: dict[str, Any] | None = None
+
+    def at(self, step: int) -> dict[str, Any] | None:
+        return self.event if self.event is not None and self.event["step"] == step else None
+
+
+def interval_due(step: int, cfg, max_steps: int) -> bool:
+    """An interval checkpoint after ``step`` (``cfg``: the profile's [checkpoint])."""
+    if cfg.at_end and step >= max_steps:
+        return False  # the end checkpoint is this step's
+    return bool(cfg.every_steps and step % cfg.every_steps == 0)
+
+
 def failure(step: int, reason: str, outcome: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """A failed save's error line, and its fields for the supervisor (``checkpoint_failed``)."""
     previous = outcome["latest"]

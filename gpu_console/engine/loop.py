@@ -257,6 +257,7 @@ def _train(
     control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
     params = [q for q in model.parameters() if q.requires_grad]
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
+    newest = checkpoint.Newest()
 
     def save(reason: str) -> bool:
         """Collective. False when rank 0 could not write it (the previous one stays)."""
@@ -275,6 +276,7 @@ def _train(
             run_dir, step, reason, state, rank_state, p.checkpoint.keep_last, d.is_main, writes
         )
         if outcome["ok"]:
+            newest.event = outcome["event"]
             if d.is_main:
                 out.event("checkpoint", **outcome["event"])
             return True
@@ -415,7 +417,7 @@ def _train(
             if eval_loader is not None and p.train.eval_every and step % p.train.eval_every == 0:
                 beat.set(step, "eval")
                 _evaluate(out, d, task, ddp, eval_loader, autocast, step)
-            if p.checkpoint.every_steps and step % p.checkpoint.every_steps == 0:
+            if checkpoint.interval_due(step, p.checkpoint, p.train.max_steps):
                 save("interval")
             if rows is None:
                 # Between log steps (when they are further apart than the control interval),
@@ -434,8 +436,12 @@ def _train(
         if decision.cmd is None:
             continue
         _ack(out, decision, "received", step)
+        done = {}
         if decision.cmd == "checkpoint":
-            save("request")
+            if newest.at(step) is None:  # else this step's checkpoint answers the request
+                save("request")
+            if newest.at(step) is not None:
+                done["checkpoint"] = newest.at(step)
         elif decision.cmd == "pause":
             if not paused:
                 paused = True
@@ -449,23 +455,22 @@ def _train(
             control.stopping()
             _ack(out, decision, "done", step)
             return _stop(out, p, step, save, "stop", exchange.counts())
-        _ack(out, decision, "done", step)
+        _ack(out, decision, "done", step, **done)
 
     # -- the end (skipping what the last step's boundaries already did) ----------------------
     if eval_loader is not None and not (p.train.eval_every and step % p.train.eval_every == 0):
         beat.set(step, "eval")
         _evaluate(out, d, task, ddp, eval_loader, autocast, step)
-    if p.checkpoint.at_end and not (
-        p.checkpoint.every_steps and step % p.checkpoint.every_steps == 0
-    ):
+    if p.checkpoint.at_end:
         save("end")
     out.status("finished", reason="max_steps reached", step=step, exchanges=exchange.counts())
 
 
-def _ack(out: Reporter, decision, state: str, step: int) -> None:
+def _ack(out: Reporter, decision, state: str, step: int, **fields) -> None:
     """Acknowledge a command on the node whose control file held it (cmd_id is None elsewhere)."""
     if decision.cmd_id is not None:
-        out.event("control", id=decision.cmd_id, cmd=decision.cmd, state=state, step=step)
+        out.event("control", id=decision.cmd_id, cmd=decision.cmd, state=state, step=step,
+                  **fields)  # fmt: skip
 
 
 def _stop(out: Reporter, p: Profile, step: int, save, reason: str, exchanges: dict) -> None:

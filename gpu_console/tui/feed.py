@@ -21,13 +21,14 @@ from typing import Any
 
 from ..events import JsonlTail
 from ..fold import RunFold, shown_state
-from ..runs import FINAL_STATES, current_session, read_json, read_status
+from ..runs import FINAL_STATES, current_session, list_checkpoints, read_json, read_status
 from . import reader
 from .devices import DeviceFeed, DeviceView
 from .series import Point, Series
 
 LIVE_STATES = ("starting", "running", "paused", "stopping", "stalled", "restarting")
 LOG_LINES = 500
+CHECKPOINT_ROWS = 50  # the newest checkpoints on disk the panel lists
 _META_KEYS = ("v", "t", "kind", "step")
 
 
@@ -68,7 +69,7 @@ class RunSnapshot:
     throughput_points: list[Point]
     tokens_points: list[Point]
     restarts: int
-    checkpoints: list[dict[str, Any]]
+    checkpoints: list[dict[str, Any]]  # on disk, oldest first (runs.list_checkpoints)
     controls: dict[str, dict[str, Any]]
     new_logs: list[LogLine]
     failure: dict[str, Any] | None
@@ -98,8 +99,7 @@ def display_state(status: dict[str, Any], engine_state: str, now: float, step_ti
 
 class RunModel(RunFold):
     """THE fold (:mod:`..fold`) and what only the run screen shows (series for the charts,
-    log lines, every eval and checkpoint): :meth:`apply` in file order, :meth:`backfill` for
-    older events."""
+    log lines, every eval): :meth:`apply` in file order, :meth:`backfill` for older events."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -108,7 +108,6 @@ class RunModel(RunFold):
         self.throughput_series = Series(512, 512)
         self.tokens_series = Series(512, 512)  # tokens/s, where the task reports tokens
         self.evals: list[tuple[int, dict[str, float]]] = []  # sorted by step
-        self.checkpoints: list[dict[str, Any]] = []  # sorted by step
         self.controls: dict[str, dict[str, Any]] = {}
         self.logs: deque[LogLine] = deque(maxlen=LOG_LINES)
         self.log_count = 0  # lines ever appended to ``logs``
@@ -133,7 +132,6 @@ class RunModel(RunFold):
         elif kind == "eval":
             self._add_eval(e)
         elif kind == "checkpoint":
-            self._add_checkpoint(e)
             size = e.get("bytes")
             size_text = f", {size / 2**20:.1f} MiB" if isinstance(size, (int, float)) else ""
             self._log(
@@ -151,8 +149,6 @@ class RunModel(RunFold):
         kind = e.get("kind")
         if kind == "eval":
             self._add_eval(e)
-        elif kind == "checkpoint":
-            self._add_checkpoint(e)
         elif kind == "control":
             self._add_control(e, older=True)
         elif kind == "start" and not self.start:
@@ -171,13 +167,6 @@ class RunModel(RunFold):
             self.evals[i - 1] = (step, metrics)
         else:
             self.evals.insert(i, (step, metrics))
-
-    def _add_checkpoint(self, e: dict[str, Any]) -> None:
-        keys = [(c.get("step") or 0, c.get("t") or 0) for c in self.checkpoints]
-        key = (e.get("step") or 0, e.get("t") or 0)
-        i = bisect.bisect_right(keys, key)
-        if not (i and keys[i - 1] == key):
-            self.checkpoints.insert(i, e)
 
     def _add_control(self, e: dict[str, Any], older: bool = False) -> None:
         cid = e.get("id")
@@ -227,6 +216,10 @@ class RunFeed:
         self.devices = DeviceFeed(self.run_dir, interval_s=sample_interval_s, enabled=telemetry)
         self.meta = read_json(self.run_dir / "meta.json") or {}
         self.sampled = False
+        # What checkpoints/ holds (pruning removes what events once announced), read again
+        # when the directory changes or a checkpoint event says a write (and prune) is done.
+        self.checkpoints: list[dict[str, Any]] = []
+        self._checkpoints_seen: int | None = None
 
     # -- reading ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -239,6 +232,7 @@ class RunFeed:
         self.sampled = quick.sampled
         self._read_status()
         self._read_logs()
+        self._read_checkpoints(True)
         self._take_model_logs()
         self.devices.update(self.live, self.model.last_step)
 
@@ -255,10 +249,12 @@ class RunFeed:
         """Read what is new; True if anything the screen shows may have changed."""
         if self.supervisor is not None:
             self.supervisor.poll()  # reap it, so an ended supervisor is not a live zombie
-        changed = False
+        changed = written = False
         for e in self._tail.read():
             self.model.apply(e)
             changed = True
+            written |= e.get("kind") == "checkpoint"
+        changed |= self._read_checkpoints(written)
         changed |= self._read_status()
         changed |= self._read_logs()
         self._take_model_logs()
@@ -283,6 +279,19 @@ class RunFeed:
         if self.status.get("started") != started:  # a new session: it may run elsewhere
             self.meta = read_json(self.run_dir / "meta.json") or self.meta
         return True
+
+    def _read_checkpoints(self, written: bool) -> bool:
+        """List checkpoints/ again if it changed (its mtime) or a checkpoint was written."""
+        try:
+            seen = (self.run_dir / "checkpoints").stat().st_mtime_ns
+        except OSError:
+            seen = None
+        if not written and seen == self._checkpoints_seen:
+            return False
+        self._checkpoints_seen = seen
+        found = list_checkpoints(self.run_dir, newest=CHECKPOINT_ROWS)
+        changed, self.checkpoints = found != self.checkpoints, found
+        return changed
 
     def _read_logs(self) -> bool:
         lines, self._log_offset = reader.tail_text(
@@ -378,7 +387,7 @@ class RunFeed:
             throughput_points=m.throughput_series.view(),
             tokens_points=m.tokens_series.view(),
             restarts=m.restarts if m.start else int(st.get("restarts") or 0),
-            checkpoints=list(m.checkpoints[-50:]),
+            checkpoints=list(self.checkpoints),
             controls=dict(m.controls),
             new_logs=logs,
             failure=st.get("failure"),

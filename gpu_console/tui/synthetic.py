@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ def write_run(
     log_every: int = 10,
     eval_every: int = 100,
     checkpoint_every: int = 100,
+    keep_last: int = 3,
     state: str = "finished",
     device_type: str = "cpu",
     world_size: int = 2,
@@ -133,14 +135,16 @@ def write_run(
                        "loss": loss})
             )  # fmt: skip
         if checkpoint_every and step % checkpoint_every == 0:
-            last_ckpt = _checkpoint(run_dir, step, t, "interval")
+            # The engine's last step is the end checkpoint's, never an interval's.
+            end = state == "finished" and step == max_steps
+            last_ckpt = _checkpoint(run_dir, step, t, "end" if end else "interval", keep_last)
             lines.append(_dump(last_ckpt))
     for c in controls or ():
         lines.append(_dump({"v": 1, "t": round(t, 3), "kind": "control", **c}))
     if state == "stopped":
         stopping = {"v": 1, "t": t, "kind": "status", "state": "stopping", "reason": "stop"}
         lines.append(_dump(stopping))
-        last_ckpt = _checkpoint(run_dir, steps, t + 0.05, "stop")
+        last_ckpt = _checkpoint(run_dir, steps, t + 0.05, "stop", keep_last)
         lines.append(_dump(last_ckpt))
     if state in ("finished", "stopped", "paused"):
         reason = {"finished": "max_steps reached", "stopped": "stop", "paused": "requested"}[state]
@@ -186,7 +190,20 @@ def write_run(
     return run_dir
 
 
-def _checkpoint(run_dir: Path, step: int, t: float, reason: str) -> dict[str, Any]:
+def _checkpoint(run_dir: Path, step: int, t: float, reason: str, keep_last: int) -> dict[str, Any]:
+    """A checkpoint event, and its directory as the engine leaves it (a sparse state.pt of
+    the event's size, meta.json, LATEST, the oldest pruned beyond ``keep_last``)."""
+    ckpts = run_dir / "checkpoints"
+    folder = ckpts / f"step-{step:08d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "state.pt", "wb") as f:
+        f.truncate(946_709)
+    meta = {"step": step, "reason": reason, "world_size": 2, "t": round(t, 3)}
+    (folder / "meta.json").write_text(json.dumps(meta) + "\n")
+    (ckpts / "LATEST").write_text(folder.name + "\n")
+    if keep_last > 0:
+        for old in sorted(ckpts.glob("step-*"))[:-keep_last]:
+            shutil.rmtree(old)
     return {
         "v": 1,
         "t": round(t, 3),

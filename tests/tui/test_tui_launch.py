@@ -216,10 +216,12 @@ async def test_enter_launches_quickstart_and_the_keys_control_it(here, no_gpu):
             assert "samples/s" in screen_text(app) and "running" in screen_text(app)
 
             await pilot.press("c")
-            requested = lambda: [  # noqa: E731
-                c for c in events_of(run.run_dir, "checkpoint") if c["reason"] == "request"
-            ]
-            await until(pilot, requested, 60, "a requested checkpoint")
+            # Answered with a checkpoint: a new one, or the interval's of the step it landed on.
+            answered = lambda: [  # noqa: E731
+                e for e in events_of(run.run_dir, "control")
+                if e.get("cmd") == "checkpoint" and e.get("state") == "done" and e.get("checkpoint")
+            ]  # fmt: skip
+            await until(pilot, answered, 60, "a checkpoint answering the request")
             await until(pilot, lambda: "checkpoint ✓ done" in screen_text(app), 10, "its ack")
 
             await pilot.press("p")

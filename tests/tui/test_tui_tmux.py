@@ -161,10 +161,15 @@ def test_the_real_binary_in_tmux(tmp_path):
         run = only_run(runs)
 
         tmux.keys("c")
+        # Answered with a checkpoint: a new one, or the interval's of the step it landed on.
         wait_for(
-            lambda: [c for c in events_of(run, "checkpoint") if c["reason"] == "request"],
+            lambda: [
+                e
+                for e in events_of(run, "control")
+                if e.get("cmd") == "checkpoint" and e.get("state") == "done" and e.get("checkpoint")
+            ],
             60,
-            "a checkpoint with reason request",
+            "a checkpoint answering the request",
         )
         tmux.wait("checkpoint ✓ done", 30)
 

@@ -31,6 +31,7 @@ from ...events import append_control
 from ..feed import RunFeed, RunSnapshot
 from ..messages import ControlSent, Notice, RunUpdated
 from ..widgets.chart import BrailleChart, Line
+from ..widgets.checkpoints import TITLE as CHECKPOINTS_TITLE
 from ..widgets.checkpoints import CheckpointList
 from ..widgets.devices import DevicePanel
 from ..widgets.failure import FailurePanel
@@ -128,7 +129,7 @@ class RunScreen(Screen):
         self.query_one("#throughput").border_title = "samples/s"
         self.query_one("#lr").border_title = "lr"
         self.query_one("#devices-box").border_title = "devices"
-        self.query_one("#checkpoints-box").border_title = "checkpoints"
+        self.query_one("#checkpoints-box").border_title = CHECKPOINTS_TITLE
         self.query_one("#log").border_title = "log"
         self.query_one("#failure-box").border_title = "failure"
         self.query_one("#header", RunHeader).update(Text(f"{self.run_dir.name}  loading…"))
@@ -248,6 +249,9 @@ class RunScreen(Screen):
             p["state"], p["step"] = e.get("state"), e.get("step")
             mark = {"done": "✓", "rejected": "✗"}.get(p["state"], "…")
             text = f"{p['cmd']} {mark} {p['state']} @ step {p['step']}"
+            held = e.get("checkpoint")  # a request answered by the step's earlier checkpoint
+            if isinstance(held, dict) and held.get("reason") != "request":
+                text += f" (its {held.get('reason')} checkpoint)"
             style = "#ff5f5f" if p["state"] == "rejected" else "#5fd787"
             self.last_command = Text(text, style=style)
             log.write(Text(f"← {text}", style=LOG_STYLE["command"]))

@@ -1,4 +1,8 @@
-"""Checkpoints of the run, newest first: step, reason, size, age."""
+"""The run's checkpoints as they are on disk, newest first: step, reason, size, age.
+
+What ``checkpoint.keep_last`` pruned is gone from the list; ``▶`` marks the one
+``checkpoints/LATEST`` names (what ``--resume`` continues from).
+"""
 
 from __future__ import annotations
 
@@ -9,18 +13,21 @@ from rich.text import Text
 from .panel import TextPanel
 from .text import ago, human_bytes
 
+TITLE = "checkpoints on disk (▶ LATEST)"
+
 
 def checkpoints_text(checkpoints: list[dict[str, Any]], now: float, rows: int = 50) -> Text:
     t = Text(no_wrap=True, overflow="ellipsis")
     if not checkpoints:
-        t.append("none yet", style="dim")
+        t.append("none on disk", style="dim")
         return t
     for i, c in enumerate(reversed(checkpoints[-rows:])):
         if i:
             t.append("\n")
         style = "bold" if c.get("reason") in ("request", "stop") else ""
+        t.append("▶" if c.get("latest") else " ", style="bold #5fd787")
         t.append(f"{c.get('step', 0):>7,} ", style="bold")
-        t.append(f"{str(c.get('reason', '')):<8} ", style=style)
+        t.append(f"{str(c.get('reason') or ''):<8} ", style=style)
         t.append(f"{human_bytes(c.get('bytes')):>10} ", style="dim")
         t.append(ago(now - c["t"]) if isinstance(c.get("t"), (int, float)) else "-", style="dim")
     return t
