@@ -173,7 +173,7 @@ def summary_lines(st: RunState, run_dir: Path) -> list[str]:
     lines = [summary_title(f)]
     for what, value in summary_rows(f):
         first, *rest = value.splitlines() or [""]
-        lines.append(f"{what}: {first}" if not rest else f"{what}:")
+        lines.append(f"{what}: {first}".rstrip() if not rest else f"{what}:")
         if rest:
             lines += [f"  {line}" for line in (first, *rest)]
     return lines
