@@ -316,7 +316,8 @@ def plain_beat_s() -> float:
 class Rhythm:
     """When a plain progress line is due: at the first step, then every ``every_s`` seconds
     of wall time on a fixed beat (a slow poll skips a beat, never shifts the later ones), and
-    at the end when the last line did not show the final step."""
+    at the end when the last line did not show the final step. A beat with no new step (a
+    paused run, one waiting on another node) prints nothing: its state has a line of its own."""
 
     def __init__(self, every_s: float):
         self.every_s = max(MIN_BEAT_S, every_s)
@@ -324,11 +325,9 @@ class Rhythm:
         self.shown_step: int | None = None
 
     def due(self, now: float, step: int, ended: bool) -> bool:
-        if not step:
+        if not step or step == self.shown_step:
             return False
-        if self.next_t is None:
-            return True
-        return step != self.shown_step if ended else now >= self.next_t
+        return self.next_t is None or ended or now >= self.next_t
 
     def shown(self, now: float, step: int) -> None:
         self.shown_step = step

@@ -96,21 +96,25 @@ def test_the_rhythm_is_the_first_step_then_a_fixed_beat_then_the_end():
     rhythm = Rhythm(5.0)
     shown = []
 
-    def tick(now, step, ended=False):
+    def poll(now, step, ended=False):
         if rhythm.due(now, step, ended):
             rhythm.shown(now, step)
-            shown.append((now, step))
+            shown.append(now)
 
-    tick(0.0, 0)  # no step yet: nothing to say
-    tick(3.0, 1)  # the first step, at once
-    for t in range(4, 30):
-        tick(float(t) + 0.2, t * 10)
-    tick(17.9, 170)  # a slow poll that skipped beats: the next is still on the beat
-    tick(31.0, 310, ended=True)
-    assert [t for t, _ in shown] == [3.0, 8.2, 13.2, 18.2, 23.2, 28.2, 31.0]
-    assert shown[-1] == (31.0, 310)
-    tick(32.0, 310, ended=True)  # the end is said once
-    assert len(shown) == 7
+    poll(0.0, 0)  # no step yet: nothing to say
+    poll(3.0, 1)  # the first step, at once; the beat is 8, 13, 18, 23, 28, ...
+    for t in range(4, 15):
+        poll(t + 0.2, t * 10)
+    assert shown == [3.0, 8.2, 13.2]
+    poll(24.5, 240)  # a slow poll: it misses the beats at 18 and 23 and says the step once
+    poll(25.5, 240)
+    assert shown[-1] == 24.5  # the next beat is still 28, not 24.5 + 5
+    poll(28.2, 240)  # a beat without a new step (paused): nothing new to say
+    poll(29.2, 260)  # the step moved: the beat it missed is due
+    poll(30.2, 270)
+    poll(31.0, 280, ended=True)  # the end: its final step, off the beat
+    poll(31.2, 280, ended=True)  # said once
+    assert shown == [3.0, 8.2, 13.2, 24.5, 29.2, 31.0]
 
 
 def test_off_a_terminal_progress_lines_come_at_a_steady_beat(procs, runs_dir, tmp_path):

@@ -131,7 +131,7 @@ def test_the_summary_and_ls_json_show_what_each_gpu_did(headless_run):
     rows = [line for line in done.stdout.splitlines() if line.startswith("GPU ")]
     assert len(rows) == 2
     for g, line in zip(gpus, rows, strict=True):
-        assert f"GPU {g['index']} " in line and describe(g) in line
+        assert line == f"GPU {g['index']}: {describe(g)}"
     assert "util 87 %" in rows[0] and "(NVML energy counter)" in rows[0]
     assert "util 55 %" in rows[1] and "(integrated power)" in rows[1]
 
