@@ -11,10 +11,49 @@ import sys
 from pathlib import Path
 
 import typer
+from typer.core import TyperCommand
 
 from . import __version__
 
-app = typer.Typer(
+
+class Command(TyperCommand):
+    """A command whose help names each argument by its metavar (``RUN``), as its options are
+    (``--set KEY=VALUE``): this Typer writes ``{run}`` and ``RUN <str>`` for arguments."""
+
+    def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                name = param.metavar or param.name.upper()
+                pieces.append(name if param.required else f"[{name}]")
+            else:
+                pieces += param.get_usage_pieces(ctx)
+        return pieces
+
+    def format_options(self, ctx: typer.Context, formatter) -> None:
+        args, opts = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                args.append((param.metavar or param.name.upper(), record[1]))
+            else:
+                opts.append(record)
+        for title, records in (("Arguments", args), ("Options", opts)):
+            if records:
+                with formatter.section(title):
+                    formatter.write_dl(records)
+
+
+class App(typer.Typer):
+    """Every command of the app is a :class:`Command`."""
+
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or Command, **kwargs)
+
+
+app = App(
     name="gpu-console",
     help="A terminal training console for PyTorch: launch torchrun, watch, stop with a checkpoint.",
     no_args_is_help=False,
@@ -27,8 +66,13 @@ app = typer.Typer(
 EXIT_BAD_INPUT = 2
 
 RunsDirOpt = typer.Option(
-    None, "--runs-dir", help="Runs directory (default: $GPU_CONSOLE_RUNS or ./runs)."
+    None,
+    "--runs-dir",
+    metavar="DIR",
+    help="Runs directory (default: $GPU_CONSOLE_RUNS or ./runs).",
 )
+RUN_HELP = "Run directory, or a run name under the runs directory."
+JsonOpt = typer.Option(False, "--json", help="Print JSON instead of a table.")
 
 
 def _runs_dir(value: Path | None) -> Path:
@@ -65,31 +109,47 @@ def root(
 @app.command()
 def run(
     profile: str | None = typer.Argument(
-        None, help="Profile name (./profiles/NAME.toml, then built-in) or a TOML file."
+        None,
+        metavar="PROFILE",
+        help="Profile name (./profiles/NAME.toml, then built-in) or a TOML file.",
     ),
     headless: bool = typer.Option(False, "--headless", help="Report progress as text, no TUI."),
     devices: str | None = typer.Option(
-        None, "--devices", help="auto | GPU indices like 0,1 | cpu | cpu:N"
+        None, "--devices", metavar="DEVICES", help="auto | GPU indices like 0,1 | cpu | cpu:N"
     ),
-    precision: str | None = typer.Option(None, "--precision", help="auto | fp32 | bf16 | fp16"),
+    precision: str | None = typer.Option(
+        None, "--precision", metavar="PRECISION", help="auto | fp32 | bf16 | fp16"
+    ),
     overrides: list[str] | None = typer.Option(
-        None, "--set", help="Override a profile key: --set train.lr=3e-4 (repeatable)."
+        None,
+        "--set",
+        metavar="KEY=VALUE",
+        help="Override a profile key: --set train.lr=3e-4 (repeatable).",
     ),
     resume: str | None = typer.Option(
         None,
         "--resume",
+        metavar="RUN",
         help="Continue this run (dir or name) from its newest checkpoint, in its own directory.",
     ),
     runs_dir: Path | None = RunsDirOpt,
-    name: str | None = typer.Option(None, "--name", help="Run name (default: profile name)."),
+    name: str | None = typer.Option(
+        None, "--name", metavar="NAME", help="Run name (default: profile name)."
+    ),
     nnodes: str | None = typer.Option(
-        None, "--nnodes", help="Machines in the run: N or MIN:MAX (torchrun's --nnodes)."
+        None,
+        "--nnodes",
+        metavar="N",
+        help="Machines in the run: N or MIN:MAX (torchrun's --nnodes).",
     ),
     node_rank: int | None = typer.Option(
-        None, "--node-rank", help="This machine's rank (torchrun's --node-rank)."
+        None, "--node-rank", metavar="RANK", help="This machine's rank (torchrun's --node-rank)."
     ),
     rdzv_endpoint: str | None = typer.Option(
-        None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous, the same on every node."
+        None,
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="HOST:PORT of the c10d rendezvous, the same on every node.",
     ),
     dry_run: bool = typer.Option(
         False,
@@ -154,7 +214,9 @@ def run(
 @app.command("attach")
 def attach_cmd(
     run: str | None = typer.Argument(
-        None, help="Run directory, or a run name under the runs directory (default: newest)."
+        None,
+        metavar="RUN",
+        help="Run directory, or a run name under the runs directory (default: newest).",
     ),
     readonly: bool = typer.Option(
         False, "--readonly", help="Watch only: the keys that control the run are off."
@@ -187,27 +249,14 @@ def _run_tui(tui) -> int:
 @app.command()
 def profiles() -> None:
     """List built-in and local profiles with one-line descriptions."""
-    from rich.console import Console
-    from rich.table import Table
+    from .commands import profiles as command
 
-    from .profile import ProfileError, list_profiles, parse_toml
-
-    table = Table(show_header=True, header_style="bold", box=None)
-    for col in ("name", "where", "description"):
-        table.add_column(col)
-    for path, origin in list_profiles():
-        try:
-            meta = parse_toml(path).get("profile", {})
-            desc = str(meta.get("description", "")) if isinstance(meta, dict) else ""
-        except ProfileError as e:
-            desc = f"(unreadable: {e.problems[0]})"
-        table.add_row(path.stem, origin if origin == "built-in" else str(path), desc)
-    Console().print(table)
+    command.main()
 
 
 @app.command("devices")
 def devices_cmd(
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    as_json: bool = JsonOpt,
 ) -> None:
     """GPUs as NVML sees them (or why it cannot), and which look busy."""
     from .commands import devices as command
@@ -217,10 +266,14 @@ def devices_cmd(
 
 @app.command("check")
 def check_cmd(
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    as_json: bool = JsonOpt,
     runs_dir: Path | None = RunsDirOpt,
     timeout: float = typer.Option(
-        120.0, "--timeout", min=1.0, help="Seconds each torch subprocess may take."
+        120.0,
+        "--timeout",
+        min=1.0,
+        metavar="SECONDS",
+        help="Seconds each torch subprocess may take.",
     ),
 ) -> None:
     """Diagnose the environment: torch, CUDA, NCCL/gloo, NVML, bf16, a real collective."""
@@ -231,37 +284,33 @@ def check_cmd(
 
 @app.command("ls")
 def ls_cmd(
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    as_json: bool = JsonOpt,
     runs_dir: Path | None = RunsDirOpt,
 ) -> None:
-    """Runs under the runs directory: state, step, loss, age (newest first)."""
+    """Runs under the runs directory, newest first: state, step, loss, when started and
+    last updated."""
     from .commands import runs as command
 
-    rows = command.list_runs(_runs_dir(runs_dir))
-    if as_json:
-        typer.echo(command.to_json(rows))
-        return
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
+    command.ls_main(_runs_dir(runs_dir), as_json)
 
-    from .headless import fmt, human_duration
 
-    table = Table(box=None, header_style="bold")
-    for col in ("run", "state", "step", "loss", "age"):
-        table.add_column(col)
-    for r in rows:
-        step = f"{r['step'] or 0}/{r['max_steps'] or '-'}"
-        table.add_row(Text(r["name"]), r["state"], step, fmt(r["loss"]), human_duration(r["age_s"]))
-    if not rows:
-        typer.echo(f"no runs under {_runs_dir(runs_dir)}")
-        return
-    Console().print(table)
+@app.command("status")
+def status_cmd(
+    run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print JSON: the run's `ls --json` entry and the summary's fields."
+    ),
+    runs_dir: Path | None = RunsDirOpt,
+) -> None:
+    """One run's summary, running or ended (the table a headless run ends with)."""
+    from .commands import status as command
+
+    raise typer.Exit(command.main(run, _runs_dir(runs_dir), as_json))
 
 
 @app.command("stop")
 def stop_cmd(
-    run: str = typer.Argument(..., help="Run directory, or a run name under the runs directory."),
+    run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),
     now: bool = typer.Option(
         False, "--now", help="Kill the run's processes now: no checkpoint, state killed."
     ),
@@ -287,7 +336,7 @@ def stop_cmd(
 
 @app.command("checkpoint")
 def checkpoint_cmd(
-    run: str = typer.Argument(..., help="Run directory, or a run name under the runs directory."),
+    run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),
     runs_dir: Path | None = RunsDirOpt,
 ) -> None:
     """Write a checkpoint at the next step boundary and print where it went."""
@@ -304,7 +353,7 @@ def checkpoint_cmd(
 
 @app.command("dump")
 def dump_cmd(
-    run: str = typer.Argument(..., help="Run directory, or a run name under the runs directory."),
+    run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),
     runs_dir: Path | None = RunsDirOpt,
 ) -> None:
     """Write each rank's Python stack (py-spy dump) into the run directory."""

@@ -1,7 +1,8 @@
 """``--headless``: follow a run from its directory, report progress, end with a summary.
 
-On a terminal: one Rich progress line. Elsewhere (CI, nohup, ``| tee``): a plain line
-every few seconds and one for each notable event, never a flood of carriage returns.
+On a terminal: one Rich progress line. Elsewhere (CI, nohup, ``| tee``): a plain line at
+the first step, then every few seconds on a steady beat, and at the end; one for each notable
+event; never a flood of carriage returns, never a line cut at a width.
 Ctrl-C: first a graceful stop (checkpoint, exit 0); the second kills the run now, no
 checkpoint (the supervisor records ``interrupted``, exit 130); a third, should the supervisor
 not answer, kills the run's processes from here.
@@ -24,38 +25,16 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 from rich.text import Text
 
 from .events import append_control
+from .format import fmt, human_bytes, human_duration, uncut
 from .resume_changes import line as change_line
 from .runs import EXIT_FAILED
 from .state import RunFollower, RunState, describe_stopped, read_heartbeats
+from .summary import print_summary
 
 POLL_S = 0.2
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def human_duration(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(round(s))
-    h, rem = divmod(s, 3600)
-    m, sec = divmod(rem, 60)
-    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
-
-
-def fmt(x: float | None, spec: str = ".4f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 class Interrupts:
@@ -185,10 +164,10 @@ def follow(
     plain_every_s: float | None = None,
 ) -> int:
     """Report a run until it ends; return the console's exit code (DESIGN.md)."""
-    console = console or Console()
+    console = uncut(console or Console())  # off a terminal no line is wrapped or cut
     tty = console.is_terminal
     if plain_every_s is None:
-        plain_every_s = float(os.environ.get("GPU_CONSOLE_PLAIN_EVERY_S", "5"))
+        plain_every_s = plain_beat_s()
     follower = RunFollower(run_dir)
     interrupts = Interrupts(run_dir, follower, console)
     scheduler = SchedulerSignals(follower, console)
@@ -214,7 +193,7 @@ def follow(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     st = follower.state
-    console.print(summary_table(st, run_dir))
+    print_summary(console, st, run_dir)
     return exit_code(st, interrupts.count > 0 or bool(scheduler.received))
 
 
@@ -320,14 +299,6 @@ def _progress_text(st: RunState) -> str:
     return f"loss {fmt(st.loss)}  {rate}{mfu}"
 
 
-def mfu_text(st: RunState) -> str:
-    """The summary's MFU: the mean over step events, else why there is none."""
-    mean = st.mean_mfu()
-    if mean is not None:
-        return f"{mean:.1%} (mean)"
-    return st.mfu_not_shown or "-"
-
-
 def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watch) -> None:
     columns = (
         TextColumn("[bold]{task.fields[state]}[/]"),
@@ -350,77 +321,61 @@ def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watc
             time.sleep(POLL_S)
 
 
+PLAIN_EVERY_S = 2.0  # a run of a few seconds gets several lines; a long one, one per beat
+MIN_BEAT_S = 0.1
+
+
+def plain_beat_s() -> float:
+    """Seconds between plain progress lines (``$GPU_CONSOLE_PLAIN_EVERY_S``, default 2)."""
+    try:
+        return max(MIN_BEAT_S, float(os.environ.get("GPU_CONSOLE_PLAIN_EVERY_S", PLAIN_EVERY_S)))
+    except ValueError:
+        return PLAIN_EVERY_S
+
+
+class Rhythm:
+    """When a plain progress line is due: at the first step, then every ``every_s`` seconds
+    of wall time on a fixed beat (a slow poll skips a beat, never shifts the later ones), and
+    at the end when the last line did not show the final step. A beat with no new step (a
+    paused run, one waiting on another node) prints nothing: its state has a line of its own."""
+
+    def __init__(self, every_s: float):
+        self.every_s = max(MIN_BEAT_S, every_s)
+        self.next_t: float | None = None
+        self.shown_step: int | None = None
+
+    def due(self, now: float, step: int, ended: bool) -> bool:
+        if not step or step == self.shown_step:
+            return False
+        return self.next_t is None or ended or now >= self.next_t
+
+    def shown(self, now: float, step: int) -> None:
+        self.shown_step = step
+        if self.next_t is None:
+            self.next_t = now
+        while self.next_t <= now:
+            self.next_t += self.every_s
+
+
 def _follow_plain(
     follower: RunFollower, supervisor, console: Console, watch: Watch, every_s: float
 ) -> None:
-    next_line = time.monotonic() + every_s
+    rhythm = Rhythm(every_s)
     while True:
         ended = _tick(follower, supervisor, console, watch)
         st = follower.state
-        if time.monotonic() >= next_line and st.step:
+        now = time.monotonic()
+        if rhythm.due(now, st.step, ended):
             eta = human_duration(st.eta_s())
             stalled = "  STALLED" if watch.stalls.said else ""
             console.print(
                 Text(f"step {st.step}/{st.max_steps}  {_progress_text(st)}  eta {eta}{stalled}"),
                 highlight=False,
             )
-            next_line = time.monotonic() + every_s
+            rhythm.shown(now, st.step)
         if ended:
             return
         time.sleep(POLL_S)
-
-
-def summary_table(st: RunState, run_dir: Path) -> Table:
-    table = Table(title=f"{run_dir.name}: {st.state}", show_header=False, title_justify="left")
-    table.add_column("what", style="bold")
-    table.add_column("value")
-
-    def row(what: str, value: str) -> None:
-        table.add_row(what, Text(value))  # run text (reasons, tracebacks) is not markup
-
-    row("state", f"{st.state}" + (f" ({st.reason})" if st.reason else ""))
-    row("steps", f"{st.step}/{st.max_steps or '-'}")
-    row("final loss", fmt(st.loss))
-    row("best loss", fmt(st.best_loss))
-    for k, v in sorted(st.eval.items()):
-        row(f"eval {k}", fmt(v))
-    mean = st.mean_samples_per_s()
-    row("samples/s", f"{mean:,.0f} (mean)" if mean else "-")
-    row("MFU", mfu_text(st))
-    row("devices", f"{st.world_size or '-'} × {st.device_type or '-'}, {st.precision or '-'}")
-    for rank, peak in sorted(st.peak_memory.items()):
-        row(f"peak memory rank {rank}", human_bytes(peak))
-    for what, value in gpu_rows(st):
-        row(what, value)
-    row("wall time", human_duration(st.elapsed_s()))
-    if st.restarts:
-        row("restarts", f"{st.restarts} of {st.max_restarts}")
-    if st.checkpoints:
-        c = st.checkpoints[-1]
-        row("checkpoint", f"{c.get('path')} (step {c.get('step')}, {c.get('reason')})")
-    failed_ckpt = st.status.get("checkpoint_failed")
-    if failed_ckpt:
-        row(
-            "checkpoint failed",
-            f"step {failed_ckpt.get('step')} ({failed_ckpt.get('reason')}): "
-            f"{failed_ckpt.get('error')}; LATEST is {failed_ckpt.get('latest') or 'none'}",
-        )
-    failure = st.status.get("failure")
-    if failure:
-        row("failure", failure.get("summary", ""))
-        tb = (failure.get("traceback") or "").strip().splitlines()
-        if tb:
-            row("traceback", "\n".join(tb[-6:]))
-    row("run dir", str(run_dir))
-    return table
-
-
-def gpu_rows(st: RunState) -> list[tuple[str, str]]:
-    """One row per GPU of the run, from its telemetry; none on a run without GPUs."""
-    from .telemetry.figures import describe, several_nodes, title
-
-    marked = several_nodes(st.gpus)
-    return [(title(g, marked), describe(g)) for g in st.gpus]
 
 
 def exit_code(st: RunState, interrupted: bool) -> int:

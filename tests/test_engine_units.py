@@ -24,7 +24,7 @@ import torch.distributed as dist
 from rich.console import Console
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from gpu_console import headless, supervisor
+from gpu_console import headless, summary, supervisor
 from gpu_console.engine import checkpoint, precision
 from gpu_console.engine import optimizer as optim
 from gpu_console.engine.data import Batches, DataPosition, ShardSampler, make_loader
@@ -800,7 +800,7 @@ def finished_state() -> RunState:
 
 
 def test_summary_table_of_a_finished_run(tmp_path):
-    text = render(headless.summary_table(finished_state(), tmp_path / "quick-1"))
+    text = render(summary.summary_table(finished_state(), tmp_path / "quick-1"))
     assert "quick-1: finished" in text
     lines = {line.strip() for line in text.splitlines()}
 
@@ -841,7 +841,7 @@ def test_summary_table_of_a_failed_run_shows_the_failure_and_traceback_tail(tmp_
             "failure": {"rank": 1, "summary": "rank 1 failed: RuntimeError: boom", "traceback": tb},
         }
     )
-    text = render(headless.summary_table(st, tmp_path / "bad-run"))
+    text = render(summary.summary_table(st, tmp_path / "bad-run"))
     assert "bad-run: failed" in text
     assert "7/100" in text
     assert "rank 1 failed: RuntimeError: boom" in text

@@ -99,7 +99,7 @@ def test_a_gpu_run_reports_mfu_against_its_peak(procs, tmp_path):
     else:
         assert start["mfu_not_shown"] is None and "dense" in start["peak"]
         assert all(0 < s["mfu"] < 1 for s in steps)
-        assert re.search(r"MFU +│ \d+\.\d% \(mean\)", result.stdout)
+        assert re.search(r"^MFU: \d+\.\d% \(mean\)$", result.stdout, re.M)
 
 
 # The only rank's loss is NaN on its 5th and 6th batches (log_every 3: read at step 6).

@@ -220,8 +220,8 @@ def test_a_cpu_run_reports_flops_and_why_mfu_is_not_shown_and_measuring_changes_
     steps_h, steps_u = events_of(run_hooked, "step"), events_of(run_unhooked, "step")
     assert [s["loss"] for s in steps_u] == [s["loss"] for s in steps_h]
     assert len(steps_h) == 8 and not any("mfu" in s for s in steps_h + steps_u)
-    summary_row = r"│ MFU +│ CPU run \(the peak table covers NVIDIA GPUs\): MFU not shown"
-    assert re.search(summary_row, out_unhooked.stdout)
+    summary_row = r"^MFU: CPU run \(the peak table covers NVIDIA GPUs\): MFU not shown$"
+    assert re.search(summary_row, out_unhooked.stdout, re.M)
     listed = json.loads(procs.cli("ls", "--json", "--runs-dir", str(runs_dir)).stdout)
     for row in listed:
         assert row["mfu"] is None
@@ -271,8 +271,9 @@ def _mfu_events(device: str = "cuda") -> list[dict]:
 def test_the_fold_the_progress_line_and_the_summary_show_mfu(tmp_path):
     from rich.console import Console
 
-    from gpu_console.headless import _progress_text, summary_table
+    from gpu_console.headless import _progress_text
     from gpu_console.state import RunState
+    from gpu_console.summary import summary_table
 
     st = RunState()
     for e in _mfu_events():

@@ -17,6 +17,7 @@ from rich.console import Console
 from gpu_console import headless
 from gpu_console.commands.runs import list_runs
 from gpu_console.state import RunFollower
+from gpu_console.summary import summary_table
 from gpu_console.supervisor import Supervisor
 from gpu_console.tui.feed import RunFeed
 
@@ -61,7 +62,7 @@ def _readers(run: Path, now: float) -> dict[str, dict]:
     snap = feed.snapshot()
     feed.close()
     summary = Console(record=True, width=200, file=io.StringIO())
-    summary.print(headless.summary_table(st, run))
+    summary.print(summary_table(st, run))
     best_row = [ln for ln in summary.export_text().splitlines() if "best loss" in ln]
     return {
         "ls": {"state": row["state"], "step": row["step"], "loss": row["loss"],

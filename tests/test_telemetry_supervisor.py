@@ -128,10 +128,10 @@ def test_the_summary_and_ls_json_show_what_each_gpu_did(headless_run):
     assert a100["energy_source"] == "power"
     assert a100["energy_wh"] == pytest.approx(expected_figures(samples, 1)["power_wh"], abs=1e-4)
     # The headless summary: one row per GPU with those figures.
-    rows = [line for line in done.stdout.splitlines() if "│ GPU " in line]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("GPU ")]
     assert len(rows) == 2
     for g, line in zip(gpus, rows, strict=True):
-        assert f"GPU {g['index']} " in line and describe(g) in line
+        assert line == f"GPU {g['index']}: {describe(g)}"
     assert "util 87 %" in rows[0] and "(NVML energy counter)" in rows[0]
     assert "util 55 %" in rows[1] and "(integrated power)" in rows[1]
 
@@ -148,7 +148,7 @@ def test_a_cpu_run_without_nvml_says_nothing_about_gpus(procs, runs_dir, tmp_pat
     samples = read_samples(run)
     assert samples and all(s["gpus"] == [] and not s["nvml"]["available"] for s in samples)
     assert any(p["role"] == "worker" for s in samples for p in s["host"]["processes"])
-    # No per-GPU row (`GPU 0 │ …`); the MFU row may still say why a CPU run has no MFU.
+    # No per-GPU row (`GPU 0: …`); the MFU row may still say why a CPU run has no MFU.
     assert not re.search(r"\bGPU \d", done.stdout), done.stdout
     listed = procs.cli("ls", "--json", "--runs-dir", str(runs_dir), env=env)
     assert json.loads(listed.stdout)[0]["gpus"] == []

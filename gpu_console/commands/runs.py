@@ -35,13 +35,24 @@ class RunEndedError(RunDirError):
 
 
 def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
+    """Every run under ``runs_dir``, newest first: ``ls`` (and ``attach``, the runs screen)."""
+    if not Path(runs_dir).is_dir():
+        return []
+    runs = [run for run in sorted(Path(runs_dir).iterdir()) if (run / "run.toml").is_file()]
+    rows = run_rows(runs)
+    rows.sort(key=lambda r: r["started"], reverse=True)
+    return rows
+
+
+def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
+    """One row per run, from its status.json: what ``ls`` shows and ``status`` starts from.
+
+    ``started``: when the run began; ``updated``: its newest word (the last step, or its end);
+    ``age_s``: seconds since ``updated``.
+    """
     now = time.time()
     rows = []
-    if not Path(runs_dir).is_dir():
-        return rows
-    for run in sorted(Path(runs_dir).iterdir()):
-        if not (run / "run.toml").is_file():
-            continue
+    for run in runs:
         status = read_status(run)
         started = status.get("started") or run.stat().st_mtime
         last = status.get("ended") or status.get("last_step_t") or started
@@ -61,10 +72,10 @@ def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
                 "mfu": status.get("mfu_mean"),  # the session's mean; None with the reason:
                 "mfu_not_shown": status.get("mfu_not_shown"),
                 "started": started,
+                "updated": last,
                 "age_s": round(now - last, 1),
             }
         )
-    rows.sort(key=lambda r: r["started"], reverse=True)
     return rows
 
 
@@ -141,7 +152,42 @@ def checkpoint_after(run: Path, cid: str) -> dict[str, Any] | None:
 def to_json(rows: list[dict[str, Any]]) -> str:
     """``ls --json``: each run with its GPUs' figures (``[]`` without GPUs), read here only:
     the table, ``attach`` and the runs screen list runs without them."""
-    return json.dumps([{**r, "gpus": gpu_figures(Path(r["path"]))} for r in rows], indent=2)
+    return json.dumps([json_row(r) for r in rows], indent=2)
+
+
+def json_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A run's ``ls --json`` entry (``status --json`` adds its summary's fields)."""
+    return {**row, "gpus": gpu_figures(Path(row["path"]))}
+
+
+LS_COLUMNS = ("run", "state", "step", "loss", "started", "updated")
+
+
+def ls_main(runs_dir: Path, as_json: bool) -> None:
+    """``ls``: a table, or JSON. ``started`` and ``updated`` are how long ago the run began
+    and last moved (its last step, or its end)."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from ..format import fmt, human_duration, uncut
+
+    rows = list_runs(runs_dir)
+    if as_json:
+        print(to_json(rows))
+        return
+    if not rows:
+        print(f"no runs under {runs_dir}")
+        return
+    now = time.time()
+    table = Table(box=None, header_style="bold")
+    for col in LS_COLUMNS:
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        step = f"{r['step'] or 0}/{r['max_steps'] or '-'}"
+        started, updated = (human_duration(now - t) + " ago" for t in (r["started"], r["updated"]))
+        table.add_row(Text(r["name"]), r["state"], step, fmt(r["loss"]), started, updated)
+    uncut(Console()).print(table)
 
 
 def py_spy() -> str | None:

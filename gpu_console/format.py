@@ -1,0 +1,42 @@
+"""Numbers, sizes and durations as the consoles print them (headless, ``status``, the TUI),
+and a Rich console for command output that never cuts a line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Off a terminal, tables render at their natural width: a pipe or a log file has no edge.
+UNLIMITED_WIDTH = 100_000
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def human_duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def fmt(x: float | None, spec: str = ".4f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def uncut(console: Any) -> Any:
+    """``console`` made safe for copying off a terminal (a pipe, CI, nohup, ``| tee``): lines
+    are never wrapped and tables take their natural width, so a path stays one string. On a
+    terminal it is left as it is (tables wrap what does not fit; see their columns)."""
+    if not console.is_terminal:
+        console.soft_wrap = True
+        console.width = UNLIMITED_WIDTH
+    return console

@@ -1,0 +1,190 @@
+"""A run's summary: what the headless console prints at its end and ``status`` at any time.
+
+One builder, :func:`summary_fields`, gives the figures as data (``status --json`` adds them to
+the run's ``ls --json`` entry); :func:`summary_rows` words them; :func:`print_summary` lays
+them out. On a terminal: a table whose long values wrap, never cut, and the paths below it,
+each whole on a line of its own. Elsewhere (a pipe, CI, nohup, ``| tee``): plain
+``key: value`` lines, so every path is one string to copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from .format import fmt, human_bytes, human_duration
+from .runs import current_session, read_json
+from .state import RunState
+
+# Rows whose value is a path: printed outside the table on a terminal, so none is ever folded.
+PATH_ROWS = ("checkpoint", "run dir")
+TRACEBACK_LINES = 6
+
+
+def launch_facts(run_dir: Path) -> dict[str, Any]:
+    """What the run was launched as (run.toml, meta.json): a run that failed before its
+    engine's first ``start`` event is summarised with these, not with dashes."""
+    from .profile import ProfileError, parse_toml
+
+    try:
+        profile = parse_toml(Path(run_dir) / "run.toml")
+    except ProfileError:
+        profile = {}
+    train, task = profile.get("train"), profile.get("task")
+    train = train if isinstance(train, dict) else {}
+    task = task if isinstance(task, dict) else {}
+    meta = read_json(Path(run_dir) / "meta.json")
+    session = current_session(meta) if isinstance(meta, dict) else {}
+    placement = session.get("placement")
+    placement = placement if isinstance(placement, dict) else {}
+    return {
+        "max_steps": train.get("max_steps"),
+        "precision": train.get("precision"),
+        "task": task.get("kind"),
+        "world_size": session.get("world_size"),
+        "device_type": placement.get("device_type"),
+    }
+
+
+def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
+    """The summary as data: the engine's figures where it reported them, else the launch's."""
+    known = launch_facts(run_dir)
+
+    def first(*values: Any) -> Any:
+        return next((v for v in values if v is not None), None)
+
+    checkpoint = st.last_checkpoint
+    failure = st.status.get("failure")
+    return {
+        "name": Path(run_dir).name,
+        "path": str(run_dir),
+        "state": st.state,
+        "reason": st.reason,
+        "step": st.step,
+        "max_steps": first(st.max_steps, st.status.get("max_steps"), known["max_steps"]),
+        "loss": st.loss,
+        "best_loss": st.best_loss,
+        "eval": dict(sorted(st.eval.items())),
+        "samples_per_s": st.mean_samples_per_s(),
+        "mfu": st.mean_mfu(),
+        "mfu_not_shown": st.mfu_not_shown,
+        "task": first(st.task, known["task"]),
+        "params": st.params,
+        "world_size": first(st.world_size, st.status.get("world_size"), known["world_size"]),
+        "device_type": first(st.device_type, known["device_type"]),
+        "precision": first(st.precision, known["precision"]),
+        "peak_memory": [{"rank": r, "peak": p} for r, p in sorted(st.peak_memory.items())],
+        "gpus": st.gpus,
+        "wall_s": st.elapsed_s(),
+        "restarts": st.restarts,
+        "max_restarts": st.max_restarts,
+        "checkpoint": (
+            {k: checkpoint.get(k) for k in ("path", "step", "reason")} if checkpoint else None
+        ),
+        "checkpoint_failed": st.status.get("checkpoint_failed"),
+        "failure": failure if isinstance(failure, dict) else None,
+    }
+
+
+def mfu_text(f: dict[str, Any]) -> str:
+    """The summary's MFU: the mean over step events, else why there is none."""
+    if f["mfu"] is not None:
+        return f"{f['mfu']:.1%} (mean)"
+    return f["mfu_not_shown"] or "-"
+
+
+def gpu_rows(gpus: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """One row per GPU of the run, from its telemetry; none on a run without GPUs."""
+    from .telemetry.figures import describe, several_nodes, title
+
+    marked = several_nodes(gpus)
+    return [(title(g, marked), describe(g)) for g in gpus]
+
+
+def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
+    """(what, value) rows of :func:`summary_fields`, in the order they are shown."""
+    out = [("state", f["state"] + (f" ({f['reason']})" if f["reason"] else ""))]
+    out.append(("steps", f"{f['step']}/{f['max_steps'] or '-'}"))
+    if f["task"]:
+        params = f" ({f['params']:,} parameters)" if isinstance(f["params"], int) else ""
+        out.append(("task", f"{f['task']}{params}"))
+    out += [("final loss", fmt(f["loss"])), ("best loss", fmt(f["best_loss"]))]
+    out += [(f"eval {k}", fmt(v)) for k, v in f["eval"].items()]
+    rate = f["samples_per_s"]
+    out.append(("samples/s", f"{rate:,.0f} (mean)" if rate else "-"))
+    out.append(("MFU", mfu_text(f)))
+    devices = f"{f['world_size'] or '-'} × {f['device_type'] or '-'}, {f['precision'] or '-'}"
+    out.append(("devices", devices))
+    out += [(f"peak memory rank {m['rank']}", human_bytes(m["peak"])) for m in f["peak_memory"]]
+    out += gpu_rows(f["gpus"])
+    out.append(("wall time", human_duration(f["wall_s"])))
+    if f["restarts"]:
+        out.append(("restarts", f"{f['restarts']} of {f['max_restarts']}"))
+    if (c := f["checkpoint"]) is not None:
+        out.append(("checkpoint", f"{c['path']} (step {c['step']}, {c['reason']})"))
+    if failed := f["checkpoint_failed"]:
+        out.append(
+            (
+                "checkpoint failed",
+                f"step {failed.get('step')} ({failed.get('reason')}): "
+                f"{failed.get('error')}; LATEST is {failed.get('latest') or 'none'}",
+            )
+        )
+    if failure := f["failure"]:
+        out.append(("failure", failure.get("summary", "")))
+        tb = (failure.get("traceback") or "").strip().splitlines()
+        if tb:
+            out.append(("traceback", "\n".join(tb[-TRACEBACK_LINES:])))
+    out.append(("run dir", f["path"]))
+    return out
+
+
+def summary_title(f: dict[str, Any]) -> str:
+    return f"{f['name']}: {f['state']}"
+
+
+def summary_table(st: RunState, run_dir: Path) -> Group:
+    """The terminal's summary: a table (values wrap at the edge, never cut) and below it the
+    paths, each whole on its own line."""
+    table, paths = _table_and_paths(summary_fields(st, run_dir))
+    return Group(table, *paths)
+
+
+def _table_and_paths(f: dict[str, Any]) -> tuple[Table, list[Text]]:
+    table = Table(title=summary_title(f), show_header=False, title_justify="left")
+    table.add_column("what", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    paths = []
+    for what, value in summary_rows(f):
+        if what in PATH_ROWS:
+            paths.append(Text.assemble((f"{what}: ", "bold"), value))
+        else:
+            table.add_row(what, Text(value))  # run text (reasons, tracebacks) is not markup
+    return table, paths
+
+
+def summary_lines(st: RunState, run_dir: Path) -> list[str]:
+    """Off a terminal: ``key: value`` lines, a multi-line value (a traceback) indented."""
+    f = summary_fields(st, run_dir)
+    lines = [summary_title(f)]
+    for what, value in summary_rows(f):
+        first, *rest = value.splitlines() or [""]
+        lines.append(f"{what}: {first}".rstrip() if not rest else f"{what}:")
+        if rest:
+            lines += [f"  {line}" for line in (first, *rest)]
+    return lines
+
+
+def print_summary(console: Console, st: RunState, run_dir: Path) -> None:
+    if console.is_terminal:
+        table, paths = _table_and_paths(summary_fields(st, run_dir))
+        console.print(table)
+        for line in paths:  # soft_wrap: one line however narrow; the terminal wraps it
+            console.print(line, soft_wrap=True, highlight=False)
+        return
+    for line in summary_lines(st, run_dir):
+        console.print(Text(line), soft_wrap=True, highlight=False)

@@ -1,0 +1,222 @@
+"""Output a person can copy and read: the summary and ``profiles`` never cut a path, plain
+progress lines come on a steady beat, an early failure's summary says what was known, ``ls``
+names what its times measure, and ``--help`` names every value (``RUN``, not ``<str>``)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import typer
+from conftest import events_of, fast_profile, only_run, paced_profile
+from conftest import test_env as cli_env
+from rich.console import Console
+from typer.testing import CliRunner
+
+from gpu_console.cli import app
+from gpu_console.commands import profiles as profiles_cmd
+from gpu_console.headless import PLAIN_EVERY_S, Rhythm
+from gpu_console.state import RunState
+from gpu_console.summary import print_summary
+
+BOX = set("│┃─━┌┐└┘├┤┬┴┼")
+LONG = "a-run-directory-whose-name-alone-is-wider-than-a-narrow-terminal"
+
+
+def long_run(tmp_path: Path) -> tuple[RunState, Path]:
+    """A failed run with a checkpoint, in a directory whose path no narrow terminal fits."""
+    run = tmp_path / LONG / "runs" / f"{LONG}-20261124-070000"
+    st = RunState()
+    st.apply({"kind": "start", "t": 10.0, "world_size": 2, "device_type": "cpu"}
+             | {"precision": "fp32", "task": "mlp", "params": 76810, "max_steps": 300})  # fmt: skip
+    st.apply({"kind": "step", "t": 11.0, "step": 100, "loss": 0.5, "samples_per_s": 10.0})
+    checkpoint = str(run / "checkpoints" / "step-00000100")
+    st.apply({"kind": "checkpoint", "t": 12.0, "step": 100, "reason": "interval"}
+             | {"path": checkpoint, "bytes": 1, "seconds": 0.1})  # fmt: skip
+    why = "rank 1 failed: RuntimeError: " + " ".join(f"word{i}" for i in range(30))
+    failure = {"summary": why, "traceback": f"Traceback\n  x\n{why}"}
+    st.apply_status({"state": "failed", "reason": why, "started": 10.0, "ended": 20.0,
+                     "failure": failure})  # fmt: skip
+    return st, run
+
+
+def words_of(text: str) -> str:
+    """The text without borders and line breaks: what a folded value reads as."""
+    return " ".join("".join(" " if c in BOX else c for c in text).split())
+
+
+@pytest.mark.parametrize("width", [40, 200])
+def test_on_a_terminal_the_summary_wraps_and_every_path_is_one_whole_line(tmp_path, width):
+    st, run = long_run(tmp_path)
+    console = Console(force_terminal=True, width=width, record=True, color_system=None)
+    print_summary(console, st, run)
+    text = console.export_text()
+    lines = text.splitlines()
+    assert "…" not in text
+    assert any(c in BOX for c in text), "a terminal gets the table"
+    checkpoint = str(run / "checkpoints" / "step-00000100")
+    assert f"checkpoint: {checkpoint} (step 100, interval)" in lines
+    assert f"run dir: {run}" in lines
+    # Long values (the failure) fold onto more lines of the table: every word is there.
+    flat = words_of(text)
+    assert st.reason in flat and "word29" in flat
+    assert "steps 100/300" in flat and "devices 2 × cpu, fp32" in flat
+    if width == 40:
+        table = [ln for ln in lines if ln[:1] in BOX]
+        assert table and all(len(ln) <= 40 for ln in table)
+
+
+@pytest.mark.parametrize("width", [40, 200])
+def test_off_a_terminal_the_summary_is_key_value_lines(tmp_path, width):
+    st, run = long_run(tmp_path)
+    out = io.StringIO()
+    print_summary(Console(file=out, width=width), st, run)
+    lines = out.getvalue().splitlines()
+    assert not any(c in BOX for c in out.getvalue())
+    assert lines[0] == f"{run.name}: failed"
+    pairs = [ln.split(": ", 1) for ln in lines[1:] if not ln.startswith("  ")]
+    assert all(len(p) == 2 or p[0].endswith(":") for p in pairs), lines
+    values = {p[0]: p[1] for p in pairs if len(p) == 2}
+    assert values["checkpoint"] == f"{run / 'checkpoints' / 'step-00000100'} (step 100, interval)"
+    assert values["run dir"] == str(run)
+    assert values["failure"] == st.reason
+    assert values["steps"] == "100/300" and values["devices"] == "2 × cpu, fp32"
+    assert values["task"] == "mlp (76,810 parameters)"
+    # A multi-line value (the traceback's tail) is indented under its key.
+    at = lines.index("traceback:")
+    assert lines[at + 1 :][:3] == ["  Traceback", "    x", f"  {st.reason}"]
+
+
+def test_the_rhythm_is_the_first_step_then_a_fixed_beat_then_the_end():
+    rhythm = Rhythm(5.0)
+    shown = []
+
+    def poll(now, step, ended=False):
+        if rhythm.due(now, step, ended):
+            rhythm.shown(now, step)
+            shown.append(now)
+
+    poll(0.0, 0)  # no step yet: nothing to say
+    poll(3.0, 1)  # the first step, at once; the beat is 8, 13, 18, 23, 28, ...
+    for t in range(4, 15):
+        poll(t + 0.2, t * 10)
+    assert shown == [3.0, 8.2, 13.2]
+    poll(24.5, 240)  # a slow poll: it misses the beats at 18 and 23 and says the step once
+    poll(25.5, 240)
+    assert shown[-1] == 24.5  # the next beat is still 28, not 24.5 + 5
+    poll(28.2, 240)  # a beat without a new step (paused): nothing new to say
+    poll(29.2, 260)  # the step moved: the beat it missed is due
+    poll(30.2, 270)
+    poll(31.0, 280, ended=True)  # the end: its final step, off the beat
+    poll(31.2, 280, ended=True)  # said once
+    assert shown == [3.0, 8.2, 13.2, 24.5, 29.2, 31.0]
+
+
+def test_off_a_terminal_progress_lines_come_at_a_steady_beat(procs, runs_dir, tmp_path):
+    """With the default beat (2 s), a run of a few seconds prints several lines, evenly."""
+    every = PLAIN_EVERY_S
+    profile = paced_profile(tmp_path, max_steps=60)
+    env = cli_env(PACE_S="0.12")  # 60 steps: about 7 s of training
+    del env["GPU_CONSOLE_PLAIN_EVERY_S"]  # the suite's faster beat: this test wants the default
+    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                          cwd=tmp_path, env=env)  # fmt: skip
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        for line in console.stdout:
+            lines.append((time.time(), line.rstrip("\n")))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    console.wait(timeout=120)
+    reader.join(timeout=30)
+    assert console.returncode == 0, "\n".join(ln for _, ln in lines) + console.stderr.read()
+    progress = [(t, int(m[1])) for t, ln in lines if (m := re.match(r"step (\d+)/60 ", ln))]
+    steps = events_of(only_run(runs_dir), "step")
+    training_s = steps[-1]["t"] - steps[0]["t"]
+    assert len(progress) >= max(4, int(training_s / every)), (training_s, lines)
+    # The first line follows the first step; the last one is the final step.
+    assert progress[0][0] - steps[0]["t"] < 1.0, (progress, steps[0])
+    assert progress[-1][1] == 60
+    # Up to the end line, a steady beat: lines `every` apart (a slow poll may skip one).
+    gaps = [b[0] - a[0] for a, b in zip(progress[:-1], progress[1:-1], strict=False)]
+    assert gaps and max(gaps) < 2.5 * every, gaps
+    assert every * 0.8 < sorted(gaps)[len(gaps) // 2] < every * 1.25, gaps
+
+
+def test_help_names_every_value(tmp_path):
+    """Every command's --help: metavars like RUN and KEY=VALUE, never Typer's <str>, {run}."""
+    group = typer.main.get_command(app)
+    runner = CliRunner()
+    names = ["", *group.commands]
+    assert {"run", "status", "ls", "stop", "profiles", "check"} <= set(names)
+    for name in names:
+        result = runner.invoke(app, [*([name] if name else []), "--help"])
+        assert result.exit_code == 0, (name, result.output)
+        help_text = result.output
+        assert not re.search(r"<[a-z][^>]*>", help_text), (name, help_text)
+        assert not re.search(r"\{\w+\}", help_text), (name, help_text)
+        assert not re.search(r"\[[a-z_]+\]", help_text.splitlines()[0]), (name, help_text)
+    shown = {n: runner.invoke(app, [n, "--help"]).output for n in ("run", "check", "status")}
+    assert "--set KEY=VALUE" in shown["run"] and "--runs-dir DIR" in shown["run"]
+    assert "run [OPTIONS] [PROFILE]" in shown["run"] and "--resume RUN" in shown["run"]
+    assert "--timeout SECONDS" in shown["check"]
+    assert "status [OPTIONS] RUN" in shown["status"] and "\n  RUN  " in shown["status"]
+
+
+def _ended_run(runs_dir: Path, name: str, started: float, ended: float) -> Path:
+    run = runs_dir / name
+    run.mkdir(parents=True)
+    (run / "run.toml").write_text("[train]\nmax_steps = 50\n")
+    status = {"state": "finished", "reason": "max_steps reached", "step": 50, "max_steps": 50,
+              "loss": 0.25, "started": started, "ended": ended}  # fmt: skip
+    (run / "status.json").write_text(json.dumps(status))
+    return run
+
+
+def test_ls_says_when_a_run_started_and_when_it_last_moved(procs, runs_dir):
+    now = time.time()
+    _ended_run(runs_dir, "old-run", started=now - 3 * 3600, ended=now - 2 * 3600)
+    table = procs.cli("ls", "--runs-dir", str(runs_dir)).stdout.splitlines()
+    assert table[0].split() == ["run", "state", "step", "loss", "started", "updated"]
+    assert re.search(r"old-run +finished +50/50 +0\.2500 +3:00:0\d ago +2:00:0\d ago", table[1])
+    (row,) = json.loads(procs.cli("ls", "--json", "--runs-dir", str(runs_dir)).stdout)
+    assert row["started"] == pytest.approx(now - 3 * 3600)
+    assert row["updated"] == pytest.approx(now - 2 * 3600)
+    assert row["age_s"] == pytest.approx(2 * 3600, abs=60)  # since `updated`, as before
+
+
+def test_profiles_never_cut_a_path(tmp_path, monkeypatch):
+    here = tmp_path / LONG / LONG
+    (here / "profiles").mkdir(parents=True)
+    (here / "profiles" / "mine.toml").write_text(
+        '[profile]\nname = "mine"\ndescription = "a profile of my own, described at length"\n'
+    )
+    monkeypatch.chdir(here)
+    path = str(here / "profiles" / "mine.toml")
+    out = io.StringIO()
+    profiles_cmd.main(Console(file=out, width=40))  # off a terminal: natural width
+    assert any(path in line for line in out.getvalue().splitlines()), out.getvalue()
+    for width in (40, 200):
+        tty = Console(force_terminal=True, width=width, record=True, color_system=None)
+        profiles_cmd.main(tty)
+        text = tty.export_text()
+        assert "…" not in text  # folded onto more lines where it does not fit, never cut
+        rest = iter("".join(text.split()))
+        assert all(c in rest for c in path), text  # its characters all there, in order
+
+
+def test_a_fast_profile_summary_off_a_terminal_has_the_checkpoint_whole(procs, runs_dir, tmp_path):
+    profile = fast_profile(tmp_path, max_steps=12)
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
+    assert result.returncode == 0, result.stderr
+    run = only_run(runs_dir)
+    latest = run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip()
+    assert re.search(rf"^checkpoint: {re.escape(str(latest))} \(step 12, \w+\)$",
+                     result.stdout, re.M), result.stdout  # fmt: skip
+    assert f"run dir: {run}" in result.stdout.splitlines()
