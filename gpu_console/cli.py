@@ -351,6 +351,21 @@ def checkpoint_cmd(
     typer.echo(f"{event['path']} (step {event['step']}, {size}, {event.get('reason')})")
 
 
+@app.command("export")
+def export_cmd(
+    run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),
+    out: Path = typer.Option(..., "--out", metavar="FILE", help="The file to write."),
+    best: bool = typer.Option(False, "--best", help="The best checkpoint (checkpoint.keep_best)."),
+    step: int | None = typer.Option(None, "--step", metavar="N", help="The checkpoint of step N."),
+    runs_dir: Path | None = RunsDirOpt,
+) -> None:
+    """Write the model's plain state_dict (default: the newest checkpoint's), loadable with
+    torch.load and load_state_dict without gpu-console."""
+    from .commands import export as command
+
+    typer.echo(command.describe(command.export(run, _runs_dir(runs_dir), out, best, step)))
+
+
 @app.command("dump")
 def dump_cmd(
     run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),

@@ -7,6 +7,7 @@ show. One rule each, so that they never disagree on the same events:
 - step: the newest step event's, else the true step a ``checkpoint`` or ``status`` event
   carries (log steps may be far apart), else a ``start``'s ``start_step``;
 - best loss: the lowest finite loss over every session of the run (a NaN is never best);
+- best checkpoint: the newest checkpoint event marked ``best`` (``checkpoint.keep_best``);
 - stall: no step for max(30 s, 10 × the median step time of the current torchrun group);
 - means (MFU, samples/s): over the current session (a resume may run on other hardware);
   a torchrun restart within a session continues its session;
@@ -66,6 +67,7 @@ class RunFold:
         self.mfu_sum, self.mfu_count = 0.0, 0  # this session's step events with an MFU
         self.samples_sum, self.samples_count = 0.0, 0  # and with samples/s
         self.last_checkpoint: dict[str, Any] | None = None
+        self.best_checkpoint: dict[str, Any] | None = None  # checkpoint.keep_best's newest
         self.checkpoint_failed: dict[str, Any] | None = None
         self.checkpointed = True  # a stop's checkpoint was written (the engine's word)
         self.final_t = 0.0  # when the engine last said the run ended (a session's end)
@@ -130,6 +132,8 @@ class RunFold:
         elif kind == "checkpoint":
             self.step = true_step(e, self.step)
             self.last_checkpoint = e
+            if e.get("best") is True:
+                self.best_checkpoint = {k: e.get(k) for k in ("path", "step", "metric", "value")}
         elif kind == "log" and isinstance(e.get("checkpoint_failed"), dict):
             self.checkpoint_failed = e["checkpoint_failed"]
 
@@ -213,6 +217,8 @@ class RunFold:
             out["last_checkpoint"] = {k: c.get(k) for k in ("step", "path", "reason", "t")}
         if self.checkpoint_failed is not None:
             out["checkpoint_failed"] = self.checkpoint_failed
+        if self.best_checkpoint is not None:
+            out["best_checkpoint"] = self.best_checkpoint
         return out
 
     def carry(self, previous: dict[str, Any]) -> None:
@@ -221,6 +227,9 @@ class RunFold:
         best = previous.get("best_loss")
         if _number(best) and math.isfinite(best):
             self.best_loss = best if self.best_loss is None else min(best, self.best_loss)
+        kept = previous.get("best_checkpoint")
+        if self.best_checkpoint is None and isinstance(kept, dict):
+            self.best_checkpoint = kept
 
 
 # -- the state a reader shows ------------------------------------------------------------------

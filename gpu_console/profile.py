@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,15 @@ def _devices_check(value: str) -> str | None:
     except DeviceSpecError as e:
         return str(e)
     return None
+
+
+BEST_METRIC = re.compile(r"eval\.[A-Za-z0-9_][A-Za-z0-9_.\-/]*")
+
+
+def _best_metric_check(value: str) -> str | None:
+    if value == "" or BEST_METRIC.fullmatch(value):
+        return None
+    return "expected eval.<metric>, a metric of the eval events (e.g. eval.loss), or empty"
 
 
 @dataclass
@@ -135,6 +145,19 @@ class CheckpointConfig:
     at_end: bool = opt(
         True, "checkpoint when max_steps is reached (reason end, also where an interval falls)"
     )
+    keep_best: str = opt(
+        "",
+        "keep the checkpoint of the best eval so far, named as eval.<metric> (e.g. eval.loss); "
+        "never pruned by keep_last; checkpoints/BEST names it (empty = off)",
+        check=_best_metric_check,
+    )
+    best_mode: Literal["auto", "min", "max"] = opt(
+        "auto", "keep_best: lower (min) or higher (max) is better; auto = min for *loss* metrics"
+    )
+
+    def best_direction(self) -> str:
+        """``min`` or ``max`` (validation made sure ``auto`` resolves)."""
+        return "min" if self.best_mode == "auto" else self.best_mode
 
 
 @dataclass
@@ -286,6 +309,7 @@ def resolve(
         task_cfg = task_table  # validated later against the user's class
 
     errors += _determinism_conflicts(built, data.get("hardware"))
+    errors += _best_mode_conflicts(built)
     if errors:
         raise ProfileError([_blame(e, source, overridden) for e in errors])
     profile = Profile(task_kind=kind, task=task_cfg, **built)
@@ -338,6 +362,19 @@ def _determinism_conflicts(built: dict[str, Any], hardware: Any) -> list[str]:
             )
         setattr(hw, key, False)  # a default gives way: run.toml says what the run does
     return errors
+
+
+def _best_mode_conflicts(built: dict[str, Any]) -> list[str]:
+    """``best_mode = auto`` guesses only for loss-like metrics: an accuracy must say max."""
+    ckpt = built.get("checkpoint")
+    if ckpt is None or not ckpt.keep_best or ckpt.best_mode != "auto":
+        return []
+    if "loss" in ckpt.keep_best.lower():
+        return []
+    return [
+        f"checkpoint.best_mode: say min or max for {ckpt.keep_best} (auto means min, for "
+        "metrics named *loss* only) (got 'auto')"
+    ]
 
 
 def _blame(problem: str, source: str, overridden: set[str] | frozenset[str]) -> str:

@@ -81,6 +81,16 @@ TABLE: dict[str, tuple[str, str]] = {
     "data.persistent_workers": (APPLIED, "whether workers live between epochs"),
     "distributed.lr_scaling": (APPLIED, f"{_OPTIMIZER}; {_SCHEDULE}"),
     "distributed.*": (APPLIED, "how this session's ranks are set up"),
+    "checkpoint.keep_best": (
+        WARNING,
+        "the best so far was judged by the old metric: the next eval starts a new best "
+        "(the old one is kept until then)",
+    ),
+    "checkpoint.best_mode": (
+        WARNING,
+        "the best so far was judged the other way: the next eval starts a new best "
+        "(the old one is kept until then)",
+    ),
     "checkpoint.*": (APPLIED, _EACH_STEP),
     "hardware.*": (APPLIED, "how this session's ranks are placed and set up"),
     "world_size": (WARNING, f"{_SPLIT}; each rank's RNG is reseeded"),

@@ -163,9 +163,18 @@ def write_status(run_dir: Path, status: dict[str, Any]) -> None:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint named by ``checkpoints/LATEST``, if any."""
+    return named_checkpoint(run_dir, "LATEST")
+
+
+def best_checkpoint(run_dir: Path) -> Path | None:
+    """The complete checkpoint ``checkpoints/BEST`` names (``checkpoint.keep_best``), if any."""
+    return named_checkpoint(run_dir, "BEST")
+
+
+def named_checkpoint(run_dir: Path, which: str) -> Path | None:
     ckpts = Path(run_dir) / "checkpoints"
     try:
-        name = (ckpts / "LATEST").read_text().strip()
+        name = (ckpts / which).read_text().strip()
     except (OSError, UnicodeDecodeError):  # absent, a directory, unreadable
         return None
     if not name or "/" in name or name in (".", "..") or "\0" in name:

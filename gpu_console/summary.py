@@ -21,7 +21,7 @@ from .runs import current_session, read_json
 from .state import RunState
 
 # Rows whose value is a path: printed outside the table on a terminal, so none is ever folded.
-PATH_ROWS = ("checkpoint", "run dir")
+PATH_ROWS = ("checkpoint", "best checkpoint", "run dir")
 TRACEBACK_LINES = 6
 
 
@@ -85,6 +85,7 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "checkpoint": (
             {k: checkpoint.get(k) for k in ("path", "step", "reason")} if checkpoint else None
         ),
+        "best_checkpoint": st.best_checkpoint,
         "checkpoint_failed": st.status.get("checkpoint_failed"),
         "failure": failure if isinstance(failure, dict) else None,
     }
@@ -126,6 +127,10 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
         out.append(("restarts", f"{f['restarts']} of {f['max_restarts']}"))
     if (c := f["checkpoint"]) is not None:
         out.append(("checkpoint", f"{c['path']} (step {c['step']}, {c['reason']})"))
+    if (b := f["best_checkpoint"]) is not None:
+        out.append(
+            ("best checkpoint", f"{b['path']} (step {b['step']}, {b['metric']} {fmt(b['value'])})")
+        )
     if failed := f["checkpoint_failed"]:
         out.append(
             (

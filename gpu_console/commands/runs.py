@@ -67,6 +67,7 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
                 "max_steps": status.get("max_steps"),
                 "loss": status.get("loss"),
                 "best_loss": status.get("best_loss"),  # finite losses, every session's
+                "best_checkpoint": status.get("best_checkpoint"),  # checkpoint.keep_best
                 "exit_code": status_exit_code(status, state),  # None while live
                 "restarts": status.get("restarts") or 0,
                 "mfu": status.get("mfu_mean"),  # the session's mean; None with the reason:

@@ -84,6 +84,7 @@ def save(
     keep_last: int,
     is_main: bool,
     group: dist.ProcessGroup | None = None,
+    best: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Collective: every rank calls it at the same step, and every rank gets rank 0's outcome.
 
@@ -93,6 +94,7 @@ def save(
     a new one is written whole into a temporary directory first; a directory LATEST may
     name is never renamed or deleted while named. A failure leaves LATEST and what it names
     untouched. The ranks wait for the outcome on ``group`` (:func:`write_group`).
+    ``best``: :meth:`best.Best.for_save`'s (``checkpoint.keep_best``), or None.
     """
     started = time.perf_counter()
     gathered: list[Any] | None = [None] * dist.get_world_size() if is_main else None
@@ -102,7 +104,7 @@ def save(
         assert gathered is not None
         ckpts = Path(run_dir) / "checkpoints"
         try:
-            event = _write(ckpts, step, reason, state, gathered, keep_last)
+            event = _write(ckpts, step, reason, state, gathered, keep_last, best)
             event["seconds"] = round(time.perf_counter() - started, 4)
             outcome[0] = {"ok": True, "event": event}
         except OSError as e:
@@ -136,6 +138,16 @@ def interval_due(step: int, cfg, max_steps: int) -> bool:
     return bool(cfg.every_steps and step % cfg.every_steps == 0)
 
 
+def due(step: int, cfg, max_steps: int, improved: bool) -> str | None:
+    """Why a checkpoint is due after ``step``'s eval: its interval, or a new best eval
+    (``improved``; at the last step the end checkpoint is the best's)."""
+    if interval_due(step, cfg, max_steps):
+        return "interval"
+    if improved and not (cfg.at_end and step >= max_steps):
+        return "best"
+    return None
+
+
 def failure(step: int, reason: str, outcome: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """A failed save's error line, and its fields for the supervisor (``checkpoint_failed``)."""
     previous = outcome["latest"]
@@ -150,7 +162,13 @@ def failure(step: int, reason: str, outcome: dict[str, Any]) -> tuple[str, dict[
 
 
 def _write(
-    ckpts: Path, step: int, reason: str, state: dict[str, Any], gathered: list, keep_last: int
+    ckpts: Path,
+    step: int,
+    reason: str,
+    state: dict[str, Any],
+    gathered: list,
+    keep_last: int,
+    best: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     ckpts.mkdir(parents=True, exist_ok=True)
     _clean_debris(ckpts)
@@ -164,6 +182,8 @@ def _write(
         _fsync_file(tmp / STATE)
         nbytes = (tmp / STATE).stat().st_size
         meta = {"step": step, "reason": reason, "world_size": len(gathered), "t": time.time()}
+        if best is not None:
+            meta.update(best_so_far=best["so_far"], best=best["is_best"])
         (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
         _fsync_file(tmp / "meta.json")
         fsync_dir(tmp)
@@ -173,6 +193,8 @@ def _write(
             os.rename(tmp, final)
         fsync_dir(ckpts)
         atomic_write_text(ckpts / "LATEST", name + "\n")
+        if best is not None and best["is_best"]:
+            atomic_write_text(ckpts / BEST, name + "\n")
     except BaseException:
         if _latest_name(ckpts) != tmp.name:  # a failed replace may have named it: keep it
             shutil.rmtree(tmp, ignore_errors=True)
@@ -180,10 +202,14 @@ def _write(
     shutil.rmtree(tmp, ignore_errors=True)
     prune(ckpts, keep_last)
     _clean_debris(ckpts)  # what an earlier failed or killed save left, now LATEST moved on
-    return {"step": step, "path": str(final), "bytes": nbytes, "reason": reason}
+    event = {"step": step, "path": str(final), "bytes": nbytes, "reason": reason}
+    if best is not None and best["is_best"]:
+        event.update(best=True, metric=best["so_far"]["metric"], value=best["so_far"]["value"])
+    return event
 
 
 TMP, LINK = ".tmp-", ".link-"
+BEST = "BEST"  # names the best checkpoint (checkpoint.keep_best; engine/best.py)
 
 
 def _replace(ckpts: Path, tmp: Path, final: Path) -> None:
@@ -209,8 +235,12 @@ def _replace(ckpts: Path, tmp: Path, final: Path) -> None:
 
 
 def _latest_name(ckpts: Path) -> str | None:
+    return _named(ckpts, "LATEST")
+
+
+def _named(ckpts: Path, which: str) -> str | None:
     try:
-        return (ckpts / "LATEST").read_text().strip() or None
+        return (ckpts / which).read_text().strip() or None
     except OSError:
         return None
 
@@ -224,11 +254,14 @@ def _clean_debris(ckpts: Path) -> None:
 
 
 def prune(ckpts: Path, keep_last: int) -> None:
+    """All but the newest ``keep_last`` complete checkpoints, except the one BEST names."""
     if keep_last <= 0:
         return
     complete = sorted(p for p in ckpts.glob("step-*") if (p / "meta.json").is_file())
+    best = _named(ckpts, BEST)
     for old in complete[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name != best:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from . import checkpoint, determinism, flops, precision, signals
 from . import distributed as distmod
 from . import optimizer as optim
 from . import resume as resuming
+from .best import resumed as best_so_far
 from .control import Control
 from .data import Batches, DataPosition, make_loader
 from .exchange import Exchange, Row
@@ -258,6 +259,7 @@ def _train(
     params = [q for q in model.parameters() if q.requires_grad]
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
     newest = checkpoint.Newest()
+    best = best_so_far(p.checkpoint.keep_best, p.checkpoint.best_direction(), resume, run_dir)
 
     def save(reason: str) -> bool:
         """Collective. False when rank 0 could not write it (the previous one stays)."""
@@ -273,8 +275,9 @@ def _train(
         }
         rank_state = {"rng": checkpoint.capture_rng(d.device)}
         outcome = checkpoint.save(
-            run_dir, step, reason, state, rank_state, p.checkpoint.keep_last, d.is_main, writes
-        )
+            run_dir, step, reason, state, rank_state, p.checkpoint.keep_last, d.is_main, writes,
+            best.for_save(step),
+        )  # fmt: skip
         if outcome["ok"]:
             newest.event = outcome["event"]
             if d.is_main:
@@ -414,11 +417,13 @@ def _train(
                 except NonFiniteLoss as e:
                     _fail_non_finite(out, d, p, step, save, model, e)
                 window = Window(loss_sum=torch.zeros((), device=d.device))
+            improved = False
             if eval_loader is not None and p.train.eval_every and step % p.train.eval_every == 0:
                 beat.set(step, "eval")
-                _evaluate(out, d, task, ddp, eval_loader, autocast, step)
-            if checkpoint.interval_due(step, p.checkpoint, p.train.max_steps):
-                save("interval")
+                metrics = _evaluate(out, d, task, ddp, eval_loader, autocast, step)
+                improved = best.observe(step, metrics, lambda m: out.log("warning", m))
+            if why := checkpoint.due(step, p.checkpoint, p.train.max_steps, improved):
+                save(why)
             if rows is None:
                 # Between log steps (when they are further apart than the control interval),
                 # a check of its own: one small collective, at a step rank 0's clock chose.
@@ -458,11 +463,15 @@ def _train(
         _ack(out, decision, "done", step, **done)
 
     # -- the end (skipping what the last step's boundaries already did) ----------------------
+    improved = False
     if eval_loader is not None and not (p.train.eval_every and step % p.train.eval_every == 0):
         beat.set(step, "eval")
-        _evaluate(out, d, task, ddp, eval_loader, autocast, step)
+        metrics = _evaluate(out, d, task, ddp, eval_loader, autocast, step)
+        improved = best.observe(step, metrics, lambda m: out.log("warning", m))
     if p.checkpoint.at_end:
         save("end")
+    elif improved:
+        save("best")
     out.status("finished", reason="max_steps reached", step=step, exchanges=exchange.counts())
 
 
@@ -597,7 +606,8 @@ def _log_step(out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, w
 
 
 @torch.no_grad()
-def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> None:
+def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> dict[str, float]:
+    """Collective: the eval's metrics, averaged over every rank's samples (on every rank)."""
     ddp.eval()
     totals: dict[str, float] = {}
     samples = 0
@@ -621,8 +631,10 @@ def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> None:
     dist.all_reduce(buf)
     values = buf.tolist()
     n = max(values[-1], 1)
+    metrics = {k: v / n for k, v in zip(names, values[:-1], strict=True)}
     if out.active:
-        out.event("eval", step=step, **{k: v / n for k, v in zip(names, values[:-1], strict=True)})
+        out.event("eval", step=step, **metrics)
+    return metrics
 
 
 def _ddp_settings(ddp) -> dict[str, Any]:
