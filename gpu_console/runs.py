@@ -188,11 +188,12 @@ def list_checkpoints(run_dir: Path, newest: int | None = None) -> list[dict[str,
     the ``newest`` N directories are read when given (``keep_last = 0`` may keep thousands).
 
     Each: ``step``, ``reason`` and ``t`` from its meta.json (written last, so a directory
-    without one is incomplete), ``bytes`` of its state.pt, ``path``, and ``latest`` for the
-    one ``checkpoints/LATEST`` names.
+    without one is incomplete), ``bytes`` of its state.pt, ``path``, ``latest`` for the
+    one ``checkpoints/LATEST`` names and ``best`` for the one ``checkpoints/BEST`` names.
     """
     ckpts = Path(run_dir) / "checkpoints"
     latest = latest_checkpoint(run_dir)
+    best = best_checkpoint(run_dir)
     found = []
     try:
         entries = [e for e in ckpts.iterdir() if re.fullmatch(r"step-\d+", e.name)]
@@ -219,6 +220,7 @@ def list_checkpoints(run_dir: Path, newest: int | None = None) -> list[dict[str,
                 "bytes": size,
                 "path": str(entry),
                 "latest": latest is not None and entry.name == latest.name,
+                "best": best is not None and entry.name == best.name,
             }
         )
     return found

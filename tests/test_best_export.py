@@ -13,8 +13,9 @@ import pytest
 import torch
 from conftest import events_of, only_run, task_profile, write_profile
 
-from gpu_console.engine.export import ExportInputError, plain_key, split
+from gpu_console.engine.export import ExportInputError, plain_keys, split
 from gpu_console.profile import ProfileError, load_profile
+from gpu_console.runs import list_checkpoints
 from gpu_console.tasks.configs import MLPConfig
 from gpu_console.tasks.mlp import MLPTask
 
@@ -130,10 +131,13 @@ def test_the_best_survives_pruning_and_resume_and_exports_load_plainly(procs, ru
     assert best == [(5, "best", 15.0), (10, "interval", 10.0), (15, "best", 5.0),
                     (20, "interval", 0.0)]  # fmt: skip
     assert all(e["metric"] == "eval.dist" for e in saved if e.get("best"))
+    assert "checkpoint @ step 20 (interval): " in done.stdout, done.stdout
+    assert ", best eval.dist 0.0000" in done.stdout, done.stdout
     # keep_last = 1 keeps the newest (30) and the best (20); every earlier best was pruned.
     assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000020", "step-00000030"]
     assert (ckpts / "BEST").read_text() == "step-00000020\n"
     assert json.loads((ckpts / "step-00000020" / "meta.json").read_text())["best"] is True
+    assert [(c["step"], c["best"]) for c in list_checkpoints(run)] == [(20, True), (30, False)]
     (entry,) = json.loads(_run(procs, runs_dir, "ls", "--json").stdout)
     expected = {"path": str(ckpts / "step-00000020"), "step": 20, "metric": "eval.dist",
                 "value": 0.0}  # fmt: skip
@@ -204,8 +208,10 @@ def test_export_of_named_submodules_and_of_a_run_without_best(procs, runs_dir, t
 
 
 def test_prefixes_of_ddp_and_compile_are_dropped_and_a_module_path_must_exist():
-    assert plain_key("module._orig_mod.0.weight") == "0.weight"
-    assert plain_key("_orig_mod.encoder.module.w") == "encoder.module.w"  # a submodule named so
+    wrapped = {"module._orig_mod.0.weight": 1, "module.0.block._orig_mod.bias": 2}
+    assert plain_keys(wrapped) == {"0.weight": 1, "0.block.bias": 2}
+    own = {"module.w": 1, "head.w": 2}  # the model's own submodule named "module": kept
+    assert plain_keys(own) == own
     state = {"g.0.weight": 1, "g.0.bias": 2, "d.weight": 3}
     assert split(state, {"gen": "g", "all": ""}) == {
         "gen": {"0.weight": 1, "0.bias": 2},

@@ -28,22 +28,24 @@ class ExportInputError(Exception):
     """What the export cannot do as asked (a task's export_modules naming no submodule)."""
 
 
-def plain_key(key: str) -> str:
-    """A parameter's name as the bare model has it: DDP's and compile's wrappers dropped."""
-    parts = [p for p in key.split(".") if p != "_orig_mod"]
-    if parts and parts[0] == "module":
-        parts = parts[1:]
-    return ".".join(parts)
+def plain_keys(state: dict[str, Any]) -> dict[str, Any]:
+    """The parameters' names as the bare model has them: compile's ``_orig_mod.`` dropped
+    wherever it is (a compiled submodule too), DDP's ``module.`` where every key has it (a
+    model of your own may have a submodule named ``module``)."""
+    out = {".".join(p for p in k.split(".") if p != "_orig_mod"): v for k, v in state.items()}
+    if out and all(k.startswith("module.") for k in out):
+        out = {k[len("module.") :]: v for k, v in out.items()}
+    return out
 
 
 def plain_state(model_state: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     out: dict[str, Any] = {}
-    for key, value in model_state.items():
+    for key, value in plain_keys(model_state).items():
         if isinstance(value, torch.Tensor):
             value = value.detach().to("cpu").clone()  # out of the checkpoint's mapping
-        out[plain_key(key)] = value
+        out[key] = value
     return out
 
 

@@ -260,6 +260,8 @@ def _train(
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
     newest = checkpoint.Newest()
     best = best_so_far(p.checkpoint.keep_best, p.checkpoint.best_direction(), resume, run_dir)
+    if best.on and eval_loader is None:
+        out.log("warning", f"checkpoint.keep_best = {best.metric!r}: the task has no eval set")
 
     def save(reason: str) -> bool:
         """Collective. False when rank 0 could not write it (the previous one stays)."""
