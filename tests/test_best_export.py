@@ -6,16 +6,19 @@ imported, giving the run's own outputs."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import events_of, only_run, task_profile, write_profile
 
+from gpu_console.engine import checkpoint
 from gpu_console.engine.export import ExportInputError, plain_keys, split
 from gpu_console.profile import ProfileError, load_profile
-from gpu_console.runs import list_checkpoints
+from gpu_console.runs import best_checkpoint, latest_checkpoint, list_checkpoints
 from gpu_console.tasks.configs import MLPConfig
 from gpu_console.tasks.mlp import MLPTask
 
@@ -243,3 +246,57 @@ def test_best_mode_auto_is_min_for_a_loss_and_explicit_otherwise(tmp_path):
     assert load_profile(str(path)).checkpoint.best_direction() == "min"
     path.write_text('[checkpoint]\nkeep_best = "eval.accuracy"\nbest_mode = "max"\n')
     assert load_profile(str(path)).checkpoint.best_direction() == "max"
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _save(run, step, reason, best_step, w=0.0):
+    """Save ``step`` with a best record at ``best_step`` (None: no best yet)."""
+    record = {"metric": "eval.loss", "mode": "min", "value": float(best_step or 0),
+              "step": best_step} if best_step else None  # fmt: skip
+    best = {"so_far": record, "is_best": best_step == step}
+    state = {"model": {"w": torch.full((2,), w)}, "step": step}
+    return checkpoint.save(run, step, reason, state, {}, 1, True, None, best)
+
+
+def test_the_best_is_pruned_only_once_superseded_and_never_left_unnamed(one_rank, tmp_path):
+    run = tmp_path / "run"
+    assert _save(run, 10, "best", 10)["event"]["best"] is True
+    _save(run, 20, "interval", 10)
+    _save(run, 30, "interval", 10)
+    assert best_checkpoint(run).name == "step-00000010"  # kept through keep_last = 1
+    assert [c["step"] for c in list_checkpoints(run)] == [10, 30]
+    meta = json.loads((run / "checkpoints" / "step-00000030" / "meta.json").read_text())
+    assert meta["best"] is False and meta["best_so_far"]["step"] == 10
+
+    # The best's step saved again (a stop right after a best eval), and the rename that puts
+    # it back in place fails: BEST still names a complete checkpoint of that step's weights.
+    _save(run, 40, "best", 40, w=4.0)
+    real_rename = os.rename
+
+    def fail_staging(src, dst):
+        if ".link-" in str(src):
+            raise OSError("rename failed")
+        return real_rename(src, dst)
+
+    checkpoint.os.rename = fail_staging
+    try:
+        assert _save(run, 40, "stop", 40, w=4.0)["ok"] is False
+    finally:
+        checkpoint.os.rename = real_rename
+    named = best_checkpoint(run)
+    assert named is not None and named == latest_checkpoint(run)
+    assert torch.equal(checkpoint.load(named)["model"]["w"], torch.full((2,), 4.0))
+
+    # The next save puts both names back on the step directory, and prunes the old best.
+    assert _save(run, 40, "stop", 40, w=4.0)["ok"] is True
+    assert best_checkpoint(run).name == "step-00000040" == latest_checkpoint(run).name
+    listing = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert listing == ["BEST", "LATEST", "step-00000040"]

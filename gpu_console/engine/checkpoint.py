@@ -193,10 +193,10 @@ def _write(
             os.rename(tmp, final)
         fsync_dir(ckpts)
         atomic_write_text(ckpts / "LATEST", name + "\n")
-        if best is not None and best["is_best"]:
+        if (best is not None and best["is_best"]) or _named(ckpts, BEST) == tmp.name:
             atomic_write_text(ckpts / BEST, name + "\n")
     except BaseException:
-        if _latest_name(ckpts) != tmp.name:  # a failed replace may have named it: keep it
+        if tmp.name not in _names(ckpts):  # a failed replace may have named it: keep it
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     shutil.rmtree(tmp, ignore_errors=True)
@@ -220,6 +220,8 @@ def _replace(ckpts: Path, tmp: Path, final: Path) -> None:
     and renamed into place (it no longer exists, so the rename cannot fail half-way).
     """
     atomic_write_text(ckpts / "LATEST", tmp.name + "\n")
+    if _named(ckpts, BEST) == final.name:  # the same step's weights: BEST never names nothing
+        atomic_write_text(ckpts / BEST, tmp.name + "\n")
     shutil.rmtree(final)
     staging = ckpts / f"{LINK}{final.name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -234,10 +236,6 @@ def _replace(ckpts: Path, tmp: Path, final: Path) -> None:
     os.rename(staging, final)
 
 
-def _latest_name(ckpts: Path) -> str | None:
-    return _named(ckpts, "LATEST")
-
-
 def _named(ckpts: Path, which: str) -> str | None:
     try:
         return (ckpts / which).read_text().strip() or None
@@ -245,11 +243,16 @@ def _named(ckpts: Path, which: str) -> str | None:
         return None
 
 
+def _names(ckpts: Path) -> set[str | None]:
+    """What LATEST and BEST name."""
+    return {_named(ckpts, "LATEST"), _named(ckpts, BEST)}
+
+
 def _clean_debris(ckpts: Path) -> None:
-    """Temporary directories of writers that were killed, except one LATEST still names."""
-    named = _latest_name(ckpts)
+    """Temporary directories of writers that were killed, except one LATEST or BEST names."""
+    named = _names(ckpts)
     for p in ckpts.iterdir():
-        if p.name.startswith((TMP, LINK, ".old-")) and p.name != named:
+        if p.name.startswith((TMP, LINK, ".old-")) and p.name not in named:
             shutil.rmtree(p, ignore_errors=True)
 
 
