@@ -309,7 +309,7 @@ def resolve(
         task_cfg = task_table  # validated later against the user's class
 
     errors += _determinism_conflicts(built, data.get("hardware"))
-    errors += _best_mode_conflicts(built)
+    errors += _best_mode_conflicts(built, overridden)
     if errors:
         raise ProfileError([_blame(e, source, overridden) for e in errors])
     profile = Profile(task_kind=kind, task=task_cfg, **built)
@@ -364,17 +364,21 @@ def _determinism_conflicts(built: dict[str, Any], hardware: Any) -> list[str]:
     return errors
 
 
-def _best_mode_conflicts(built: dict[str, Any]) -> list[str]:
-    """``best_mode = auto`` guesses only for loss-like metrics: an accuracy must say max."""
+def _best_mode_conflicts(built: dict[str, Any], overridden: set[str] | frozenset[str]) -> list[str]:
+    """``best_mode = auto`` guesses only for loss-like metrics: an accuracy must say max.
+    Blamed on the key given last: ``--set checkpoint.keep_best=…`` over a profile's auto."""
     ckpt = built.get("checkpoint")
     if ckpt is None or not ckpt.keep_best or ckpt.best_mode != "auto":
         return []
     if "loss" in ckpt.keep_best.lower():
         return []
-    return [
-        f"checkpoint.best_mode: say min or max for {ckpt.keep_best} (auto means min, for "
-        "metrics named *loss* only) (got 'auto')"
-    ]
+    why = "auto means min, for metrics named *loss* only"
+    if "checkpoint.keep_best" in overridden and "checkpoint.best_mode" not in overridden:
+        return [
+            f"checkpoint.keep_best: {ckpt.keep_best} needs checkpoint.best_mode = min or max "
+            f"({why}) (got {ckpt.keep_best!r})"
+        ]
+    return [f"checkpoint.best_mode: say min or max for {ckpt.keep_best} ({why}) (got 'auto')"]
 
 
 def _blame(problem: str, source: str, overridden: set[str] | frozenset[str]) -> str:

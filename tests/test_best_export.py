@@ -300,3 +300,11 @@ def test_the_best_is_pruned_only_once_superseded_and_never_left_unnamed(one_rank
     assert best_checkpoint(run).name == "step-00000040" == latest_checkpoint(run).name
     listing = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert listing == ["BEST", "LATEST", "step-00000040"]
+
+
+def test_a_set_keep_best_without_a_mode_is_blamed_on_set(tmp_path):
+    path = write_profile(tmp_path / "p.toml", "[checkpoint]\nkeep_last = 2\n")
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(path), ["checkpoint.keep_best=eval.accuracy"])
+    (problem,) = e.value.problems
+    assert problem.startswith("--set: checkpoint.keep_best: eval.accuracy needs "), problem

@@ -100,10 +100,12 @@ def _is_best(ckpt: Path) -> bool:
 
 
 def _env() -> dict[str, str]:
-    """The subprocess imports this very gpu_console (a checkout run from its directory)."""
+    """The subprocess imports this very gpu_console (a checkout run from its directory); an
+    installed one is found there anyway (site-packages is never put ahead of the stdlib)."""
     env = dict(os.environ)
-    here = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    here = Path(__file__).resolve().parents[2]
+    if here.name not in ("site-packages", "dist-packages"):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), env.get("PYTHONPATH")) if p)
     return env
 
 
