@@ -429,15 +429,21 @@ def start(
     resume_from: Path | None = None,
     argv: list[str] | None = None,
     nodes: Nodes | None = None,
+    launched: float | None = None,
 ) -> Launched:
     """Create the run directory, write run.toml and meta.json, start the supervisor.
+
+    ``launched``: when the command started (its process's start; default now), which the
+    start event's stage times count from (:mod:`.timings`).
 
     ``--resume`` on one machine continues in the resumed run's own directory (its
     ``checkpoints/<step>`` names it), wherever ``runs_dir`` points: see :func:`continue_run`.
     On several nodes each node's console makes a run directory of its own, as at launch.
     """
     if resume_from is not None and nodes is None:
-        return continue_run(profile, placement, resume_from.parent.parent, resume_from, argv)
+        return continue_run(
+            profile, placement, resume_from.parent.parent, resume_from, argv, launched
+        )
     changes = []
     if resume_from is not None:
         world = placement.nproc * (nodes.max_nodes if nodes else 1)
@@ -445,7 +451,9 @@ def start(
     run_dir = runs.create_run_dir(runs_dir, profile.profile.name or "run")
     try:
         runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
-        session = _session(run_dir, profile, placement, resume_from, argv, nodes, os.getcwd())
+        session = _session(
+            run_dir, profile, placement, resume_from, argv, nodes, os.getcwd(), launched
+        )
         session["changes"] = [c.as_dict() for c in changes]
         meta = {
             "id": run_dir.name,
@@ -479,6 +487,7 @@ def _session(
     argv: list[str] | None,
     nodes: Nodes | None,
     cwd: str,
+    launched: float | None = None,
 ) -> dict:
     """One launch of a run: what meta.json's ``sessions`` records, and what it runs."""
 
@@ -488,11 +497,13 @@ def _session(
         except FileNotFoundError:
             return 0
 
+    started = time.time()
     return {
         "command": argv if argv is not None else sys.argv,
         "cwd": cwd,
         "host": socket.gethostname(),
-        "started": time.time(),
+        "launched": launched or started,  # the command's start (timings.py)
+        "started": started,
         "versions": {
             "python": sys.version.split()[0],
             "torch": _version("torch"),
@@ -527,6 +538,7 @@ def continue_run(
     run_dir: Path,
     resume_from: Path,
     argv: list[str] | None = None,
+    launched: float | None = None,
 ) -> Launched:
     """A new session of an ended run, in its own directory (``prepare`` checked it is over).
 
@@ -565,7 +577,7 @@ def continue_run(
         shutil.rmtree(run_dir / "heartbeats", ignore_errors=True)
         runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
         cwd = run_cwd(run_dir) or os.getcwd()
-        session = _session(run_dir, profile, placement, resume_from, argv, None, cwd)
+        session = _session(run_dir, profile, placement, resume_from, argv, None, cwd, launched)
         # What changed against the session that ended, classified: the engine's start event
         # carries it, and it tells the engine the batch size an old checkpoint counted in.
         session["changes"] = [c.as_dict() for c in changes]

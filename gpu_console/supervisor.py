@@ -38,7 +38,7 @@ from typing import Any
 
 import psutil
 
-from . import runs
+from . import runs, timings
 from .events import JsonlTail
 from .fold import RunFold
 from .state import read_heartbeats
@@ -63,6 +63,7 @@ def _torchrun_preexec() -> None:
 
 class Supervisor:
     def __init__(self, run_dir: Path):
+        self.up = time.time()  # a start-up stage (timings.py)
         self.run_dir = run_dir
         # This session's facts: a resumed run continues in its directory (runs.current_session).
         self.meta = runs.current_session(runs.read_json(run_dir / "meta.json") or {})
@@ -245,6 +246,7 @@ class Supervisor:
                     stderr=subprocess.STDOUT,
                     preexec_fn=_torchrun_preexec,
                     cwd=self.meta.get("cwd") or None,
+                    env=timings.handed_down({"supervisor": self.up, "torchrun": time.time()}),
                 )
         except (OSError, ValueError, TypeError, KeyError, subprocess.SubprocessError) as e:
             return self.fail(f"supervisor: cannot start torchrun: {_one_line(e)}")
