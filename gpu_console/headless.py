@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .events import append_control
+from .exit_watch import ExitWatch
 from .resume_changes import line as change_line
 from .state import RunFollower, RunState, describe_stopped, read_heartbeats
 
@@ -200,12 +201,15 @@ def follow(
         )
     }
     console.print(Text.assemble("run ", (run_dir.name, "bold"), f"  ({run_dir})"))
+    # Polls end early when the supervisor exits: the run's end is seen at once.
+    watch.supervisor_exit = ExitWatch(supervisor.pid if supervisor is not None else None)
     try:
         if tty:
             _follow_tty(follower, supervisor, console, watch)
         else:
             _follow_plain(follower, supervisor, console, watch, plain_every_s)
     finally:
+        watch.supervisor_exit.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     st = follower.state
@@ -218,6 +222,7 @@ class Watch:
 
     def __init__(self, interrupts: Interrupts, scheduler: SchedulerSignals, stalls: Stalls):
         self.interrupts, self.scheduler, self.stalls = interrupts, scheduler, stalls
+        self.supervisor_exit = ExitWatch(None)
 
 
 def _tick(
@@ -327,7 +332,7 @@ def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watc
             )
             if ended:
                 break
-            time.sleep(POLL_S)
+            watch.supervisor_exit.sleep(POLL_S)
 
 
 def _follow_plain(
@@ -347,7 +352,7 @@ def _follow_plain(
             next_line = time.monotonic() + every_s
         if ended:
             return
-        time.sleep(POLL_S)
+        watch.supervisor_exit.sleep(POLL_S)
 
 
 def summary_table(st: RunState, run_dir: Path) -> Table:

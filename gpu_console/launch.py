@@ -129,12 +129,12 @@ def check_user_task(
 
 def resolve_placement(devices: str) -> Placement:
     """``devices`` against the GPUs this user is granted and a torch that can use them."""
-    from . import torch_build
-    from .telemetry import nvml
-
     spec = parse_devices(devices)
     if spec.kind == "cpu":
         return place(spec, 0)
+    from . import torch_build
+    from .telemetry import nvml  # not for a CPU run: it starts sooner without
+
     gpus = nvml.identities()
     reason = "" if gpus else nvml.status().reason
     grant = read_grant(gpus)
@@ -191,7 +191,8 @@ def torchrun_argv(
         ("nproc_per_node", str(placement.nproc)),
         ("rdzv_backend", "c10d"),
         ("max_restarts", str(d.max_restarts)),
-        ("monitor_interval", "0.5"),
+        # torchrun's default: a rank's exit (the run's end, a crash) is seen within 0.1 s.
+        ("monitor_interval", "0.1"),
         # On SIGTERM torchrun forwards the signal and SIGKILLs the ranks after this long
         # (default 30 s): give them the profile's grace period to write their checkpoint.
         ("shutdown_timeout", str(math.ceil(d.shutdown_grace_s))),

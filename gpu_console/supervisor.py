@@ -40,6 +40,7 @@ import psutil
 
 from . import runs, timings
 from .events import JsonlTail
+from .exit_watch import ExitWatch
 from .fold import RunFold
 from .state import read_heartbeats
 from .telemetry.recorder import Recorder
@@ -253,8 +254,9 @@ class Supervisor:
         self.status["pids"]["torchrun"] = self.proc.pid
         self.recorder.start()  # after the fork: preexec_fn is not safe beside a running thread
         self.write_status()
+        torchrun_exit = ExitWatch(self.proc.pid)  # a tick, or torchrun's exit if sooner
         while self.proc.poll() is None:
-            time.sleep(TICK_S)
+            torchrun_exit.sleep(TICK_S)
             self.fold_events()
             now = time.monotonic()
             self._watch_workers(now)
@@ -267,6 +269,7 @@ class Supervisor:
                 self._kill_tree()
             self.write_status()
         code = self.proc.returncode
+        torchrun_exit.close()
         self._sweep()
         self.fold_events()
         return self.finish(code)

@@ -178,8 +178,8 @@ def test_torchrun_rejecting_a_flag_is_named_everywhere(procs, runs_dir, tmp_path
     )  # fmt: skip
     assert console.returncode == 1, console.stdout + console.stderr
     run = only_run(runs_dir)
-    assert "--no-such-flag=0.5" in json.loads((run / "meta.json").read_text())["torchrun"]
-    expected = "torchrun: error: unrecognized arguments: --no-such-flag=0.5"
+    assert "--no-such-flag=0.1" in json.loads((run / "meta.json").read_text())["torchrun"]
+    expected = "torchrun: error: unrecognized arguments: --no-such-flag=0.1"
     status = read_status(run)
     assert status["state"] == "failed" and status["reason"] == expected
     assert status["failure"]["summary"] == expected and status["failure"]["rank"] is None
