@@ -216,6 +216,7 @@ def torchrun_argv(
     return [
         sys.executable,
         "-m",
+        "gpu_console.quick_exit",  # torchrun, without its interpreter's teardown at the end
         "torch.distributed.run",
         *flags,
         module,
