@@ -64,12 +64,13 @@ def main() -> None:
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     train_set, _ = task.build_datasets()
-    sampler = DistributedSampler(train_set, seed=0, drop_last=True) if distributed else None
+    # Alone too, so that one process draws what one rank under torchrun draws.
+    world = dist.get_world_size() if distributed else 1
+    sampler = DistributedSampler(train_set, world, rank, seed=0, drop_last=True)
     loader = DataLoader(
         train_set,
         batch_size=64,
         sampler=sampler,
-        shuffle=sampler is None,
         drop_last=True,
         collate_fn=batch_collate,
         generator=torch.Generator().manual_seed(0),
@@ -81,8 +82,7 @@ def main() -> None:
 
     step, epoch = 0, 0
     while step < a.steps:
-        if sampler is not None:
-            sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)
         for batch in loader:
             loss = task.compute(model, batch).loss
             loss.backward()

@@ -2,8 +2,8 @@
 
     python benchmarks/startup.py [--rounds R] [--steps N] [--json PATH]
 
-One invocation runs, alternately and R times each (default 3 rounds of 60 steps, about a
-minute on an idle 2-core machine), the same training (the quickstart MLP on CPU, see
+One invocation runs, alternately and R times each (default 4 rounds of 60 steps, about a
+minute and a half on a 2-core machine), the same training (the quickstart MLP on CPU, see
 ``plain_start.py``):
 
   python         ``python benchmarks/plain_start.py``: a plain script, one process
@@ -27,8 +27,9 @@ The engine runs with the quickstart's defaults except what the plain script does
 checkpoints (``checkpoint.every_steps=0``, ``checkpoint.at_end=false``).
 
 Other work on the machine slows everything, unevenly: each run records the other load it saw
-(busy cores not this benchmark's), and the report says how loaded the machine was. Compare
-the differences, measured in the same invocation, rather than absolute numbers.
+(busy cores not this benchmark's), and the report says how loaded the machine was; each pair
+is also summarised over its quiet rounds only (both runs under 0.1 cores of other load).
+Compare the differences, measured in the same invocation, rather than absolute numbers.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ LEGEND = {
 }
 TARGET_ONE_RANK_S = 1.5  # gpu-console 1 - python, first step
 TARGET_TWO_RANKS_S = 0.5  # gpu-console 2 - torchrun 2, first step
+QUIET_CORES = 0.1  # other load below which a run counts as undisturbed
 
 
 class RunFailed(RuntimeError):
@@ -171,6 +173,11 @@ def run_config(name: str, steps: int, workdir: Path) -> dict:
 # -- report ----------------------------------------------------------------------------------
 
 
+def is_quiet(run: dict) -> bool:
+    """Nothing else kept a core busy while it ran (as overhead.py counts)."""
+    return run["other_load_cores"] is not None and run["other_load_cores"] < QUIET_CORES
+
+
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -207,10 +214,13 @@ def report(results: dict[str, list[dict]], args, loads: tuple[str, str]) -> dict
         ends = [r["stages"]["exit"] for r in results[name]]
         print(f"{name:16}{spread(first):>22}{spread(ends):>22}")
 
-    def paired(a: str, b: str, stage: str, ratio: bool = False) -> list[float]:
-        """Per round: a - b (or a / b), so a round's noise hits both."""
+    def paired(a: str, b: str, stage: str, ratio: bool = False, quiet: bool = False):
+        """Per round: a - b (or a / b), so a round's noise hits both; ``quiet``: only the
+        rounds where neither run saw other load."""
         out = []
         for ra, rb in zip(results[a], results[b], strict=False):
+            if quiet and not (is_quiet(ra) and is_quiet(rb)):
+                continue
             x, y = ra["stages"].get(stage), rb["stages"].get(stage)
             if x is not None and y is not None:
                 out.append(x / y if ratio else x - y)
@@ -224,18 +234,29 @@ def report(results: dict[str, list[dict]], args, loads: tuple[str, str]) -> dict
         ("gpu-console 2", "torchrun 2", TARGET_TWO_RANKS_S),
         ("gpu-console 2", "python", None),
     ):
-        diff = paired(engine, base, "first_step")
-        ratio = paired(engine, base, "exit", ratio=True)
-        d, q = median(diff), median(ratio)
+        d = median(paired(engine, base, "first_step"))
+        q = median(paired(engine, base, "exit", ratio=True))
+        quiet = paired(engine, base, "first_step", quiet=True)
+        quiet_q = paired(engine, base, "exit", ratio=True, quiet=True)
         verdict = ""
         if target is not None and d is not None:
-            verdict = f"  (target <= {target:.1f} s: {'met' if d <= target else 'NOT met'})"
-        print(
-            f"{engine} against {base}: first step "
-            f"{'-' if d is None else f'{d:+.2f} s'}{verdict}; end-to-end "
-            f"{'-' if q is None else f'x{q:.2f}'}"
+            verdict = f" (target <= {target:.1f} s: {'met' if d <= target else 'NOT met'})"
+        calm = (
+            f"; quiet rounds ({len(quiet)}): {median(quiet):+.2f} s, x{median(quiet_q):.2f}"
+            if quiet
+            else "; no quiet round"
         )
-        summary[f"{engine} - {base}"] = {"first_step_s": d, "end_to_end_ratio": q}
+        print(
+            f"{engine} against {base}: first step {'-' if d is None else f'{d:+.2f} s'}"
+            f"{verdict}, end-to-end {'-' if q is None else f'x{q:.2f}'}{calm}"
+        )
+        summary[f"{engine} - {base}"] = {
+            "first_step_s": d,
+            "end_to_end_ratio": q,
+            "quiet_rounds": len(quiet),
+            "quiet_first_step_s": median(quiet),
+            "quiet_end_to_end_ratio": median(quiet_q),
+        }
 
     print()
     print("When each stage was reached (median seconds from the command; - : no such stage)")
@@ -261,7 +282,7 @@ def load_average() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--json", default=None, help="also write every run and the summary here")
     args = ap.parse_args()
@@ -280,9 +301,11 @@ def main() -> None:
                 result = run_config(name, args.steps, workdir)
                 results[name].append(result)
                 s = result["stages"]
+                load = result["other_load_cores"]
                 print(
                     f"round {r + 1}/{args.rounds}  {name:14} first step "
-                    f"{s.get('first_step', float('nan')):5.2f} s  exit {s['exit']:5.2f} s",
+                    f"{s.get('first_step', float('nan')):5.2f} s  exit {s['exit']:5.2f} s  "
+                    f"other load {'?' if load is None else f'{load:.2f}'} cores",
                     flush=True,
                 )
     summary = report(results, args, (before, load_average()))
