@@ -64,3 +64,33 @@ def test_a_stopwatch_without_a_launch_time_counts_from_the_session_start(monkeyp
     watch.marks[FIRST_STEP] = 104.0
     assert watch.first_step_fields() == {"timings": {FIRST_STEP: 4.0}}
     assert watch.first_step_fields() == {}  # only the first step event carries it
+
+
+def test_a_rank_waits_for_rank_0s_store_to_listen_then_goes_on_at_once():
+    import socket
+    import threading
+
+    from gpu_console.engine.distributed import wait_for_store
+
+    with socket.socket() as probe:  # a free port, then nothing listens on it for a while
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    accepted = threading.Event()
+
+    def store_comes_up_later():
+        time.sleep(0.3)
+        with socket.socket() as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("127.0.0.1", port))
+            server.listen()
+            server.settimeout(60)
+            conn, _ = server.accept()
+            conn.close()
+            accepted.set()
+
+    thread = threading.Thread(target=store_comes_up_later)
+    thread.start()
+    wait_for_store("127.0.0.1", str(port))  # refused at first: it keeps probing
+    thread.join(timeout=60)
+    assert accepted.is_set()
+    wait_for_store(None, None)  # not under torchrun: nothing to wait for
