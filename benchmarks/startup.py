@@ -65,7 +65,7 @@ STAGES = (
     "exit",
 )
 LEGEND = {
-    "created": "the CLI wrote the run directory and starts the supervisor",
+    "created": "the CLI made the run directory (meta.json and the supervisor next)",
     "supervisor": "the supervisor's code runs",
     "torchrun": "the supervisor starts torchrun",
     "rank": "rank 0's first line (plain: the script's)",

@@ -23,7 +23,7 @@ from typing import Any
 
 ENV = "GPU_CONSOLE_TIMINGS"  # {"supervisor": t, "torchrun": t}: unix times, from the supervisor
 STAGES = (
-    "created",  # the console wrote meta.json and starts the supervisor
+    "created",  # the console made the run directory; meta.json, then the supervisor, next
     "supervisor",  # the supervisor's code runs (its interpreter and imports done)
     "torchrun",  # the supervisor starts torchrun
     "rank",  # the rank's first line (torchrun imported torch, rendezvoused, spawned it)
