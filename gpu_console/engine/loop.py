@@ -41,6 +41,7 @@ import torch.distributed as dist
 from ..profile import Profile
 from ..runs import latest_checkpoint, write_nodes
 from ..tasks.base import Task
+from ..timings import Stopwatch
 from . import checkpoint, determinism, flops, precision, signals
 from . import distributed as distmod
 from . import optimizer as optim
@@ -107,16 +108,19 @@ def train(
     heartbeat: Heartbeat | None = None,
     restart: int = 0,
     changes: list[dict] | None = None,
+    stopwatch: Stopwatch | None = None,
 ):
     p = profile
+    watch = stopwatch or Stopwatch()
     signals.install()  # already done by __main__ before torch loaded; harmless again
     determinism.setup(p.train.deterministic)  # before anything touches CUDA
     d = distmod.init(p.distributed, p.hardware, device_type)
+    watch.mark("process_group")
     out = Reporter(run_dir, d.local_rank == 0)
     beat = heartbeat or _NullHeartbeat()
     try:
         try:
-            _train(run_dir, p, task, d, out, resume, beat, restart, changes or [])
+            _train(run_dir, p, task, d, out, resume, beat, restart, changes or [], watch)
         except torch.OutOfMemoryError as e:  # torch.cuda.OutOfMemoryError is this class
             # The step the loop was in (its heartbeat knows), counted from 1 like step events.
             raise OutOfMemory(oom_message(e, d, p, beat.step)) from e
@@ -185,7 +189,16 @@ def resume_point(run_dir: Path, requested: Path | None, restart: int, d) -> Path
 
 
 def _train(
-    run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat, restart: int, changes
+    run_dir: Path,
+    p: Profile,
+    task: Task,
+    d,
+    out: Reporter,
+    resume,
+    beat,
+    restart: int,
+    changes,
+    watch: Stopwatch,
 ):
     out.status("starting")
     resume = resume_point(run_dir, resume, restart, d)
@@ -240,6 +253,7 @@ def _train(
             f"(epoch {position.epoch}, sample {position.samples} of its order)",
         )
 
+    watch.mark("built")
     autocast = precision.autocast(prec, d.device.type)
     # MFU: FLOPs per sample (the task's count, else measured once on the bare model by the
     # rank that writes events) against the GPUs' peak (peaks.py).
@@ -285,6 +299,7 @@ def _train(
         out.log("error", message, checkpoint_failed=failed)
         return False
 
+    watch.mark("ddp")
     out.start(
         world_size=d.world_size,
         device_type=d.device.type,
@@ -314,6 +329,7 @@ def _train(
         deterministic=determinism.in_effect(p.train.deterministic),
         versions={"torch": torch.__version__, "cuda": torch.version.cuda},
         **mfu.start_fields(),
+        **watch.start_fields(),  # where the start-up time went (timings.py)
     )
     out.status("running")
 
@@ -394,6 +410,7 @@ def _train(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            watch.step_done()
             window.loss_sum += last_loss
             window.steps += 1
             if guard.deferred and boundary(step):
@@ -410,7 +427,9 @@ def _train(
                 beat.set(step, "sync")
                 rows = exchange.gather()
                 try:
-                    _log_step(out, d, p, step, batches, scheduler, rows, grad_norm, window, mfu)
+                    _log_step(
+                        out, d, p, step, batches, scheduler, rows, grad_norm, window, mfu, watch
+                    )
                 except NonFiniteLoss as e:
                     _fail_non_finite(out, d, p, step, save, model, e)
                 window = Window(loss_sum=torch.zeros((), device=d.device))
@@ -560,7 +579,9 @@ def _gib(n: int) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
 
-def _log_step(out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, window, mfu) -> None:
+def _log_step(
+    out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, window, mfu, watch
+) -> None:
     """A step event from every rank's numbers, which came with the step's exchange."""
     loss = sum(r.last_loss for r in rows) / d.world_size
     loss_sum = sum(r.loss_sum for r in rows)
@@ -593,7 +614,7 @@ def _log_step(out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, w
         fields["mfu"] = util
     if p.train.nan_policy == "skip":
         fields["skipped"] = window.skipped
-    out.event("step", **fields)
+    out.event("step", **fields, **watch.first_step_fields())  # the first one: its timings
 
 
 @torch.no_grad()
