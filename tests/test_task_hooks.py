@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import torch
 from conftest import (
     REPO,
     events_of,
@@ -19,7 +21,11 @@ from conftest import (
 )
 from conftest import test_env as cli_env
 
+from gpu_console.engine.context import TaskContext
+from gpu_console.engine.hooks import Hooks
 from gpu_console.events import append_control
+from gpu_console.profile import Profile
+from gpu_console.tui.feed import RunFeed
 
 KIND = "tests.hooks_task:HooksTask"
 
@@ -88,6 +94,14 @@ def test_context_and_every_hook_on_every_rank_in_a_finished_run(procs, runs_dir,
     rank_1 = "".join(p.read_text() for p in (run / "logs").rglob("*") if p.is_file())
     assert f"rank 1: {lines[0]}" in rank_1
     assert "rank 1: eval hook" not in result.stdout
+    # The console's log pane: what the run screen's feed hands over.
+    feed = RunFeed(run, telemetry=False)
+    feed.load()
+    pane = [(line.level, line.text) for line in feed.snapshot().new_logs]
+    for line in lines:
+        assert ("info", f"[info] {line}") in pane, pane
+    # Rank 1's own output reaches the pane as that rank's lines (torchrun's tee).
+    assert ("info", f"r1│ [info] rank 1: {lines[0]}") in pane, pane
 
 
 def test_a_stop_ends_the_run_through_on_train_end_on_every_rank(procs, runs_dir, tmp_path):
@@ -154,3 +168,37 @@ def test_task_state_resumes_exactly_per_rank(procs, runs_dir, tmp_path):
     # Each rank's state differs (their data do), so each got its own back.
     carries = [seen(run, "hooks", r, stopped_at)["restored"]["carry"] for r in (0, 1)]
     assert carries[0] != carries[1]
+
+
+class Stateful:
+    def __init__(self):
+        self.loaded = []
+
+    def load_state_dict(self, state):
+        self.loaded.append(state)
+
+
+def context(rank: int, world_size: int, tmp_path: Path, resumed: bool = True) -> TaskContext:
+    return TaskContext(rank, world_size, rank, torch.device("cpu"), tmp_path, Profile(), resumed)
+
+
+def test_on_another_world_size_rank_r_gets_rank_rs_state_or_none_and_a_warning(tmp_path):
+    saved = [{"carry": torch.tensor(float(r))} for r in range(2)]
+    for rank, expected in ((0, [saved[0]]), (1, [saved[1]]), (2, [])):
+        task, warnings = Stateful(), []
+        Hooks(task, context(rank, 3, tmp_path)).restore(saved, 3, warnings.append)
+        assert task.loaded == expected
+        assert warnings == [
+            "task state saved by 2 ranks, resumed on 3: rank r gets rank r's state, "
+            "ranks 2 and up start without"
+        ]
+    task, warnings = Stateful(), []
+    Hooks(task, context(1, 2, tmp_path)).restore(saved, 2, warnings.append)
+    assert task.loaded == saved[1:] and warnings == []
+    # A copy: the checkpoint's tensors are its file's mapping.
+    assert task.loaded[0]["carry"].data_ptr() != saved[1]["carry"].data_ptr()
+
+
+def test_ctx_log_names_a_bad_level(tmp_path):
+    with pytest.raises(ValueError, match=r"ctx.log: level must be one of info, warning, error"):
+        context(0, 1, tmp_path).log("hello", level="debug")
