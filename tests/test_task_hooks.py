@@ -202,3 +202,18 @@ def test_on_another_world_size_rank_r_gets_rank_rs_state_or_none_and_a_warning(t
 def test_ctx_log_names_a_bad_level(tmp_path):
     with pytest.raises(ValueError, match=r"ctx.log: level must be one of info, warning, error"):
         context(0, 1, tmp_path).log("hello", level="debug")
+
+
+def test_a_dry_run_gives_the_task_a_context_and_leaves_nothing(procs, runs_dir, tmp_path):
+    profile = hooks_profile(tmp_path, max_steps=25)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    result = procs.cli(
+        "run", str(profile), "--dry-run", "--json", "--runs-dir", str(runs_dir), cwd=REPO,
+        env=cli_env(TMPDIR=str(scratch)),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["task"] == KIND
+    assert not runs_dir.exists()
+    # The plan's run directory (the task wrote into it) is gone with the planning process.
+    assert list(scratch.glob("gpu-console-plan-*")) == []
