@@ -1,10 +1,11 @@
 """The training loop: read it top to bottom.
 
-setup → (resume) → for each step: grad_accum micro-steps, clip, update, schedule → at
-log_every steps and control checks, the ranks' numbers (loss, memory, commands, signals)
-ride with the gradients' all-reduce (exchange.py) → eval / checkpoint / control at their
-boundaries → end: eval, checkpoint, status. Rank 0 alone writes events (on several nodes:
-the first rank of each node, into its node's run directory).
+setup → (resume) → for each step: grad_accum micro-steps, clip, update, schedule, the
+task's step hooks → at log_every steps and control checks, the ranks' numbers (loss,
+memory, commands, signals) ride with the gradients' all-reduce (exchange.py) → eval /
+checkpoint / control at their boundaries → end: eval, checkpoint, the task's end hook,
+status. The task's context and hooks: context.py, hooks.py. Rank 0 alone writes events (on
+several nodes: the first rank of each node, into its node's run directory).
 
 What can go wrong, and what the loop does about it:
 
