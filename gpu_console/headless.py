@@ -296,6 +296,8 @@ def _notable(e: dict, console: Console) -> None:
         say(f"state: {e.get('state')} {e.get('reason') or ''}".rstrip())
     elif kind == "log" and e.get("level") in ("warning", "error"):
         say(f"{e.get('level')}: {e.get('message')}", "yellow")
+    elif kind == "log" and e.get("source") == "task":  # the task's ctx.log, info included
+        say(f"{e.get('level')}: {e.get('message')}")
 
 
 def _progress_text(st: RunState) -> str:

@@ -1,10 +1,11 @@
 """The training loop: read it top to bottom.
 
-setup → (resume) → for each step: grad_accum micro-steps, clip, update, schedule → at
-log_every steps and control checks, the ranks' numbers (loss, memory, commands, signals)
-ride with the gradients' all-reduce (exchange.py) → eval / checkpoint / control at their
-boundaries → end: eval, checkpoint, status. Rank 0 alone writes events (on several nodes:
-the first rank of each node, into its node's run directory).
+setup → (resume) → for each step: grad_accum micro-steps, clip, update, schedule, the
+task's step hooks → at log_every steps and control checks, the ranks' numbers (loss,
+memory, commands, signals) ride with the gradients' all-reduce (exchange.py) → eval /
+checkpoint / control at their boundaries → end: eval, checkpoint, the task's end hook,
+status. The task's context and hooks: context.py, hooks.py. Rank 0 alone writes events (on
+several nodes: the first rank of each node, into its node's run directory).
 
 What can go wrong, and what the loop does about it:
 
@@ -43,6 +44,7 @@ from ..runs import latest_checkpoint, write_nodes
 from ..tasks.base import Task
 from ..timings import Stopwatch
 from . import checkpoint, determinism, flops, precision, signals
+from . import context as contexts
 from . import distributed as distmod
 from . import optimizer as optim
 from . import resume as resuming
@@ -50,6 +52,7 @@ from .control import Control
 from .data import Batches, DataPosition, make_loader
 from .exchange import Exchange, Row
 from .heartbeat import Heartbeat
+from .hooks import Hooks, attach
 from .metrics import memory_sample
 from .nonfinite import Guard, rewind_schedule
 from .reporter import Reporter
@@ -214,6 +217,9 @@ def _train(
     prec = precision.resolve(p.train.precision, d.device.type, distmod.cuda_capability())
 
     # -- model, optimizer, schedule ---------------------------------------------------------
+    ctx = contexts.make(d, run_dir, p, resume is not None, checkpoint.step_of(resume), out)
+    attach(task, ctx)
+    hooks = Hooks(task, ctx)
     torch.manual_seed(p.train.seed)  # identical init on every rank
     model = task.build_model().to(d.device)
     lr = scaled_lr(p.train.lr, d.world_size, p.distributed.lr_scaling)
@@ -242,6 +248,7 @@ def _train(
         settings.restore(optimizer, scheduler)
         step = back.step
         position = resuming.position_of(back.data, back.world_size, changes, p.data.batch_size)
+        hooks.restore(back.task, d.world_size, lambda m: out.log("warning", m))
         if back.rng is not None:
             checkpoint.restore_rng(back.rng, d.device)
         else:
@@ -268,6 +275,7 @@ def _train(
     exchange = Exchange(d.rank, d.world_size, d.device, shared)
     ddp.register_comm_hook(None, exchange.hook)
     batches = Batches(train_loader, position)
+    hooks.start(step, batches)
     control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
     params = [q for q in model.parameters() if q.requires_grad]
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
@@ -285,7 +293,7 @@ def _train(
             "data": batches.position.state_dict(),
             "world_size": d.world_size,
         }
-        rank_state = {"rng": checkpoint.capture_rng(d.device)}
+        rank_state = {"rng": checkpoint.capture_rng(d.device), **hooks.state()}
         outcome = checkpoint.save(
             run_dir, step, reason, state, rank_state, p.checkpoint.keep_last, d.is_main, writes
         )
@@ -421,6 +429,7 @@ def _train(
                     rewind_schedule(scheduler, settled.trip.steps_back)
                     batches.position = DataPosition(*settled.trip.position)
                     _stop_non_finite(out, d, p, step, save, settled.trip.loss, settled.trip.norm)
+            hooks.step_end(step, batches, model, result)
 
             rows = None
             if logging:
@@ -435,7 +444,7 @@ def _train(
                 window = Window(loss_sum=torch.zeros((), device=d.device))
             if eval_loader is not None and p.train.eval_every and step % p.train.eval_every == 0:
                 beat.set(step, "eval")
-                _evaluate(out, d, task, ddp, eval_loader, autocast, step)
+                hooks.eval_end(model, _evaluate(out, d, task, ddp, eval_loader, autocast, step))
             if checkpoint.interval_due(step, p.checkpoint, p.train.max_steps):
                 save("interval")
             if rows is None:
@@ -451,7 +460,7 @@ def _train(
             out.log("warning", control.warnings.pop(0))
         if decision.signalled:
             out.log("warning", f"signal received: stopping at step {step}")
-            return _stop(out, p, step, save, "signal", exchange.counts())
+            return _stop(out, p, step, save, "signal", exchange.counts(), hooks, model)
         if decision.cmd is None:
             continue
         _ack(out, decision, "received", step)
@@ -473,15 +482,16 @@ def _train(
         elif decision.cmd == "stop":
             control.stopping()
             _ack(out, decision, "done", step)
-            return _stop(out, p, step, save, "stop", exchange.counts())
+            return _stop(out, p, step, save, "stop", exchange.counts(), hooks, model)
         _ack(out, decision, "done", step, **done)
 
     # -- the end (skipping what the last step's boundaries already did) ----------------------
     if eval_loader is not None and not (p.train.eval_every and step % p.train.eval_every == 0):
         beat.set(step, "eval")
-        _evaluate(out, d, task, ddp, eval_loader, autocast, step)
+        hooks.eval_end(model, _evaluate(out, d, task, ddp, eval_loader, autocast, step))
     if p.checkpoint.at_end:
         save("end")
+    hooks.train_end(model, "finished")
     out.status("finished", reason="max_steps reached", step=step, exchanges=exchange.counts())
 
 
@@ -492,9 +502,10 @@ def _ack(out: Reporter, decision, state: str, step: int, **fields) -> None:
                   **fields)  # fmt: skip
 
 
-def _stop(out: Reporter, p: Profile, step: int, save, reason: str, exchanges: dict) -> None:
+def _stop(out: Reporter, p: Profile, step: int, save, reason: str, exchanges, hooks, model):
     out.status("stopping", reason=reason)
     saved = save(reason) if p.checkpoint.on_stop else True
+    hooks.train_end(model, "signal" if reason == "signal" else "stopped")
     # ``checkpointed`` is false only when a checkpoint was due and could not be written: the
     # supervisor then records the stop as interrupted (exit 130), not as a clean stop.
     out.status("stopped", reason=reason, step=step, checkpointed=saved, exchanges=exchanges)
@@ -618,7 +629,8 @@ def _log_step(
 
 
 @torch.no_grad()
-def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> None:
+def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> dict[str, float]:
+    """Collective: the eval's metrics, averaged over every rank's samples (on every rank)."""
     ddp.eval()
     totals: dict[str, float] = {}
     samples = 0
@@ -642,8 +654,10 @@ def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> None:
     dist.all_reduce(buf)
     values = buf.tolist()
     n = max(values[-1], 1)
+    metrics = {k: v / n for k, v in zip(names, values[:-1], strict=True)}
     if out.active:
-        out.event("eval", step=step, **{k: v / n for k, v in zip(names, values[:-1], strict=True)})
+        out.event("eval", step=step, **metrics)
+    return metrics
 
 
 def _ddp_settings(ddp) -> dict[str, Any]:
