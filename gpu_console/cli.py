@@ -196,9 +196,15 @@ def run(
         built = plan.build(prof, placement, resume_from, folder, profile_arg=profile,
                            devices=devices, overrides=overrides, nodes=nodes)  # fmt: skip
         raise typer.Exit(plan.show(built, as_json))
-    from . import headless as reporter  # after the checks: a bad input fails before Rich loads
+    from .timings import process_start_time
 
-    launched = launch.start(prof, placement, folder, resume_from, nodes=nodes)
+    launched = launch.start(
+        prof, placement, folder, resume_from, nodes=nodes, launched=process_start_time()
+    )
+    # After the checks (a bad input fails before Rich loads) and after the supervisor started
+    # (its start-up overlaps this import).
+    from . import headless as reporter
+
     if launched.run_dir.parent.resolve() != folder.resolve():
         folder = launched.run_dir.parent  # a resumed run lives where it always has
     if headless or not (sys.stdin.isatty() and sys.stdout.isatty()):

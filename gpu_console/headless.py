@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from .events import append_control
+from .exit_watch import ExitWatch
 from .format import fmt, human_bytes, human_duration, uncut
 from .resume_changes import line as change_line
 from .runs import EXIT_FAILED
@@ -184,12 +185,15 @@ def follow(
     if resumed := _resumed_line(run_dir):
         console.print(resumed, highlight=False)
     console.print(Text.assemble("run ", (run_dir.name, "bold"), f"  ({run_dir})"))
+    # Polls end early when the supervisor exits: the run's end is seen at once.
+    watch.supervisor_exit = ExitWatch(supervisor.pid if supervisor is not None else None)
     try:
         if tty:
             _follow_tty(follower, supervisor, console, watch)
         else:
             _follow_plain(follower, supervisor, console, watch, plain_every_s)
     finally:
+        watch.supervisor_exit.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     st = follower.state
@@ -217,6 +221,7 @@ class Watch:
 
     def __init__(self, interrupts: Interrupts, scheduler: SchedulerSignals, stalls: Stalls):
         self.interrupts, self.scheduler, self.stalls = interrupts, scheduler, stalls
+        self.supervisor_exit = ExitWatch(None)
 
 
 def _tick(
@@ -292,6 +297,8 @@ def _notable(e: dict, console: Console) -> None:
         say(f"state: {e.get('state')} {e.get('reason') or ''}".rstrip())
     elif kind == "log" and e.get("level") in ("warning", "error"):
         say(f"{e.get('level')}: {e.get('message')}", "yellow")
+    elif kind == "log" and e.get("source") == "task":  # the task's ctx.log, info included
+        say(f"{e.get('level')}: {e.get('message')}")
 
 
 def _progress_text(st: RunState) -> str:
@@ -319,7 +326,7 @@ def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watc
             )
             if ended:
                 break
-            time.sleep(POLL_S)
+            watch.supervisor_exit.sleep(POLL_S)
 
 
 PLAIN_EVERY_S = 2.0  # a run of a few seconds gets several lines; a long one, one per beat
@@ -376,7 +383,7 @@ def _follow_plain(
             rhythm.shown(now, st.step)
         if ended:
             return
-        time.sleep(POLL_S)
+        watch.supervisor_exit.sleep(POLL_S)
 
 
 def exit_code(st: RunState, interrupted: bool) -> int:

@@ -129,12 +129,12 @@ def check_user_task(
 
 def resolve_placement(devices: str) -> Placement:
     """``devices`` against the GPUs this user is granted and a torch that can use them."""
-    from . import torch_build
-    from .telemetry import nvml
-
     spec = parse_devices(devices)
     if spec.kind == "cpu":
         return place(spec, 0)
+    from . import torch_build
+    from .telemetry import nvml  # not for a CPU run: it starts sooner without
+
     gpus = nvml.identities()
     reason = "" if gpus else nvml.status().reason
     grant = read_grant(gpus)
@@ -191,7 +191,8 @@ def torchrun_argv(
         ("nproc_per_node", str(placement.nproc)),
         ("rdzv_backend", "c10d"),
         ("max_restarts", str(d.max_restarts)),
-        ("monitor_interval", "0.5"),
+        # torchrun's default: a rank's exit (the run's end, a crash) is seen within 0.1 s.
+        ("monitor_interval", "0.1"),
         # On SIGTERM torchrun forwards the signal and SIGKILLs the ranks after this long
         # (default 30 s): give them the profile's grace period to write their checkpoint.
         ("shutdown_timeout", str(math.ceil(d.shutdown_grace_s))),
@@ -215,6 +216,7 @@ def torchrun_argv(
     return [
         sys.executable,
         "-m",
+        "gpu_console.quick_exit",  # torchrun, without its interpreter's teardown at the end
         "torch.distributed.run",
         *flags,
         module,
@@ -464,15 +466,21 @@ def start(
     resume_from: Path | None = None,
     argv: list[str] | None = None,
     nodes: Nodes | None = None,
+    launched: float | None = None,
 ) -> Launched:
     """Create the run directory, write run.toml and meta.json, start the supervisor.
+
+    ``launched``: when the command started (its process's start; default now), which the
+    start event's stage times count from (:mod:`.timings`).
 
     ``--resume`` on one machine continues in the resumed run's own directory (its
     ``checkpoints/<step>`` names it), wherever ``runs_dir`` points: see :func:`continue_run`.
     On several nodes each node's console makes a run directory of its own, as at launch.
     """
     if resume_from is not None and nodes is None:
-        return continue_run(profile, placement, resume_from.parent.parent, resume_from, argv)
+        return continue_run(
+            profile, placement, resume_from.parent.parent, resume_from, argv, launched
+        )
     changes = []
     if resume_from is not None:
         world = placement.nproc * (nodes.max_nodes if nodes else 1)
@@ -480,7 +488,9 @@ def start(
     run_dir = runs.create_run_dir(runs_dir, profile.profile.name or "run")
     try:
         runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
-        session = _session(run_dir, profile, placement, resume_from, argv, nodes, os.getcwd())
+        session = _session(
+            run_dir, profile, placement, resume_from, argv, nodes, os.getcwd(), launched
+        )
         session["changes"] = [c.as_dict() for c in changes]
         meta = {
             "id": run_dir.name,
@@ -514,6 +524,7 @@ def _session(
     argv: list[str] | None,
     nodes: Nodes | None,
     cwd: str,
+    launched: float | None = None,
 ) -> dict:
     """One launch of a run: what meta.json's ``sessions`` records, and what it runs."""
 
@@ -523,11 +534,13 @@ def _session(
         except FileNotFoundError:
             return 0
 
+    started = time.time()
     return {
         "command": argv if argv is not None else sys.argv,
         "cwd": cwd,
         "host": socket.gethostname(),
-        "started": time.time(),
+        "launched": launched or started,  # the command's start (timings.py)
+        "started": started,
         "versions": {
             "python": sys.version.split()[0],
             "torch": _version("torch"),
@@ -562,6 +575,7 @@ def continue_run(
     run_dir: Path,
     resume_from: Path,
     argv: list[str] | None = None,
+    launched: float | None = None,
 ) -> Launched:
     """A new session of an ended run, in its own directory (``prepare`` checked it is over).
 
@@ -600,7 +614,7 @@ def continue_run(
         shutil.rmtree(run_dir / "heartbeats", ignore_errors=True)
         runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
         cwd = run_cwd(run_dir) or os.getcwd()
-        session = _session(run_dir, profile, placement, resume_from, argv, None, cwd)
+        session = _session(run_dir, profile, placement, resume_from, argv, None, cwd, launched)
         # What changed against the session that ended, classified: the engine's start event
         # carries it, and it tells the engine the batch size an old checkpoint counted in.
         session["changes"] = [c.as_dict() for c in changes]

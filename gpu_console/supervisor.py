@@ -44,8 +44,9 @@ from typing import Any
 
 import psutil
 
-from . import runs
+from . import runs, timings
 from .events import JsonlTail
+from .exit_watch import ExitWatch
 from .fold import RunFold
 from .state import read_heartbeats
 from .telemetry.recorder import Recorder
@@ -74,6 +75,7 @@ def _torchrun_preexec() -> None:
 
 class Supervisor:
     def __init__(self, run_dir: Path):
+        self.up = time.time()  # a start-up stage (timings.py)
         self.run_dir = run_dir
         # This session's facts: a resumed run continues in its directory (runs.current_session).
         self.meta = runs.current_session(runs.read_json(run_dir / "meta.json") or {})
@@ -281,14 +283,16 @@ class Supervisor:
                     stderr=subprocess.STDOUT,
                     preexec_fn=_torchrun_preexec,
                     cwd=self.meta.get("cwd") or None,
+                    env=timings.handed_down({"supervisor": self.up, "torchrun": time.time()}),
                 )
         except (OSError, ValueError, TypeError, KeyError, subprocess.SubprocessError) as e:
             return self.fail(f"supervisor: cannot start torchrun: {_one_line(e)}")
         self.status["pids"]["torchrun"] = self.proc.pid
         self.recorder.start()  # after the fork: preexec_fn is not safe beside a running thread
         self.write_status()
+        torchrun_exit = ExitWatch(self.proc.pid)  # a tick, or torchrun's exit if sooner
         while self.proc.poll() is None:
-            time.sleep(TICK_S)
+            torchrun_exit.sleep(TICK_S)
             if self.kill_signal is not None and self.killed is None:
                 self.kill_now()
                 continue
@@ -304,6 +308,7 @@ class Supervisor:
                 self._kill_tree()
             self.write_status()
         code = self.proc.returncode
+        torchrun_exit.close()
         self._sweep()
         self.fold_events()
         return self.finish(code)

@@ -80,8 +80,9 @@ def test_the_argv_launch_builds_parses_with_the_installed_torchruns_parser(tmp_p
     profile = load_profile(str(fast_profile(tmp_path)), sets)
     run_dir = tmp_path / "runs" / "fast-20260101-000000"
     argv = launch.torchrun_argv(run_dir, profile, placement, 29511, nodes)
-    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    args = get_args_parser().parse_args(argv[3:])  # an unknown flag: SystemExit(2), a failure
+    # torchrun itself, run by quick_exit (no interpreter teardown at its end)
+    assert argv[:4] == [sys.executable, "-m", "gpu_console.quick_exit", "torch.distributed.run"]
+    args = get_args_parser().parse_args(argv[4:])  # an unknown flag: SystemExit(2), a failure
     assert args.module and args.training_script == "gpu_console.engine"
     assert args.training_script_args == [str(run_dir)]
     assert args.nproc_per_node == str(placement.nproc)
@@ -109,7 +110,7 @@ def test_a_torchrun_without_shutdown_timeout_gets_an_argv_without_it(tmp_path, m
     profile = load_profile(str(fast_profile(tmp_path)))
     argv = launch.torchrun_argv(tmp_path / "r", profile, Placement("cpu", 2), 29511)
     assert not [a for a in argv if "shutdown" in a]
-    get_args_parser().parse_args(argv[3:])
+    get_args_parser().parse_args(argv[4:])
     dropped = launch.torchrun_compat()["dropped"]
     assert list(dropped) == ["--shutdown-timeout"] and "supervisor" in dropped["--shutdown-timeout"]
 
@@ -178,8 +179,8 @@ def test_torchrun_rejecting_a_flag_is_named_everywhere(procs, runs_dir, tmp_path
     )  # fmt: skip
     assert console.returncode == 1, console.stdout + console.stderr
     run = only_run(runs_dir)
-    assert "--no-such-flag=0.5" in json.loads((run / "meta.json").read_text())["torchrun"]
-    expected = "torchrun: error: unrecognized arguments: --no-such-flag=0.5"
+    assert "--no-such-flag=0.1" in json.loads((run / "meta.json").read_text())["torchrun"]
+    expected = "torchrun: error: unrecognized arguments: --no-such-flag=0.1"
     status = read_status(run)
     assert status["state"] == "failed" and status["reason"] == expected
     assert status["failure"]["summary"] == expected and status["failure"]["rank"] is None

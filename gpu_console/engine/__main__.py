@@ -12,11 +12,14 @@ import os
 import sys
 from pathlib import Path
 
+from ..timings import Stopwatch
 from . import signals
 from .heartbeat import Heartbeat
 
 
 def main(argv: list[str]) -> None:
+    watch = Stopwatch()
+    watch.mark("rank")
     signals.die_with_parent()
     signals.install()
     run_dir = Path(argv[0])
@@ -31,7 +34,7 @@ def main(argv: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     try:
-        record(_run)(run_dir, heartbeat)
+        record(_run)(run_dir, heartbeat, watch)
     except BaseException:
         heartbeat.close("failed")
         raise
@@ -57,7 +60,7 @@ def restart_count() -> int:
         return 0
 
 
-def _run(run_dir: Path, heartbeat: Heartbeat) -> None:
+def _run(run_dir: Path, heartbeat: Heartbeat, watch: Stopwatch) -> None:
     from ..profile import load_profile, with_task_config
     from ..runs import current_session, read_json
     from ..tasks.loader import load_task_class
@@ -70,6 +73,8 @@ def _run(run_dir: Path, heartbeat: Heartbeat) -> None:
     profile = load_profile(str(run_dir / "run.toml"))
     task_cls = load_task_class(profile.task_kind)
     profile = with_task_config(profile, task_cls.Config, str(run_dir / "run.toml"))
+    watch.session = meta
+    watch.mark("imports")
     resume = meta.get("resume_from")
     train(
         run_dir,
@@ -80,6 +85,7 @@ def _run(run_dir: Path, heartbeat: Heartbeat) -> None:
         heartbeat=heartbeat,
         restart=restart_count(),
         changes=meta.get("changes") or [],
+        stopwatch=watch,
     )
 
 

@@ -1,9 +1,10 @@
 """Checkpoints: everything an exact resume needs, written so a kill never leaves half of one.
 
 Layout: ``checkpoints/step-00000100/{state.pt,meta.json}`` and ``checkpoints/LATEST``.
-Every rank's RNG state is gathered to rank 0, the only writer. Rank 0 writes into a
-temporary directory, fsyncs, renames it into place, then rewrites LATEST atomically, so
-LATEST always names a complete checkpoint. Loading uses ``weights_only=True``.
+Every rank's RNG state (and the task's state, hooks.py) is gathered to rank 0, the only
+writer, and saved per rank in the one file. Rank 0 writes into a temporary directory,
+fsyncs, renames it into place, then rewrites LATEST atomically, so LATEST always names a
+complete checkpoint (every rank's part included). Loading uses ``weights_only=True``.
 
 While rank 0 writes, the other ranks wait for its outcome on a group of their own
 (:func:`write_group`: gloo, with a timeout no write outlasts), not in the next training
@@ -279,6 +280,7 @@ class Resumed:
     rng: dict[str, Any] | None  # this rank's RNG state; None when the world size changed
     ranks: int  # how many ranks' RNG states the checkpoint holds
     world_size: int  # the world size of the run that wrote it
+    task: list[Any] | None = None  # each saving rank's task state (None: the task kept none)
 
 
 def resume(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size: int) -> Resumed:
@@ -297,7 +299,8 @@ def resume(path: Path, model, optimizer, scheduler, scaler, rank: int, world_siz
     ranks = state.get("ranks") or []
     rng = ranks[rank]["rng"] if len(ranks) == world_size else None
     world = int(state.get("world_size") or len(ranks) or 1)
-    return Resumed(int(state["step"]), dict(state["data"]), rng, len(ranks), world)
+    task = [r.get("task") for r in ranks] if any("task" in r for r in ranks) else None
+    return Resumed(int(state["step"]), dict(state["data"]), rng, len(ranks), world, task)
 
 
 def _own_optimizer_state(optimizer, loaded: dict[str, Any]) -> None:
@@ -323,6 +326,16 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
     return []
+
+
+def step_of(path: Path | None) -> int:
+    """The step a checkpoint directory holds, from its meta.json (0: none, or unreadable)."""
+    if path is None:
+        return 0
+    try:
+        return int(json.loads((Path(path) / "meta.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def find_latest(run_dir: Path) -> Path | None:

@@ -216,3 +216,9 @@ class Batches:
             batch = next(self._it)
         self.position.samples += self._step
         return batch
+
+    def epochs_done(self) -> int:
+        """Epochs the train data has completed: at an epoch's end (no whole batch left for
+        every rank) that epoch counts, before the next draw moves the position on."""
+        s, at = self.sampler, self.position
+        return at.epoch + ((s.n - at.samples) // s.world < s.batch_size)

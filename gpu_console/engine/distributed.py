@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import socket
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -74,8 +75,34 @@ def init(cfg: DistributedConfig, hw: HardwareConfig, device_type: str) -> Dist:
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device_type == "cuda" else {}
+    if rank != 0:
+        wait_for_store(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.collective_timeout_s), **kwargs)
     return Dist(rank, world, local_rank, local_world, device, backend)
+
+
+STORE_WAIT_S = 10.0
+STORE_PROBE_S = 0.01
+
+
+def wait_for_store(host: str | None, port: str | None) -> None:
+    """Until rank 0's TCPStore accepts connections (at most :data:`STORE_WAIT_S`).
+
+    With the agent's store not shared (launch.py says why), rank 0 hosts the process group's
+    store. A rank that gets to ``init_process_group`` first is refused, and the store client
+    retries only after a backoff: up to 0.7 s of every rank's start, seen here. A refused probe
+    costs nothing, so this one retries every 10 ms; then the client connects at once. Should
+    the probe never get through, the client's own retries and timeout decide, as before.
+    """
+    if not host or not port or not port.isdigit():
+        return
+    deadline = time.monotonic() + STORE_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(STORE_PROBE_S)
 
 
 def nodes_of_run(run_dir: Path, d: Dist) -> list[dict]:

@@ -1,10 +1,11 @@
 """The training loop: read it top to bottom.
 
-setup → (resume) → for each step: grad_accum micro-steps, clip, update, schedule → at
-log_every steps and control checks, the ranks' numbers (loss, memory, commands, signals)
-ride with the gradients' all-reduce (exchange.py) → eval / checkpoint / control at their
-boundaries → end: eval, checkpoint, status. Rank 0 alone writes events (on several nodes:
-the first rank of each node, into its node's run directory).
+setup → (resume) → for each step: grad_accum micro-steps, clip, update, schedule, the
+task's step hooks → at log_every steps and control checks, the ranks' numbers (loss,
+memory, commands, signals) ride with the gradients' all-reduce (exchange.py) → eval /
+checkpoint / control at their boundaries → end: eval, checkpoint, the task's end hook,
+status. The task's context and hooks: context.py, hooks.py. Rank 0 alone writes events (on
+several nodes: the first rank of each node, into its node's run directory).
 
 What can go wrong, and what the loop does about it:
 
@@ -41,7 +42,9 @@ import torch.distributed as dist
 from ..profile import Profile
 from ..runs import latest_checkpoint, write_nodes
 from ..tasks.base import Task
+from ..timings import Stopwatch
 from . import checkpoint, determinism, flops, precision, signals
+from . import context as contexts
 from . import distributed as distmod
 from . import optimizer as optim
 from . import resume as resuming
@@ -50,6 +53,7 @@ from .control import Control
 from .data import Batches, DataPosition, make_loader
 from .exchange import Exchange, Row
 from .heartbeat import Heartbeat
+from .hooks import Hooks, attach
 from .metrics import memory_sample
 from .nonfinite import Guard, rewind_schedule
 from .reporter import Reporter
@@ -108,16 +112,19 @@ def train(
     heartbeat: Heartbeat | None = None,
     restart: int = 0,
     changes: list[dict] | None = None,
+    stopwatch: Stopwatch | None = None,
 ):
     p = profile
+    watch = stopwatch or Stopwatch()
     signals.install()  # already done by __main__ before torch loaded; harmless again
     determinism.setup(p.train.deterministic)  # before anything touches CUDA
     d = distmod.init(p.distributed, p.hardware, device_type)
+    watch.mark("process_group")
     out = Reporter(run_dir, d.local_rank == 0)
     beat = heartbeat or _NullHeartbeat()
     try:
         try:
-            _train(run_dir, p, task, d, out, resume, beat, restart, changes or [])
+            _train(run_dir, p, task, d, out, resume, beat, restart, changes or [], watch)
         except torch.OutOfMemoryError as e:  # torch.cuda.OutOfMemoryError is this class
             # The step the loop was in (its heartbeat knows), counted from 1 like step events.
             raise OutOfMemory(oom_message(e, d, p, beat.step)) from e
@@ -186,7 +193,16 @@ def resume_point(run_dir: Path, requested: Path | None, restart: int, d) -> Path
 
 
 def _train(
-    run_dir: Path, p: Profile, task: Task, d, out: Reporter, resume, beat, restart: int, changes
+    run_dir: Path,
+    p: Profile,
+    task: Task,
+    d,
+    out: Reporter,
+    resume,
+    beat,
+    restart: int,
+    changes,
+    watch: Stopwatch,
 ):
     out.status("starting")
     resume = resume_point(run_dir, resume, restart, d)
@@ -202,6 +218,9 @@ def _train(
     prec = precision.resolve(p.train.precision, d.device.type, distmod.cuda_capability())
 
     # -- model, optimizer, schedule ---------------------------------------------------------
+    ctx = contexts.make(d, run_dir, p, resume is not None, checkpoint.step_of(resume), out)
+    attach(task, ctx)
+    hooks = Hooks(task, ctx)
     torch.manual_seed(p.train.seed)  # identical init on every rank
     model = task.build_model().to(d.device)
     lr = scaled_lr(p.train.lr, d.world_size, p.distributed.lr_scaling)
@@ -230,6 +249,7 @@ def _train(
         settings.restore(optimizer, scheduler)
         step = back.step
         position = resuming.position_of(back.data, back.world_size, changes, p.data.batch_size)
+        hooks.restore(back.task, d.world_size, lambda m: out.log("warning", m))
         if back.rng is not None:
             checkpoint.restore_rng(back.rng, d.device)
         else:
@@ -241,6 +261,7 @@ def _train(
             f"(epoch {position.epoch}, sample {position.samples} of its order)",
         )
 
+    watch.mark("built")
     autocast = precision.autocast(prec, d.device.type)
     # MFU: FLOPs per sample (the task's count, else measured once on the bare model by the
     # rank that writes events) against the GPUs' peak (peaks.py).
@@ -255,6 +276,7 @@ def _train(
     exchange = Exchange(d.rank, d.world_size, d.device, shared)
     ddp.register_comm_hook(None, exchange.hook)
     batches = Batches(train_loader, position)
+    hooks.start(step, batches)
     control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
     params = [q for q in model.parameters() if q.requires_grad]
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
@@ -275,7 +297,7 @@ def _train(
             "data": batches.position.state_dict(),
             "world_size": d.world_size,
         }
-        rank_state = {"rng": checkpoint.capture_rng(d.device)}
+        rank_state = {"rng": checkpoint.capture_rng(d.device), **hooks.state()}
         outcome = checkpoint.save(
             run_dir, step, reason, state, rank_state, p.checkpoint.keep_last, d.is_main, writes,
             best.for_save(step),
@@ -290,6 +312,7 @@ def _train(
         out.log("error", message, checkpoint_failed=failed)
         return False
 
+    watch.mark("ddp")
     out.start(
         world_size=d.world_size,
         device_type=d.device.type,
@@ -319,6 +342,7 @@ def _train(
         deterministic=determinism.in_effect(p.train.deterministic),
         versions={"torch": torch.__version__, "cuda": torch.version.cuda},
         **mfu.start_fields(),
+        **watch.start_fields(),  # where the start-up time went (timings.py)
     )
     out.status("running")
 
@@ -399,6 +423,7 @@ def _train(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            watch.step_done()
             window.loss_sum += last_loss
             window.steps += 1
             if guard.deferred and boundary(step):
@@ -409,13 +434,16 @@ def _train(
                     rewind_schedule(scheduler, settled.trip.steps_back)
                     batches.position = DataPosition(*settled.trip.position)
                     _stop_non_finite(out, d, p, step, save, settled.trip.loss, settled.trip.norm)
+            hooks.step_end(step, batches, model, result)
 
             rows = None
             if logging:
                 beat.set(step, "sync")
                 rows = exchange.gather()
                 try:
-                    _log_step(out, d, p, step, batches, scheduler, rows, grad_norm, window, mfu)
+                    _log_step(
+                        out, d, p, step, batches, scheduler, rows, grad_norm, window, mfu, watch
+                    )
                 except NonFiniteLoss as e:
                     _fail_non_finite(out, d, p, step, save, model, e)
                 window = Window(loss_sum=torch.zeros((), device=d.device))
@@ -423,6 +451,7 @@ def _train(
             if eval_loader is not None and p.train.eval_every and step % p.train.eval_every == 0:
                 beat.set(step, "eval")
                 metrics = _evaluate(out, d, task, ddp, eval_loader, autocast, step)
+                hooks.eval_end(model, metrics)
                 improved = best.observe(step, metrics, lambda m: out.log("warning", m))
             if why := checkpoint.due(step, p.checkpoint, p.train.max_steps, improved):
                 save(why)
@@ -439,7 +468,7 @@ def _train(
             out.log("warning", control.warnings.pop(0))
         if decision.signalled:
             out.log("warning", f"signal received: stopping at step {step}")
-            return _stop(out, p, step, save, "signal", exchange.counts())
+            return _stop(out, p, step, save, "signal", exchange.counts(), hooks, model)
         if decision.cmd is None:
             continue
         _ack(out, decision, "received", step)
@@ -461,7 +490,7 @@ def _train(
         elif decision.cmd == "stop":
             control.stopping()
             _ack(out, decision, "done", step)
-            return _stop(out, p, step, save, "stop", exchange.counts())
+            return _stop(out, p, step, save, "stop", exchange.counts(), hooks, model)
         _ack(out, decision, "done", step, **done)
 
     # -- the end (skipping what the last step's boundaries already did) ----------------------
@@ -469,11 +498,13 @@ def _train(
     if eval_loader is not None and not (p.train.eval_every and step % p.train.eval_every == 0):
         beat.set(step, "eval")
         metrics = _evaluate(out, d, task, ddp, eval_loader, autocast, step)
+        hooks.eval_end(model, metrics)
         improved = best.observe(step, metrics, lambda m: out.log("warning", m))
     if p.checkpoint.at_end:
         save("end")
     elif improved:
         save("best")
+    hooks.train_end(model, "finished")
     out.status("finished", reason="max_steps reached", step=step, exchanges=exchange.counts())
 
 
@@ -484,9 +515,10 @@ def _ack(out: Reporter, decision, state: str, step: int, **fields) -> None:
                   **fields)  # fmt: skip
 
 
-def _stop(out: Reporter, p: Profile, step: int, save, reason: str, exchanges: dict) -> None:
+def _stop(out: Reporter, p: Profile, step: int, save, reason: str, exchanges, hooks, model):
     out.status("stopping", reason=reason)
     saved = save(reason) if p.checkpoint.on_stop else True
+    hooks.train_end(model, "signal" if reason == "signal" else "stopped")
     # ``checkpointed`` is false only when a checkpoint was due and could not be written: the
     # supervisor then records the stop as interrupted (exit 130), not as a clean stop.
     out.status("stopped", reason=reason, step=step, checkpointed=saved, exchanges=exchanges)
@@ -571,7 +603,9 @@ def _gib(n: int) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
 
-def _log_step(out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, window, mfu) -> None:
+def _log_step(
+    out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, window, mfu, watch
+) -> None:
     """A step event from every rank's numbers, which came with the step's exchange."""
     loss = sum(r.last_loss for r in rows) / d.world_size
     loss_sum = sum(r.loss_sum for r in rows)
@@ -604,7 +638,7 @@ def _log_step(out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, w
         fields["mfu"] = util
     if p.train.nan_policy == "skip":
         fields["skipped"] = window.skipped
-    out.event("step", **fields)
+    out.event("step", **fields, **watch.first_step_fields())  # the first one: its timings
 
 
 @torch.no_grad()

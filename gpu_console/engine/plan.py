@@ -19,7 +19,9 @@ from ..profile import Profile, resolve, with_task_config
 from ..tasks.loader import TaskLoadError, load_task_class
 from . import optimizer as optim
 from . import precision
+from .context import planning
 from .data import make_loader
+from .hooks import attach
 from .schedule import lr_factor, scaled_lr
 
 SOURCE = "the resolved profile"
@@ -64,6 +66,7 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
         raise TaskBuildError(f"task {kind}: {e}") from None
     p = with_task_config(p, task_cls.Config, SOURCE)
     task = _call(kind, "its constructor", task_cls, p.task)
+    attach(task, planning(p, world_size, device_type))  # as the loop does, before build_model
     prec = precision.resolve(p.train.precision, device_type, capability(device_type))
 
     torch.manual_seed(p.train.seed)  # as the loop does before build_model

@@ -28,6 +28,34 @@ attention). Without it the engine measures one batch with that counter before tr
 ``close``: on every rank once training has ended (finished, stopped or failed; after a
 failure other ranks may be gone, so no collectives). Its exception is reported as a warning,
 not as the run's outcome. The process's atexit handlers run after it, before the rank exits.
+
+The context (:class:`gpu_console.engine.context.TaskContext`): the engine assigns
+``task.ctx`` on every rank before it calls ``build_model`` (not yet in ``__init__``), and
+passes the same object to the hooks below as their ``ctx``. It holds ``rank``,
+``world_size``, ``local_rank``, ``device``, ``step``, ``epoch`` (kept current), ``run_dir``,
+``task_dir`` (the task's own files), ``profile`` (the resolved, typed profile), ``resumed``,
+``start_step``, and ``log(message, level="info")`` (a ``log`` event: the console's log pane
+and the headless output; another rank's lines are prefixed ``rank N:`` and go to its own
+output).
+
+Optional hooks, each called on every rank at the same point (collectives are allowed), with
+the bare model (no DDP wrapper) (engine/hooks.py):
+
+        def on_step_end(self, model, output, ctx) -> None: ...      # after each optimizer step
+        def on_epoch_end(self, model, ctx) -> None: ...             # the train data's epoch ended
+        def on_eval_end(self, model, metrics, ctx) -> None: ...     # the reduced eval metrics
+        def on_train_end(self, model, ctx, reason) -> None: ...     # finished, stopped, signal
+
+``on_train_end`` runs once, after the end or stop checkpoint, before the final status; not
+after a failure (``close`` does).
+
+Optional state, saved per rank with every checkpoint and given back to the same rank on
+resume (after ``build_model``/``build_datasets``, before the first step; tensors on the CPU;
+what ``torch.load(weights_only=True)`` reads). Resumed on another world size, rank r gets
+rank r's state where the checkpoint has one, else none, and the run warns:
+
+        def state_dict(self) -> dict: ...
+        def load_state_dict(self, state: dict) -> None: ...
 """
 
 from __future__ import annotations

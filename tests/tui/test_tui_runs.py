@@ -1,4 +1,4 @@
-"""The runs screen (``r`` from anywhere): runs with state, step, loss, age; Enter attaches."""
+"""The runs screen (``r`` from anywhere): runs with `ls`'s columns; Enter attaches."""
 
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ async def test_r_lists_the_runs_and_enter_attaches(tmp_path, monkeypatch):
         text = screen_text(app)
         assert "finished" in text and "failed" in text and "300/300" in text
         assert "120/120" in text
+        # The columns say what they measure, as `ls` does: begun and last moved, not "age".
+        table = screen.query_one("#runs")
+        assert [str(c.label) for c in table.columns.values()] == [
+            "run", "state", "step", "loss", "started", "updated"
+        ]  # fmt: skip
+        assert text.count(" ago") >= 4
         await pilot.press("down", "enter")  # the older, failed one
         await until(pilot, lambda: isinstance(app.screen, RunScreen), 5, "the run screen")
         run = app.screen

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from rich.text import Text
@@ -11,8 +12,13 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
+from ...commands.runs import LS_COLUMNS
 from ..messages import RunsListed
 from ..widgets.text import STATE_STYLE, human_duration, num
+
+
+def ago(now: float, t: float | None) -> str:
+    return "-" if t is None else human_duration(now - t) + " ago"
 
 
 class RunsScreen(Screen):
@@ -36,7 +42,7 @@ class RunsScreen(Screen):
 
     def on_mount(self) -> None:
         table = self.query_one("#runs", DataTable)
-        for col in ("run", "state", "step", "loss", "age"):
+        for col in LS_COLUMNS:  # the same columns as `gpu-console ls`
             table.add_column(col, key=col)
         table.focus()
         self.refresh_list()
@@ -53,6 +59,7 @@ class RunsScreen(Screen):
         keep = self._cursor_key()
         self.rows = message.rows
         table.clear()
+        now = time.time()
         for r in message.rows:
             step = f"{r['step'] or 0:,}/{r['max_steps'] or '-'}"
             if isinstance(r["max_steps"], int):
@@ -63,7 +70,7 @@ class RunsScreen(Screen):
                 state,
                 step,
                 num(r["loss"]),
-                human_duration(r["age_s"]) + " ago",
+                *(ago(now, r[when]) for when in ("started", "updated")),
                 key=r["path"],
             )
         if keep is not None and keep in {r["path"] for r in message.rows}:

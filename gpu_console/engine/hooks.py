@@ -1,0 +1,129 @@
+"""The task's optional hooks and state, called by the loop with one line at each place.
+
+Every hook runs on every rank, at the same point of the run (so a hook may use
+collectives), and gets the bare model (not the DDP wrapper; in train mode) and the
+context (context.py). A task without a hook is not called for it. What a hook raises fails
+the rank, as an exception in ``compute`` does.
+
+- ``on_step_end(model, output, ctx)``: after each optimizer step (``ctx.step`` counts it);
+  ``output`` is the last micro-batch's TaskOutput (its loss not divided by grad_accum).
+- ``on_epoch_end(model, ctx)``: after the step that took the epoch's last batch
+  (``ctx.epoch`` is the epoch that ended), after that step's ``on_step_end``.
+- ``on_eval_end(model, metrics, ctx)``: after each eval, with its metrics reduced over
+  every rank (the eval event's numbers: the same dict on every rank).
+- ``on_train_end(model, ctx, reason)``: once, when the run ends ``"finished"`` (max_steps),
+  ``"stopped"`` (a stop command) or ``"signal"`` (a scheduler's signal): after the end (or
+  stop) checkpoint, so what it changes is not saved and a resume goes on as if it had not
+  run; before the final status. Not after a failure (``close()`` runs then).
+
+State: ``state_dict()`` is called on every rank at each checkpoint and saved per rank in it;
+``load_state_dict(state)`` gets this rank's state back on resume, after ``build_model`` and
+``build_datasets``, before the first step. Tensors come back on the CPU. The state must be
+what ``torch.load(weights_only=True)`` reads: tensors, numbers, strings, lists, dicts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .context import TaskContext
+from .data import Batches
+
+REASONS = ("finished", "stopped", "signal")
+
+
+def attach(task: Any, ctx: TaskContext) -> None:
+    """Give the task its context (``task.ctx``) before the engine calls anything of it."""
+    task.ctx = ctx
+
+
+class Hooks:
+    def __init__(self, task: Any, ctx: TaskContext):
+        self.ctx = ctx
+        self._step_end = getattr(task, "on_step_end", None)
+        self._epoch_end = getattr(task, "on_epoch_end", None)
+        self._eval_end = getattr(task, "on_eval_end", None)
+        self._train_end = getattr(task, "on_train_end", None)
+        self._state_dict = getattr(task, "state_dict", None)
+        self._load_state_dict = getattr(task, "load_state_dict", None)
+        self._epochs = 0  # epochs whose on_epoch_end has run (or ran before a resume)
+
+    def start(self, step: int, batches: Batches) -> None:
+        """Where training starts (0, or a resumed step and data position)."""
+        self.ctx.step = step
+        if self.ctx.resumed:
+            self.ctx.start_step = step
+        self.ctx.epoch = batches.position.epoch
+        self._epochs = batches.epochs_done()
+
+    def step_end(self, step: int, batches: Batches, model, output) -> None:
+        ctx = self.ctx
+        ctx.step = step
+        ctx.epoch = batches.position.epoch
+        if self._step_end is not None:
+            self._step_end(model, output, ctx)
+        done = batches.epochs_done()
+        if done > self._epochs and self._epoch_end is not None:
+            for ended in range(self._epochs, done):  # several when an epoch is one step long
+                ctx.epoch = ended
+                self._epoch_end(model, ctx)
+            ctx.epoch = batches.position.epoch
+        self._epochs = done
+
+    def eval_end(self, model, metrics: dict[str, float]) -> None:
+        if self._eval_end is not None:
+            self._eval_end(model, dict(metrics), self.ctx)
+
+    def train_end(self, model, reason: str) -> None:
+        if self._train_end is not None:
+            self._train_end(model, self.ctx, reason)
+
+    # -- state: per rank, in the checkpoint ----------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """This rank's part of a checkpoint (``{"task": ...}``), or nothing without state."""
+        if self._state_dict is None:
+            return {}
+        return {"task": _to_cpu(self._state_dict())}
+
+    def restore(self, saved: list[Any] | None, world_size: int, warn) -> None:
+        """Give the task its saved state: rank r gets rank r's.
+
+        ``saved``: each saving rank's state (None: the checkpoint holds no task state).
+        Resumed on another world size, a rank the checkpoint has a state for still gets it
+        and a rank it has none for starts fresh; ``warn`` says so once (rank 0).
+        """
+        rank = self.ctx.rank
+        if saved is None:
+            if self._load_state_dict is not None:
+                warn("the checkpoint holds no task state: load_state_dict() not called")
+            return
+        if self._load_state_dict is None:
+            warn("the checkpoint holds task state, but the task has no load_state_dict()")
+            return
+        if len(saved) != world_size:
+            warn(
+                f"task state saved by {len(saved)} ranks, resumed on {world_size}: rank r gets "
+                f"rank r's state, ranks {len(saved)} and up start without"
+            )
+        if rank < len(saved):
+            # Copies: the loaded tensors are the checkpoint file's mapping, which a later
+            # prune deletes.
+            self._load_state_dict(_to_cpu(saved[rank], clone=True))
+
+
+def _to_cpu(obj: Any, clone: bool = False) -> Any:
+    """Saved state is gathered to rank 0 by pickling: a CUDA tensor would land on rank 0's
+    process on its own device. ``clone``: copies even of CPU tensors."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        return t.clone() if clone and t.data_ptr() == obj.data_ptr() else t
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v, clone) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v, clone) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_cpu(v, clone) for v in obj)
+    return obj
