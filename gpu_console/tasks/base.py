@@ -20,6 +20,7 @@ Optional hooks (the engine looks them up; a task without them works the same):
 
         def flops_per_sample(self) -> float: ...   # training FLOPs of one sample, for MFU
         def close(self) -> None: ...               # teardown: every rank, however it ended
+        def export_modules(self) -> dict[str, str]: ...  # `gpu-console export`: {name: submodule}
 
 ``flops_per_sample``: forward and backward (about 3× the forward), 2 FLOPs per multiply-add,
 as :class:`torch.utils.flop_counter.FlopCounterMode` counts them (matmuls, convolutions,
