@@ -43,7 +43,6 @@ from ..runs import latest_checkpoint, write_nodes
 from ..tasks.base import Task
 from . import checkpoint, determinism, flops, precision, signals
 from . import distributed as distmod
-from . import optimizer as optim
 from . import resume as resuming
 from .control import Control
 from .data import Batches, DataPosition, make_loader
@@ -51,8 +50,10 @@ from .exchange import Exchange, Row
 from .heartbeat import Heartbeat
 from .metrics import memory_sample
 from .nonfinite import Guard, rewind_schedule
+from .optimizers import Optimizers
+from .optimizers import context as task_context
 from .reporter import Reporter
-from .schedule import lr_factor, scaled_lr
+from .schedule import scaled_lr
 from .shared_reduce import SharedReduce
 
 CONTROL_INTERVAL_S = 0.25
@@ -204,11 +205,9 @@ def _train(
     torch.manual_seed(p.train.seed)  # identical init on every rank
     model = task.build_model().to(d.device)
     lr = scaled_lr(p.train.lr, d.world_size, p.distributed.lr_scaling)
-    groups, decay = optim.groups(
-        task, model, p.train, lambda x: scaled_lr(x, d.world_size, p.distributed.lr_scaling)
-    )
-    optimizer = optim.build(groups, lr, p.train.weight_decay, p.train.optimizer_impl, d.device.type)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, p.train))
+    # The task's configure_optimizers(), else train.optimizer: every one by name.
+    ctx = task_context(run_dir, p, d, resume is not None)
+    opts = Optimizers.build(task, model, p, d.world_size, d.device.type, ctx)
     scaler = precision.make_scaler(prec, d.device.type)
 
     # -- data ----------------------------------------------------------------------------
@@ -224,9 +223,8 @@ def _train(
     random.seed(p.train.seed + d.rank)
     torch.manual_seed(p.train.seed + 1_000_003 * (d.rank + 1))  # per-rank dropout streams
     if resume is not None:
-        settings = resuming.Settings.of(optimizer, scheduler)  # this profile's, not the saved
-        back = checkpoint.resume(resume, model, optimizer, scheduler, scaler, d.rank, d.world_size)
-        settings.restore(optimizer, scheduler)
+        # The optimizers keep this profile's settings over the saved ones (optimizers.py).
+        back = checkpoint.resume(resume, model, opts, scaler, d.rank, d.world_size)
         step = back.step
         position = resuming.position_of(back.data, back.world_size, changes, p.data.batch_size)
         if back.rng is not None:
@@ -255,7 +253,6 @@ def _train(
     ddp.register_comm_hook(None, exchange.hook)
     batches = Batches(train_loader, position)
     control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
-    params = [q for q in model.parameters() if q.requires_grad]
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
     newest = checkpoint.Newest()
 
@@ -264,8 +261,7 @@ def _train(
         beat.set(step, "checkpoint")
         state = {
             "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
+            **opts.state_dict(),  # every optimizer and schedule, by name
             "scaler": scaler.state_dict() if scaler is not None else None,
             "step": step,
             "data": batches.position.state_dict(),
@@ -305,8 +301,9 @@ def _train(
         rank_0=rank_0,
         global_batch=p.data.batch_size * p.train.grad_accum * d.world_size,
         lr=lr,
-        optimizer=f"AdamW ({optim.resolve_impl(p.train.optimizer_impl, d.device.type)})",
-        weight_decay=decay.fields(),
+        optimizer=opts.summary(),
+        optimizers=opts.describe(),  # what was built: classes, groups, schedules
+        weight_decay=opts.decay.fields() if opts.decay else None,
         ddp=_ddp_settings(ddp),
         # How gradients are summed: what a CPU run's speed depends on most.
         reduce="shared memory" if shared else f"{d.backend} ({why_not})",
@@ -319,9 +316,12 @@ def _train(
 
     window = Window(loss_sum=torch.zeros((), device=d.device))
     grad_norm = torch.zeros((), device=d.device)
+    grad_norms: dict[str, torch.Tensor] = {}
     accum = p.train.grad_accum
     max_norm = p.train.clip_grad_norm if p.train.clip_grad_norm > 0 else math.inf
-    guard = Guard(p.train.nan_policy, optimizer, scaler, d.device)
+    guard = Guard(p.train.nan_policy, [e.optimizer for e in opts.entries], scaler, d.device)
+    if not opts.rewindable():  # a task's torch scheduler cannot be stepped back
+        guard.deferred = False
     skip_bad, stop_bad = guard.skip, guard.stop
     paused = False
 
@@ -372,27 +372,24 @@ def _train(
                     (scaler.scale(loss) if scaler else loss).backward()
             beat.set(step + 1, "update")
             if scaler is not None:
-                scaler.unscale_(optimizer)
+                opts.unscale(scaler)
             if max_norm < math.inf or logging or skip_bad or stop_bad:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                grad_norm, grad_norms = opts.clip(max_norm)  # each optimizer's on its own
             # The norm is of the all-reduced gradients, the same on every rank, so every rank
             # skips (or stops before) the same update with no collective of its own. On GPUs
             # the verdict gates the update on the device and is read at the next boundary.
             bad = guard.bad_now(grad_norm, last_loss, batches.position)
             if stop_bad and bad:
-                optimizer.zero_grad(set_to_none=True)
+                opts.zero_grad()
                 _stop_non_finite(out, d, p, step, save, last_loss, grad_norm)
             if skip_bad and bad:
                 window.skipped += 1
                 if scaler is not None:
                     scaler.update()  # the scaler still learns from the overflow
-            elif scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
             else:
-                optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+                opts.step(scaler)
+            opts.schedule()
+            opts.zero_grad()
             step += 1
             window.loss_sum += last_loss
             window.steps += 1
@@ -401,7 +398,9 @@ def _train(
                 window.skipped += settled.skipped
                 if settled.trip is not None:  # stop: back to the last finite step, then stop
                     step -= settled.trip.steps_back
-                    rewind_schedule(scheduler, settled.trip.steps_back)
+                    for e in opts.entries:
+                        if e.scheduler is not None:
+                            rewind_schedule(e.scheduler, settled.trip.steps_back)
                     batches.position = DataPosition(*settled.trip.position)
                     _stop_non_finite(out, d, p, step, save, settled.trip.loss, settled.trip.norm)
 
@@ -410,13 +409,15 @@ def _train(
                 beat.set(step, "sync")
                 rows = exchange.gather()
                 try:
-                    _log_step(out, d, p, step, batches, scheduler, rows, grad_norm, window, mfu)
+                    _log_step(
+                        out, d, p, step, batches, opts, rows, grad_norm, grad_norms, window, mfu
+                    )
                 except NonFiniteLoss as e:
                     _fail_non_finite(out, d, p, step, save, model, e)
                 window = Window(loss_sum=torch.zeros((), device=d.device))
             if eval_loader is not None and p.train.eval_every and step % p.train.eval_every == 0:
                 beat.set(step, "eval")
-                _evaluate(out, d, task, ddp, eval_loader, autocast, step)
+                opts.after_eval(_evaluate(out, d, task, ddp, eval_loader, autocast, step))
             if checkpoint.interval_due(step, p.checkpoint, p.train.max_steps):
                 save("interval")
             if rows is None:
@@ -460,7 +461,7 @@ def _train(
     # -- the end (skipping what the last step's boundaries already did) ----------------------
     if eval_loader is not None and not (p.train.eval_every and step % p.train.eval_every == 0):
         beat.set(step, "eval")
-        _evaluate(out, d, task, ddp, eval_loader, autocast, step)
+        opts.after_eval(_evaluate(out, d, task, ddp, eval_loader, autocast, step))
     if p.checkpoint.at_end:
         save("end")
     out.status("finished", reason="max_steps reached", step=step, exchanges=exchange.counts())
@@ -560,7 +561,9 @@ def _gib(n: int) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
 
-def _log_step(out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, window, mfu) -> None:
+def _log_step(
+    out, d, p, step, batches, opts, rows: list[Row], grad_norm, grad_norms, window, mfu
+) -> None:
     """A step event from every rank's numbers, which came with the step's exchange."""
     loss = sum(r.last_loss for r in rows) / d.world_size
     loss_sum = sum(r.loss_sum for r in rows)
@@ -573,12 +576,13 @@ def _log_step(out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, w
         raise NonFiniteLoss(f"loss is {loss} in {where} (train.nan_policy = 'stop')")
     if not out.active:
         return
+    lrs = opts.lrs()
     fields = {
         "step": step,
         "epoch": batches.position.epoch,
         "loss": loss,
         "loss_avg": loss_sum / d.world_size / max(window.steps, 1),
-        "lr": scheduler.get_last_lr()[0],
+        "lr": lrs[opts.entries[0].name],
         "grad_norm": float(grad_norm),
         "samples_per_s": samples / elapsed,
         "step_time_s": elapsed / max(window.steps, 1),
@@ -587,6 +591,9 @@ def _log_step(out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, w
             for i, r in enumerate(rows)
         ],
     }
+    if len(lrs) > 1:  # several optimizers: each one's lr and gradient norm
+        fields["lrs"] = lrs
+        fields["grad_norms"] = {k: float(v) for k, v in grad_norms.items()}
     if tokens:
         fields["tokens_per_s"] = tokens / elapsed
     if (util := mfu.of(samples / elapsed)) is not None:
@@ -597,7 +604,8 @@ def _log_step(out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, w
 
 
 @torch.no_grad()
-def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> None:
+def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> dict[str, float]:
+    """The eval's metrics (all-reduced: the same on every rank); rank 0 writes the event."""
     ddp.eval()
     totals: dict[str, float] = {}
     samples = 0
@@ -621,8 +629,10 @@ def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> None:
     dist.all_reduce(buf)
     values = buf.tolist()
     n = max(values[-1], 1)
+    metrics = {k: v / n for k, v in zip(names, values[:-1], strict=True)}
     if out.active:
-        out.event("eval", step=step, **{k: v / n for k, v in zip(names, values[:-1], strict=True)})
+        out.event("eval", step=step, **metrics)
+    return metrics
 
 
 def _ddp_settings(ddp) -> dict[str, Any]:

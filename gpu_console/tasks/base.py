@@ -60,6 +60,34 @@ class Task(Protocol):
     def compute(self, model: torch.nn.Module, batch: Any) -> TaskOutput: ...
 
 
+# -- optimizers: the optional hook configure_optimizers(model, ctx) --------------------------
+
+
+@dataclass
+class OptimizerSpec:
+    """One optimizer a task's ``configure_optimizers(model, ctx)`` builds, and its schedule.
+
+    ``schedule`` is one of:
+
+    - ``None``: the lr stays what the optimizer's groups say;
+    - a function ``f(step) -> factor`` of the completed steps, multiplying each group's lr
+      before the update that follows (as ``torch.optim.lr_scheduler.LambdaLR``, which wraps it);
+    - a ``torch.optim.lr_scheduler.LRScheduler`` over this optimizer, stepped after every
+      update;
+    - a ``ReduceLROnPlateau``, stepped after every eval with the eval metric ``monitor``
+      names (a key of the eval event: ``"loss"`` or one of ``compute``'s metrics).
+    """
+
+    optimizer: torch.optim.Optimizer
+    schedule: Any = None
+    monitor: str | None = None
+
+
+# What configure_optimizers may return: one optimizer (named "main"), one OptimizerSpec, or
+# a dict of them by name (the names checkpoints, the start event and step events use).
+Optimizers = Any  # torch.optim.Optimizer | OptimizerSpec | dict[str, Optimizer | OptimizerSpec]
+
+
 class TensorSet:
     """A map-style dataset over equal-length tensors with batched indexing.
 
