@@ -43,8 +43,14 @@ def steps_of(run: Path) -> dict[int, tuple]:
 
 def test_two_optimizers_are_built_checkpointed_and_resume_exactly(procs, runs_dir, tmp_path):
     profile = gan_profile(tmp_path)
-    run_cli(procs, tmp_path, "run", str(profile), "--runs-dir", str(runs_dir / "ref"))
+    out = run_cli(procs, tmp_path, "run", str(profile), "--runs-dir", str(runs_dir / "ref"))
     ref = only_run(runs_dir / "ref")
+    # The headless start lines say what was built.
+    assert "optimizer g: Adam (default), 1 group, lr 0.002, schedule function" in out.stdout
+    assert (
+        "optimizer d: SGD (default), 2 groups, lr 0.02, schedule ReduceLROnPlateau on eval loss"
+        in out.stdout
+    )
     expected = steps_of(ref)
     assert len(expected) == 24
 

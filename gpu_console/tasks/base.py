@@ -20,6 +20,11 @@ Optional hooks (the engine looks them up; a task without them works the same):
 
         def flops_per_sample(self) -> float: ...   # training FLOPs of one sample, for MFU
         def close(self) -> None: ...               # teardown: every rank, however it ended
+        def configure_optimizers(self, model, ctx): ...  # own optimizers and schedules
+
+``configure_optimizers``: one ``torch.optim`` optimizer, an :class:`OptimizerSpec` (an
+optimizer with its schedule), or a dict of them by name; it replaces the profile's
+``train.optimizer`` and schedule (README: Your own task).
 
 ``flops_per_sample``: forward and backward (about 3× the forward), 2 FLOPs per multiply-add,
 as :class:`torch.utils.flop_counter.FlopCounterMode` counts them (matmuls, convolutions,
