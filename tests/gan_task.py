@@ -72,3 +72,69 @@ class GanTask:
         x, y = batch
         loss = F.mse_loss(model(x), y)
         return TaskOutput(loss=loss, samples=len(x))
+
+
+class GanNets(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 2))
+        self.d = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.d(x)
+
+
+class GanStepTask(GanTask):
+    """A real GAN step: the discriminator's update, then the generator's, from two losses
+    (``train_step``). Noise comes from each rank's RNG stream. After each step the task
+    checks that every rank holds the same weights: the engine averaged every update."""
+
+    def build_model(self) -> nn.Module:
+        return GanNets()
+
+    def build_datasets(self):
+        gen = torch.Generator().manual_seed(0)
+        angle = torch.rand(self.cfg.samples, generator=gen) * 6.283
+        real = torch.stack([angle.cos(), angle.sin()], dim=1)
+        return TensorSet(real), TensorSet(real[:128])
+
+    def configure_optimizers(self, model, ctx):
+        d = torch.optim.Adam(model.d.parameters(), lr=2e-3, betas=(0.5, 0.999))
+        g = torch.optim.Adam(model.g.parameters(), lr=1e-3, betas=(0.5, 0.999))
+        return {
+            "d": OptimizerSpec(d, schedule=torch.optim.lr_scheduler.StepLR(d, 5, gamma=0.5)),
+            "g": OptimizerSpec(g, schedule=lambda step: min(1.0, (step + 1) / 4)),
+        }
+
+    def train_step(self, model, batch, optimizers, ctx) -> TaskOutput:
+        (real,) = batch
+        ones = torch.ones(len(real), 1)
+        zeros = torch.zeros(len(real), 1)
+        fake = model.g(torch.randn(len(real), 2))
+        loss_d = F.binary_cross_entropy_with_logits(
+            model.d(real), ones
+        ) + F.binary_cross_entropy_with_logits(model.d(fake.detach()), zeros)
+        optimizers.backward(loss_d, "d")
+        optimizers.step("d")
+        loss_g = F.binary_cross_entropy_with_logits(model.d(fake), ones)
+        optimizers.backward(loss_g, "g")
+        optimizers.step("g")
+        if optimizers.final:
+            _same_on_every_rank(model)
+        return TaskOutput(loss=loss_d.detach() + loss_g.detach(), samples=len(real))
+
+    def compute(self, model, batch) -> TaskOutput:
+        (real,) = batch
+        target = torch.ones(len(real), 1)
+        loss = F.binary_cross_entropy_with_logits(model(real), target)
+        return TaskOutput(loss=loss, samples=len(real))
+
+
+def _same_on_every_rank(model) -> None:
+    import torch.distributed as dist
+
+    flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, flat)
+    if not all(torch.equal(every[0], other) for other in every[1:]):
+        raise AssertionError("the ranks' weights differ: an update was not averaged")

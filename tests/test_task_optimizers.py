@@ -181,3 +181,27 @@ def test_a_parameter_in_no_optimizer_or_in_two_is_refused():
     both = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(OptimizerSetupError, match="is in optimizers 'a' and 'b'"):
         Optimizers.from_task({"a": first, "b": both}, model)
+
+
+def test_a_tasks_own_gan_step_is_averaged_and_resumes_exactly(procs, runs_dir, tmp_path):
+    profile = gan_profile(tmp_path)
+    text = profile.read_text().replace("GanTask", "GanStepTask")
+    profile.write_text(text.replace("max_steps = 24", "max_steps = 24\ngrad_accum = 2"))
+    # Every step the task checks that the ranks hold the same weights (see gan_task.py).
+    run_cli(procs, tmp_path, "run", str(profile), "--runs-dir", str(runs_dir / "ref"))
+    ref = only_run(runs_dir / "ref")
+    expected = steps_of(ref)
+    assert len(expected) == 24
+    # StepLR halves d's lr every 5 steps; g warms up over 4.
+    assert [expected[s][2] for s in (4, 5, 10, 24)] == pytest.approx([2e-3, 1e-3, 5e-4, 1.25e-4])
+    assert expected[1][1] == pytest.approx(5e-4) and expected[24][1] == pytest.approx(1e-3)
+    steps = events_of(ref, "step")
+    assert set(steps[-1]["grad_norms"]) == {"d", "g"}
+    state = checkpoint.load(ref / "checkpoints" / "step-00000024")
+    assert state["schedulers"]["d"]["last_epoch"] == 24
+
+    half = ["--set", "train.max_steps=12"]
+    run_cli(procs, tmp_path, "run", str(profile), "--runs-dir", str(runs_dir / "b"), *half)
+    run = only_run(runs_dir / "b")
+    run_cli(procs, tmp_path, "run", "--resume", str(run), "--set", "train.max_steps=24")
+    assert steps_of(run) == expected

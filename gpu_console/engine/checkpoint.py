@@ -257,12 +257,23 @@ def resume(path: Path, model, optimizers, scaler, rank: int, world_size: int) ->
     loaded = _tensors(state.get("optimizers") or state["optimizer"])
     for entry in optimizers.entries:
         _own_optimizer_state(entry.optimizer, loaded)
-    if scaler is not None and state.get("scaler"):
+    if isinstance(scaler, dict):  # a task's own step: one per optimizer, by name
+        for name, one in scaler.items():
+            if (state.get("scaler") or {}).get(name):
+                one.load_state_dict(state["scaler"][name])
+    elif scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     ranks = state.get("ranks") or []
     rng = ranks[rank]["rng"] if len(ranks) == world_size else None
     world = int(state.get("world_size") or len(ranks) or 1)
     return Resumed(int(state["step"]), dict(state["data"]), rng, len(ranks), world)
+
+
+def scaler_state(scaler) -> dict[str, Any] | None:
+    """The GradScaler's state; a dict of them by optimizer name (a task's own step)."""
+    if isinstance(scaler, dict):
+        return {name: one.state_dict() for name, one in scaler.items()}
+    return scaler.state_dict() if scaler is not None else None
 
 
 def _own_optimizer_state(optimizer, loaded: list[torch.Tensor]) -> None:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from ..profile import Profile
 from ..runs import latest_checkpoint, write_nodes
 from ..tasks.base import Task
-from . import checkpoint, determinism, flops, precision, signals
+from . import checkpoint, determinism, flops, precision, signals, task_step
 from . import distributed as distmod
 from . import resume as resuming
 from .control import Control
@@ -209,6 +209,9 @@ def _train(
     ctx = task_context(run_dir, p, d, resume is not None)
     opts = Optimizers.build(task, model, p, d.world_size, d.device.type, ctx)
     scaler = precision.make_scaler(prec, d.device.type)
+    # A task's own train_step makes its updates through this (task_step.py), else None.
+    owned = task_step.for_task(task, opts, p.train, d, scaler)
+    scalers = owned.scalers if owned is not None and owned.scalers else scaler
 
     # -- data ----------------------------------------------------------------------------
     train_set, eval_set = task.build_datasets()
@@ -224,7 +227,7 @@ def _train(
     torch.manual_seed(p.train.seed + 1_000_003 * (d.rank + 1))  # per-rank dropout streams
     if resume is not None:
         # The optimizers keep this profile's settings over the saved ones (optimizers.py).
-        back = checkpoint.resume(resume, model, opts, scaler, d.rank, d.world_size)
+        back = checkpoint.resume(resume, model, opts, scalers, d.rank, d.world_size)
         step = back.step
         position = resuming.position_of(back.data, back.world_size, changes, p.data.batch_size)
         if back.rng is not None:
@@ -262,7 +265,7 @@ def _train(
         state = {
             "model": model.state_dict(),
             **opts.state_dict(),  # every optimizer and schedule, by name
-            "scaler": scaler.state_dict() if scaler is not None else None,
+            "scaler": checkpoint.scaler_state(scalers),  # one, or one per optimizer
             "step": step,
             "data": batches.position.state_dict(),
             "world_size": d.world_size,
@@ -320,7 +323,7 @@ def _train(
     accum = p.train.grad_accum
     max_norm = p.train.clip_grad_norm if p.train.clip_grad_norm > 0 else math.inf
     guard = Guard(p.train.nan_policy, [e.optimizer for e in opts.entries], scaler, d.device)
-    if not opts.rewindable():  # a task's torch scheduler cannot be stepped back
+    if not opts.rewindable() or owned is not None:  # a torch scheduler cannot step back
         guard.deferred = False
     skip_bad, stop_bad = guard.skip, guard.stop
     paused = False
@@ -355,9 +358,13 @@ def _train(
                 batch = move(batches.next(), d.device)
                 beat.set(step + 1, "compute")
                 final = micro == accum - 1
-                with contextlib.nullcontext() if final else ddp.no_sync():
+                with contextlib.nullcontext() if final or owned else ddp.no_sync():
                     with autocast:
-                        result = task.compute(ddp, batch)
+                        result = (
+                            owned.run(task, ddp.module, batch, final, ctx, step)
+                            if owned is not None  # its backward and updates happen in it
+                            else task.compute(ddp, batch)
+                        )
                     loss = result.loss if accum == 1 else result.loss / accum
                     part = loss.detach()
                     last_loss = part if last_loss is None else last_loss + part
@@ -369,25 +376,30 @@ def _train(
                             [window.samples, window.tokens, *memory_sample(d.device)]
                             + list(control.proposal(step + 1)),
                         )
-                    (scaler.scale(loss) if scaler else loss).backward()
+                    if owned is None:
+                        (scaler.scale(loss) if scaler else loss).backward()
             beat.set(step + 1, "update")
-            if scaler is not None:
-                opts.unscale(scaler)
-            if max_norm < math.inf or logging or skip_bad or stop_bad:
-                grad_norm, grad_norms = opts.clip(max_norm)  # each optimizer's on its own
-            # The norm is of the all-reduced gradients, the same on every rank, so every rank
-            # skips (or stops before) the same update with no collective of its own. On GPUs
-            # the verdict gates the update on the device and is read at the next boundary.
-            bad = guard.bad_now(grad_norm, last_loss, batches.position)
-            if stop_bad and bad:
-                opts.zero_grad()
-                _stop_non_finite(out, d, p, step, save, last_loss, grad_norm)
-            if skip_bad and bad:
-                window.skipped += 1
-                if scaler is not None:
-                    scaler.update()  # the scaler still learns from the overflow
+            if owned is not None:
+                grad_norm, grad_norms, skipped = owned.finish()
+                window.skipped += skipped
             else:
-                opts.step(scaler)
+                if scaler is not None:
+                    opts.unscale(scaler)
+                if max_norm < math.inf or logging or skip_bad or stop_bad:
+                    grad_norm, grad_norms = opts.clip(max_norm)  # each optimizer's on its own
+                # The norm is of the all-reduced gradients, the same on every rank, so every
+                # rank skips (or stops before) the same update with no collective of its own.
+                # On GPUs the verdict gates the update on the device, read at the next boundary.
+                bad = guard.bad_now(grad_norm, last_loss, batches.position)
+                if stop_bad and bad:
+                    opts.zero_grad()
+                    _stop_non_finite(out, d, p, step, save, last_loss, grad_norm)
+                if skip_bad and bad:
+                    window.skipped += 1
+                    if scaler is not None:
+                        scaler.update()  # the scaler still learns from the overflow
+                else:
+                    opts.step(scaler)
             opts.schedule()
             opts.zero_grad()
             step += 1
