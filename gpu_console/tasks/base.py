@@ -21,6 +21,10 @@ Optional hooks (the engine looks them up; a task without them works the same):
         def flops_per_sample(self) -> float: ...   # training FLOPs of one sample, for MFU
         def close(self) -> None: ...               # teardown: every rank, however it ended
         def configure_optimizers(self, model, ctx): ...  # own optimizers and schedules
+        def train_step(self, model, batch, optimizers, ctx) -> TaskOutput: ...  # own updates
+
+``train_step`` (engine/task_step.py): the task's own backward/step sequence per micro-batch,
+through ``optimizers.backward(loss, name)`` and ``optimizers.step(name)``.
 
 ``configure_optimizers``: one ``torch.optim`` optimizer, an :class:`OptimizerSpec` (an
 optimizer with its schedule), or a dict of them by name; it replaces the profile's
