@@ -56,6 +56,7 @@ def test_two_optimizers_are_built_checkpointed_and_resume_exactly(procs, runs_di
 
     start = events_of(ref, "start")[0]
     assert start["optimizer"] == "g: Adam (default), d: SGD (default)"
+    assert start["train_step"] == "engine"
     g, d = start["optimizers"]
     assert (g["name"], g["class"], g["schedule"]) == ("g", "Adam", {"kind": "function"})
     assert g["param_groups"] == [
@@ -197,6 +198,7 @@ def test_a_tasks_own_gan_step_is_averaged_and_resumes_exactly(procs, runs_dir, t
     assert expected[1][1] == pytest.approx(5e-4) and expected[24][1] == pytest.approx(1e-3)
     steps = events_of(ref, "step")
     assert set(steps[-1]["grad_norms"]) == {"d", "g"}
+    assert events_of(ref, "start")[0]["train_step"] == "task"
     state = checkpoint.load(ref / "checkpoints" / "step-00000024")
     assert state["schedulers"]["d"]["last_epoch"] == 24
 

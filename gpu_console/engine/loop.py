@@ -306,6 +306,7 @@ def _train(
         lr=lr,
         optimizer=opts.summary(),
         optimizers=opts.describe(),  # what was built: classes, groups, schedules
+        train_step="task" if owned is not None else "engine",  # who runs backward and step
         weight_decay=opts.decay.fields() if opts.decay else None,
         ddp=_ddp_settings(ddp),
         # How gradients are summed: what a CPU run's speed depends on most.
