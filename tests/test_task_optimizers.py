@@ -207,3 +207,20 @@ def test_a_tasks_own_gan_step_is_averaged_and_resumes_exactly(procs, runs_dir, t
     run = only_run(runs_dir / "b")
     run_cli(procs, tmp_path, "run", "--resume", str(run), "--set", "train.max_steps=24")
     assert steps_of(run) == expected
+
+
+def test_a_resume_cannot_change_the_optimizer(procs, runs_dir, tmp_path):
+    profile = fast_profile(tmp_path, max_steps=2)
+    run_cli(procs, tmp_path, "run", str(profile), "--runs-dir", str(runs_dir))
+    run = only_run(runs_dir)
+    result = procs.cli(
+        "run", "--resume", str(run), "--headless", "--set", "train.optimizer=sgd",
+        "--set", "train.max_steps=4", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(
+        "gpu-console: --set: train.optimizer: a resumed run cannot change it (was 'adamw')"
+    )
+    assert len(events_of(run, "start")) == 1
