@@ -165,6 +165,7 @@ def build(
         "lr": built["lr"],
         "lr_scaling": profile.distributed.lr_scaling,
         "optimizer": built["optimizer"],
+        "optimizers": built["optimizers"],
         "weight_decay": built["weight_decay"],
         "param_groups": built["param_groups"],
         "schedule": built["schedule"],
@@ -189,6 +190,21 @@ def build(
             "changes": [ch.as_dict() for ch in launch.resume_changes(profile, resume_run, world)],
         }
     return plan
+
+
+def _group_rows(groups: list[dict[str, Any]], lr: float | None) -> list[tuple[str, str]]:
+    """One line per param group; its lr where it is not ``lr``."""
+    rows = []
+    for i, g in enumerate(groups, 1):
+        own = f", lr {_n(g['lr'])}" if g["lr"] != lr else ""
+        rows.append(
+            (
+                f"  group {i}",
+                f"{g['tensors']} tensors, {g['params']:,} params, "
+                f"weight_decay {g['weight_decay']:g}{own}",
+            )
+        )
+    return rows
 
 
 def _ranks(n: int) -> str:
@@ -239,30 +255,31 @@ def text(plan: dict[str, Any]) -> str:
         left = f"{plan['max_steps'] - start:,} left after step {start}; "
     rows.append(("steps", f"{plan['max_steps']:,} ({left}{data['epochs']:.3g} epochs)"))
     scaled = f", scaled {plan['lr_scaling']}" if plan["lr_scaling"] != "none" else ""
-    rows.append(("optimizer", f"{plan['optimizer']}, lr {_n(plan['lr'])}{scaled}"))
-    for i, g in enumerate(plan["param_groups"], 1):
-        lr = f", lr {_n(g['lr'])}" if g["lr"] != plan["lr"] else ""
+    if s is not None:  # the profile's optimizer
+        rows.append(("optimizer", f"{plan['optimizer']}, lr {_n(plan['lr'])}{scaled}"))
+        rows += _group_rows(plan["param_groups"], plan["lr"])
+        rows.append(("  decay", f"by {plan['weight_decay']['source']} (train.weight_decay_params)"))
+        warm = f"warmup {s['warmup_steps']} steps, then " if s["warmup_steps"] else ""
+        floor = _n(s["min_lr_ratio"] * plan["lr"])
+        decay = (
+            "constant"
+            if s["kind"] == "constant"
+            else f"{s['kind']} decay to {floor} at step {s.get('decay_end', s['max_steps'])}"
+        )
         rows.append(
             (
-                f"  group {i}",
-                f"{g['tensors']} tensors, {g['params']:,} params, "
-                f"weight_decay {g['weight_decay']:g}{lr}",
+                "schedule",
+                f"{warm}{decay} (lr {_n(s['first_lr'])} at step {s['start_step'] + 1}, "
+                f"{_n(s['last_lr'])} at step {s['max_steps']})",
             )
         )
-    rows.append(("  decay", f"by {plan['weight_decay']['source']} (train.weight_decay_params)"))
-    warm = f"warmup {s['warmup_steps']} steps, then " if s["warmup_steps"] else ""
-    decay = (
-        "constant"
-        if s["kind"] == "constant"
-        else f"{s['kind']} decay to {_n(s['min_lr_ratio'] * plan['lr'])} at step {s['max_steps']}"
-    )
-    rows.append(
-        (
-            "schedule",
-            f"{warm}{decay} (lr {_n(s['first_lr'])} at step {s['start_step'] + 1}, "
-            f"{_n(s['last_lr'])} at step {s['max_steps']})",
-        )
-    )
+    else:  # the task's configure_optimizers()
+        for o in plan["optimizers"]:
+            sched = o["schedule"]["kind"]
+            if o["schedule"].get("monitor"):
+                sched += f" on eval {o['schedule']['monitor']}"
+            rows.append((f"optimizer {o['name']}", f"{o['class']} ({o['impl']}), schedule {sched}"))
+            rows += _group_rows(o["param_groups"], None)
     every = (
         f"every {plan['eval_every']} steps and at the end" if plan["eval_every"] else "at the end"
     )

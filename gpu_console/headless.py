@@ -21,6 +21,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 from rich.console import Console
@@ -272,6 +273,8 @@ def _notable(e: dict, console: Console) -> None:
             f"started: {e.get('world_size')} × {e.get('device_type')} ranks, "
             f"{e.get('precision')}, task {e.get('task')}, {e.get('params'):,} parameters"
         )
+        for o in e.get("optimizers") or []:
+            say(f"  {optimizer_line(o)}")
         for change in e.get("changes") or []:  # a resumed run's, against the run it resumes
             say(f"  {change_line(change)}", "yellow" if change.get("class") == "warning" else None)
         if (e.get("nodes") or 1) > 1:
@@ -299,6 +302,20 @@ def _notable(e: dict, console: Console) -> None:
         say(f"{e.get('level')}: {e.get('message')}", "yellow")
     elif kind == "log" and e.get("source") == "task":  # the task's ctx.log, info included
         say(f"{e.get('level')}: {e.get('message')}")
+
+
+def optimizer_line(o: dict[str, Any]) -> str:
+    """``optimizer main: AdamW (fused), 2 groups, lr 0.003, schedule cosine``."""
+    groups = o.get("param_groups") or []
+    lrs = sorted({g["lr"] for g in groups})
+    lr = ", lr " + "/".join(f"{x:.3g}" for x in lrs) if lrs else ""
+    sched = o.get("schedule") or {}
+    on = f" on eval {sched['monitor']}" if sched.get("monitor") else ""
+    return (
+        f"optimizer {o.get('name')}: {o.get('class')} ({o.get('impl')}), "
+        f"{len(groups)} group{'s' if len(groups) != 1 else ''}{lr}, "
+        f"schedule {sched.get('kind', 'none')}{on}"
+    )
 
 
 def _progress_text(st: RunState) -> str:

@@ -53,6 +53,12 @@ def _best_metric_check(value: str) -> str | None:
     return "expected eval.<metric>, a metric of the eval events (e.g. eval.loss), or empty"
 
 
+def _betas_check(value: list[float]) -> str | None:
+    if len(value) != 2 or not all(0.0 <= b < 1.0 for b in value):
+        return "expected two numbers in [0, 1)"
+    return None
+
+
 @dataclass
 class ProfileMeta:
     name: str = opt("", "profile name (default: the file name)")
@@ -75,7 +81,18 @@ class DataConfig:
 class TrainConfig:
     max_steps: int = opt(300, "optimizer steps in the whole run", min=1)
     lr: float = opt(1e-3, "peak learning rate (before lr_scaling)", gt=0.0)
-    weight_decay: float = opt(0.01, "AdamW weight decay", min=0.0)
+    optimizer: Literal["adamw", "adam", "sgd"] = opt(
+        "adamw", "the optimizer (a task's configure_optimizers() replaces it)"
+    )
+    weight_decay: float = opt(
+        0.01, "weight decay (adamw: decoupled; adam, sgd: L2 added to the gradient)", min=0.0
+    )
+    betas: list[float] = opt(
+        [0.9, 0.999], "adamw, adam: the moments' decay rates [beta1, beta2]", check=_betas_check
+    )
+    eps: float = opt(1e-8, "adamw, adam: added to the denominator", gt=0.0)
+    momentum: float = opt(0.0, "sgd: momentum", min=0.0, max=1.0)
+    nesterov: bool = opt(False, "sgd: Nesterov momentum (needs momentum > 0)")
     weight_decay_params: Literal["matrices", "all"] = opt(
         "matrices",
         "what decays: matrices (>= 2-D weights; no bias, norm, embedding or the model's "
@@ -83,7 +100,8 @@ class TrainConfig:
     )
     optimizer_impl: Literal["auto", "fused", "foreach", "for-loop"] = opt(
         "auto",
-        "AdamW kernel: auto (fused where torch has one for the device), fused, foreach, for-loop",
+        "optimizer kernel: auto (fused where torch has one for the device), fused, foreach, "
+        "for-loop",
     )
     warmup_steps: int = opt(
         0, "linear warmup from 0 to lr (a shorter --set train.max_steps clamps it)", min=0
@@ -92,6 +110,12 @@ class TrainConfig:
         "cosine", "learning-rate decay after warmup"
     )
     min_lr_ratio: float = opt(0.0, "floor of the decay, as a fraction of lr", min=0.0, max=1.0)
+    min_lr: float = opt(
+        0.0, "floor of the decay as an lr (scaled like lr); the higher floor wins", min=0.0
+    )
+    lr_decay_steps: int = opt(
+        0, "steps the decay takes after warmup, then the floor (0 = until max_steps)", min=0
+    )
     grad_accum: int = opt(1, "micro-batches per optimizer step", min=1)
     clip_grad_norm: float = opt(1.0, "clip the global gradient norm to this (0 = off)", min=0.0)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = opt(
@@ -310,6 +334,7 @@ def resolve(
 
     errors += _determinism_conflicts(built, data.get("hardware"))
     errors += _best_mode_conflicts(built, overridden)
+    errors += _optimizer_conflicts(built.get("train"))
     if errors:
         raise ProfileError([_blame(e, source, overridden) for e in errors])
     profile = Profile(task_kind=kind, task=task_cfg, **built)
@@ -338,6 +363,21 @@ def _fit_warmup(profile: Profile, source: str, overridden: set[str] | frozenset[
         f"(got {train.warmup_steps})"
     )
     raise ProfileError([_blame(problem, source, overridden)])
+
+
+def _optimizer_conflicts(train: TrainConfig | None) -> list[str]:
+    """Keys that are each valid but contradict each other."""
+    if train is None:
+        return []
+    errors = []
+    if train.nesterov and (train.optimizer != "sgd" or train.momentum <= 0):
+        errors.append(
+            "train.nesterov: needs train.optimizer = 'sgd' and train.momentum > 0 "
+            f"(got optimizer {schema.show(train.optimizer)}, momentum {train.momentum:g})"
+        )
+    if train.min_lr > train.lr:
+        errors.append(f"train.min_lr: must not exceed train.lr={train.lr:g} (got {train.min_lr:g})")
+    return errors
 
 
 # What ``train.deterministic`` turns off: each is a source of run-to-run differences on GPUs.

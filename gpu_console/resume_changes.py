@@ -47,6 +47,17 @@ TABLE: dict[str, tuple[str, str]] = {
     "train.warmup_steps": (APPLIED, _SCHEDULE),
     "train.schedule": (APPLIED, _SCHEDULE),
     "train.min_lr_ratio": (APPLIED, _SCHEDULE),
+    "train.min_lr": (APPLIED, _SCHEDULE),
+    "train.lr_decay_steps": (APPLIED, _SCHEDULE),
+    "train.betas": (APPLIED, _OPTIMIZER),
+    "train.eps": (APPLIED, _OPTIMIZER),
+    "train.momentum": (APPLIED, _OPTIMIZER),
+    "train.nesterov": (APPLIED, _OPTIMIZER),
+    "train.optimizer": (
+        REFUSED,
+        "the checkpoint holds another optimizer's state (its moments or momentum buffers); "
+        "start a new run to change it",
+    ),
     "train.max_steps": (APPLIED, f"the run's end; {_SCHEDULE}"),
     "train.clip_grad_norm": (APPLIED, _EACH_STEP),
     "train.nan_policy": (APPLIED, _EACH_STEP),

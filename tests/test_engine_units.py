@@ -28,6 +28,7 @@ from gpu_console import headless, summary, supervisor
 from gpu_console.engine import checkpoint, precision
 from gpu_console.engine import optimizer as optim
 from gpu_console.engine.data import Batches, DataPosition, ShardSampler, make_loader
+from gpu_console.engine.optimizers import Optimizers
 from gpu_console.engine.schedule import lr_factor, scaled_lr
 from gpu_console.profile import DataConfig, TrainConfig
 from gpu_console.state import RunState
@@ -468,7 +469,9 @@ def test_resume_maps_the_file_and_keeps_nothing_of_it(gloo_group, tmp_path, monk
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    back = checkpoint.resume(checkpoint.find_latest(run), model, opt, sched, None, 0, 1)
+    back = checkpoint.resume(
+        checkpoint.find_latest(run), model, Optimizers.single(opt, sched), None, 0, 1
+    )
 
     assert (back.step, back.data, back.ranks) == (7, {"epoch": 1, "batch": 7}, 1)
     assert back.rng is not None and sched.last_epoch == 7

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from ..runs import atomic_write_text, fsync_dir, latest_checkpoint
-from .optimizer import load_state as load_optimizer_state
 
 STATE = "state.pt"
 
@@ -283,18 +282,24 @@ class Resumed:
     task: list[Any] | None = None  # each saving rank's task state (None: the task kept none)
 
 
-def resume(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size: int) -> Resumed:
+def resume(path: Path, model, optimizers, scaler, rank: int, world_size: int) -> Resumed:
     """Load a checkpoint into the run's objects and drop it: nothing of it stays referenced.
 
     The file is memory-mapped, so no rank holds a second copy of it in memory while loading
-    (the mapped pages are the page cache's).
+    (the mapped pages are the page cache's). ``optimizers``: the run's (optimizers.py), which
+    read the layout by name and the one before it (a single ``optimizer``).
     """
     state = load(path)
     model.load_state_dict(state["model"])
-    load_optimizer_state(optimizer, state["optimizer"])  # or why its groups do not fit
-    _own_optimizer_state(optimizer, state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None and state.get("scaler"):
+    optimizers.load_state_dict(state)  # or why their groups do not fit
+    loaded = _tensors(state.get("optimizers") or state["optimizer"])
+    for entry in optimizers.entries:
+        _own_optimizer_state(entry.optimizer, loaded)
+    if isinstance(scaler, dict):  # a task's own step: one per optimizer, by name
+        for name, one in scaler.items():
+            if (state.get("scaler") or {}).get(name):
+                one.load_state_dict(state["scaler"][name])
+    elif scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     ranks = state.get("ranks") or []
     rng = ranks[rank]["rng"] if len(ranks) == world_size else None
@@ -303,7 +308,14 @@ def resume(path: Path, model, optimizer, scheduler, scaler, rank: int, world_siz
     return Resumed(int(state["step"]), dict(state["data"]), rng, len(ranks), world, task)
 
 
-def _own_optimizer_state(optimizer, loaded: dict[str, Any]) -> None:
+def scaler_state(scaler) -> dict[str, Any] | None:
+    """The GradScaler's state; a dict of them by optimizer name (a task's own step)."""
+    if isinstance(scaler, dict):
+        return {name: one.state_dict() for name, one in scaler.items()}
+    return scaler.state_dict() if scaler is not None else None
+
+
+def _own_optimizer_state(optimizer, loaded: list[torch.Tensor]) -> None:
     """Copy out of the mapping the state tensors the optimizer kept as it was handed them.
 
     ``Optimizer.load_state_dict`` keeps a tensor whose dtype and device already match its
@@ -311,7 +323,7 @@ def _own_optimizer_state(optimizer, loaded: dict[str, Any]) -> None:
     mapping (a file a later prune deletes, on another node's file system too). Copied one
     tensor at a time; on a GPU the optimizer made its own copies and nothing is copied here.
     """
-    mapped = {p for t in _tensors(loaded) if (p := t.untyped_storage().data_ptr())}
+    mapped = {p for t in loaded if (p := t.untyped_storage().data_ptr())}
     for per_param in optimizer.state.values():
         for key, value in per_param.items():
             if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in mapped:

@@ -43,10 +43,9 @@ from ..profile import Profile
 from ..runs import latest_checkpoint, write_nodes
 from ..tasks.base import Task
 from ..timings import Stopwatch
-from . import checkpoint, determinism, flops, precision, signals
+from . import checkpoint, determinism, flops, precision, signals, task_step
 from . import context as contexts
 from . import distributed as distmod
-from . import optimizer as optim
 from . import resume as resuming
 from .best import resumed as best_so_far
 from .control import Control
@@ -56,8 +55,9 @@ from .heartbeat import Heartbeat
 from .hooks import Hooks, attach
 from .metrics import memory_sample
 from .nonfinite import Guard, rewind_schedule
+from .optimizers import Optimizers
 from .reporter import Reporter
-from .schedule import lr_factor, scaled_lr
+from .schedule import scaled_lr
 from .shared_reduce import SharedReduce
 
 CONTROL_INTERVAL_S = 0.25
@@ -224,12 +224,12 @@ def _train(
     torch.manual_seed(p.train.seed)  # identical init on every rank
     model = task.build_model().to(d.device)
     lr = scaled_lr(p.train.lr, d.world_size, p.distributed.lr_scaling)
-    groups, decay = optim.groups(
-        task, model, p.train, lambda x: scaled_lr(x, d.world_size, p.distributed.lr_scaling)
-    )
-    optimizer = optim.build(groups, lr, p.train.weight_decay, p.train.optimizer_impl, d.device.type)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, p.train))
+    # The task's configure_optimizers(), else train.optimizer: every one by name.
+    opts = Optimizers.build(task, model, p, d.world_size, d.device.type, ctx)
     scaler = precision.make_scaler(prec, d.device.type)
+    # A task's own train_step makes its updates through this (task_step.py), else None.
+    owned = task_step.for_task(task, opts, p.train, d, scaler)
+    scalers = owned.scalers if owned is not None and owned.scalers else scaler
 
     # -- data ----------------------------------------------------------------------------
     train_set, eval_set = task.build_datasets()
@@ -244,9 +244,8 @@ def _train(
     random.seed(p.train.seed + d.rank)
     torch.manual_seed(p.train.seed + 1_000_003 * (d.rank + 1))  # per-rank dropout streams
     if resume is not None:
-        settings = resuming.Settings.of(optimizer, scheduler)  # this profile's, not the saved
-        back = checkpoint.resume(resume, model, optimizer, scheduler, scaler, d.rank, d.world_size)
-        settings.restore(optimizer, scheduler)
+        # The optimizers keep this profile's settings over the saved ones (optimizers.py).
+        back = checkpoint.resume(resume, model, opts, scalers, d.rank, d.world_size)
         step = back.step
         position = resuming.position_of(back.data, back.world_size, changes, p.data.batch_size)
         hooks.restore(back.task, d.world_size, lambda m: out.log("warning", m))
@@ -278,7 +277,6 @@ def _train(
     batches = Batches(train_loader, position)
     hooks.start(step, batches)
     control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
-    params = [q for q in model.parameters() if q.requires_grad]
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
     newest = checkpoint.Newest()
     best = best_so_far(p.checkpoint.keep_best, p.checkpoint.best_direction(), resume, run_dir)
@@ -290,9 +288,8 @@ def _train(
         beat.set(step, "checkpoint")
         state = {
             "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
+            **opts.state_dict(),  # every optimizer and schedule, by name
+            "scaler": checkpoint.scaler_state(scalers),  # one, or one per optimizer
             "step": step,
             "data": batches.position.state_dict(),
             "world_size": d.world_size,
@@ -333,8 +330,10 @@ def _train(
         rank_0=rank_0,
         global_batch=p.data.batch_size * p.train.grad_accum * d.world_size,
         lr=lr,
-        optimizer=f"AdamW ({optim.resolve_impl(p.train.optimizer_impl, d.device.type)})",
-        weight_decay=decay.fields(),
+        optimizer=opts.summary(),
+        optimizers=opts.describe(),  # what was built: classes, groups, schedules
+        train_step="task" if owned is not None else "engine",  # who runs backward and step
+        weight_decay=opts.decay.fields() if opts.decay else None,
         ddp=_ddp_settings(ddp),
         # How gradients are summed: what a CPU run's speed depends on most.
         reduce="shared memory" if shared else f"{d.backend} ({why_not})",
@@ -348,9 +347,12 @@ def _train(
 
     window = Window(loss_sum=torch.zeros((), device=d.device))
     grad_norm = torch.zeros((), device=d.device)
+    grad_norms: dict[str, torch.Tensor] = {}
     accum = p.train.grad_accum
     max_norm = p.train.clip_grad_norm if p.train.clip_grad_norm > 0 else math.inf
-    guard = Guard(p.train.nan_policy, optimizer, scaler, d.device)
+    guard = Guard(p.train.nan_policy, [e.optimizer for e in opts.entries], scaler, d.device)
+    if not opts.rewindable() or owned is not None:  # a torch scheduler cannot step back
+        guard.deferred = False
     skip_bad, stop_bad = guard.skip, guard.stop
     paused = False
 
@@ -384,9 +386,13 @@ def _train(
                 batch = move(batches.next(), d.device)
                 beat.set(step + 1, "compute")
                 final = micro == accum - 1
-                with contextlib.nullcontext() if final else ddp.no_sync():
+                with contextlib.nullcontext() if final or owned else ddp.no_sync():
                     with autocast:
-                        result = task.compute(ddp, batch)
+                        result = (
+                            owned.run(task, ddp.module, batch, final, ctx, step)
+                            if owned is not None  # its backward and updates happen in it
+                            else task.compute(ddp, batch)
+                        )
                     loss = result.loss if accum == 1 else result.loss / accum
                     part = loss.detach()
                     last_loss = part if last_loss is None else last_loss + part
@@ -398,30 +404,32 @@ def _train(
                             [window.samples, window.tokens, *memory_sample(d.device)]
                             + list(control.proposal(step + 1)),
                         )
-                    (scaler.scale(loss) if scaler else loss).backward()
+                    if owned is None:
+                        (scaler.scale(loss) if scaler else loss).backward()
             beat.set(step + 1, "update")
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            if max_norm < math.inf or logging or skip_bad or stop_bad:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            # The norm is of the all-reduced gradients, the same on every rank, so every rank
-            # skips (or stops before) the same update with no collective of its own. On GPUs
-            # the verdict gates the update on the device and is read at the next boundary.
-            bad = guard.bad_now(grad_norm, last_loss, batches.position)
-            if stop_bad and bad:
-                optimizer.zero_grad(set_to_none=True)
-                _stop_non_finite(out, d, p, step, save, last_loss, grad_norm)
-            if skip_bad and bad:
-                window.skipped += 1
-                if scaler is not None:
-                    scaler.update()  # the scaler still learns from the overflow
-            elif scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
+            if owned is not None:
+                grad_norm, grad_norms, skipped = owned.finish()
+                window.skipped += skipped
             else:
-                optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+                if scaler is not None:
+                    opts.unscale(scaler)
+                if max_norm < math.inf or logging or skip_bad or stop_bad:
+                    grad_norm, grad_norms = opts.clip(max_norm)  # each optimizer's on its own
+                # The norm is of the all-reduced gradients, the same on every rank, so every
+                # rank skips (or stops before) the same update with no collective of its own.
+                # On GPUs the verdict gates the update on the device, read at the next boundary.
+                bad = guard.bad_now(grad_norm, last_loss, batches.position)
+                if stop_bad and bad:
+                    opts.zero_grad()
+                    _stop_non_finite(out, d, p, step, save, last_loss, grad_norm)
+                if skip_bad and bad:
+                    window.skipped += 1
+                    if scaler is not None:
+                        scaler.update()  # the scaler still learns from the overflow
+                else:
+                    opts.step(scaler)
+            opts.schedule()
+            opts.zero_grad()
             step += 1
             watch.step_done()
             window.loss_sum += last_loss
@@ -431,7 +439,9 @@ def _train(
                 window.skipped += settled.skipped
                 if settled.trip is not None:  # stop: back to the last finite step, then stop
                     step -= settled.trip.steps_back
-                    rewind_schedule(scheduler, settled.trip.steps_back)
+                    for e in opts.entries:
+                        if e.scheduler is not None:
+                            rewind_schedule(e.scheduler, settled.trip.steps_back)
                     batches.position = DataPosition(*settled.trip.position)
                     _stop_non_finite(out, d, p, step, save, settled.trip.loss, settled.trip.norm)
             hooks.step_end(step, batches, model, result)
@@ -442,7 +452,18 @@ def _train(
                 rows = exchange.gather()
                 try:
                     _log_step(
-                        out, d, p, step, batches, scheduler, rows, grad_norm, window, mfu, watch
+                        out,
+                        d,
+                        p,
+                        step,
+                        batches,
+                        opts,
+                        rows,
+                        grad_norm,
+                        grad_norms,
+                        window,
+                        mfu,
+                        watch,
                     )
                 except NonFiniteLoss as e:
                     _fail_non_finite(out, d, p, step, save, model, e)
@@ -451,6 +472,7 @@ def _train(
             if eval_loader is not None and p.train.eval_every and step % p.train.eval_every == 0:
                 beat.set(step, "eval")
                 metrics = _evaluate(out, d, task, ddp, eval_loader, autocast, step)
+                opts.after_eval(metrics)
                 hooks.eval_end(model, metrics)
                 improved = best.observe(step, metrics, lambda m: out.log("warning", m))
             if why := checkpoint.due(step, p.checkpoint, p.train.max_steps, improved):
@@ -498,6 +520,7 @@ def _train(
     if eval_loader is not None and not (p.train.eval_every and step % p.train.eval_every == 0):
         beat.set(step, "eval")
         metrics = _evaluate(out, d, task, ddp, eval_loader, autocast, step)
+        opts.after_eval(metrics)
         hooks.eval_end(model, metrics)
         improved = best.observe(step, metrics, lambda m: out.log("warning", m))
     if p.checkpoint.at_end:
@@ -604,7 +627,7 @@ def _gib(n: int) -> str:
 
 
 def _log_step(
-    out, d, p, step, batches, scheduler, rows: list[Row], grad_norm, window, mfu, watch
+    out, d, p, step, batches, opts, rows: list[Row], grad_norm, grad_norms, window, mfu, watch
 ) -> None:
     """A step event from every rank's numbers, which came with the step's exchange."""
     loss = sum(r.last_loss for r in rows) / d.world_size
@@ -618,12 +641,13 @@ def _log_step(
         raise NonFiniteLoss(f"loss is {loss} in {where} (train.nan_policy = 'stop')")
     if not out.active:
         return
+    lrs = opts.lrs()
     fields = {
         "step": step,
         "epoch": batches.position.epoch,
         "loss": loss,
         "loss_avg": loss_sum / d.world_size / max(window.steps, 1),
-        "lr": scheduler.get_last_lr()[0],
+        "lr": lrs[opts.entries[0].name],
         "grad_norm": float(grad_norm),
         "samples_per_s": samples / elapsed,
         "step_time_s": elapsed / max(window.steps, 1),
@@ -632,6 +656,9 @@ def _log_step(
             for i, r in enumerate(rows)
         ],
     }
+    if len(lrs) > 1:  # several optimizers: each one's lr and gradient norm
+        fields["lrs"] = lrs
+        fields["grad_norms"] = {k: float(v) for k, v in grad_norms.items()}
     if tokens:
         fields["tokens_per_s"] = tokens / elapsed
     if (util := mfu.of(samples / elapsed)) is not None:

@@ -53,9 +53,11 @@ class Settled:
     trip: Trip | None = None  # ``stop``: the first bad update, if any
 
 
-def deferrable(optimizer: torch.optim.Optimizer, scaler, device_type: str) -> bool:
+def deferrable(optimizer, scaler, device_type: str) -> bool:
+    """``optimizer``: one, or a list of them (every one must be fused)."""
     mode = os.environ.get(ENV, "auto")
-    fused = bool(optimizer.defaults.get("fused")) and scaler is None
+    every = optimizer if isinstance(optimizer, list) else [optimizer]
+    fused = all(bool(o.defaults.get("fused")) for o in every) and scaler is None
     if mode == "each-step":
         return False
     if mode == "deferred":
@@ -68,7 +70,8 @@ class Guard:
         # With an fp16 GradScaler, a non-finite gradient is an overflow the scaler handles.
         self.stop = policy == "stop" and scaler is None
         self.skip = policy == "skip"
-        self.optimizer = optimizer
+        self.optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
+        self.optimizer = self.optimizers[0]
         self.deferred = (self.stop or self.skip) and deferrable(optimizer, scaler, device.type)
         self._latch = torch.zeros((), device=device)
         self._norms: list[torch.Tensor] = []
@@ -88,7 +91,8 @@ class Guard:
         bad = torch.isfinite(grad_norm).logical_not().float()
         if self.stop:
             bad = self._latch = torch.maximum(self._latch, bad)
-        self.optimizer.found_inf = bad  # read by the fused AdamW kernel, never by the host
+        for optimizer in self.optimizers:
+            optimizer.found_inf = bad  # read by the fused kernel, never by the host
         self._norms.append(grad_norm)
         self._losses.append(last_loss)
         self._positions.append((position.epoch, position.samples))

@@ -1,6 +1,7 @@
-"""The optimizer: AdamW, with the implementation chosen for the device.
+"""The profile's optimizer (``train.optimizer``: AdamW, Adam or SGD), its kernel chosen for
+the device. A task's ``configure_optimizers()`` replaces it (engine/optimizers.py).
 
-PyTorch's AdamW picks its own implementation only on GPUs (foreach); on CPU it falls back to
+PyTorch's optimizers pick their own implementation only on GPUs (foreach); on CPU they fall to
 a Python loop over parameters, which for a small model costs more than the step's forward
 pass. ``train.optimizer_impl = "auto"`` uses the fused kernel (all parameters in one
 kernel) on CPU and CUDA alike, where this torch has it, else foreach. All implementations
@@ -46,7 +47,7 @@ def resolve_impl(requested: str, device_type: str) -> str:
 
 
 def adamw_kwargs(impl: str) -> dict[str, bool]:
-    """AdamW's keyword for a resolved implementation: fused, foreach or for-loop."""
+    """The optimizer's keyword for a resolved implementation: fused, foreach or for-loop."""
     return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
 
 
@@ -178,3 +179,30 @@ def build(
 ) -> torch.optim.AdamW:
     kwargs = adamw_kwargs(resolve_impl(impl, device_type))
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **kwargs)
+
+
+def build_profile(
+    groups: list[dict[str, Any]], lr: float, train, device_type: str
+) -> torch.optim.Optimizer:
+    """``train.optimizer`` with the profile's settings (AdamW's are :func:`build`'s exactly)."""
+    kwargs = adamw_kwargs(resolve_impl(train.optimizer_impl, device_type))
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(
+            groups,
+            lr=lr,
+            momentum=train.momentum,
+            nesterov=train.nesterov,
+            weight_decay=train.weight_decay,
+            **kwargs,
+        )
+    cls = torch.optim.Adam if train.optimizer == "adam" else torch.optim.AdamW
+    betas = (float(train.betas[0]), float(train.betas[1]))
+    return cls(groups, lr=lr, betas=betas, eps=train.eps, weight_decay=train.weight_decay, **kwargs)
+
+
+def implementation(opt: torch.optim.Optimizer) -> str:
+    """``default`` where the optimizer was left to choose (foreach on GPUs, else for-loop)."""
+    d = opt.defaults
+    if d.get("fused"):
+        return "fused"
+    return "default" if d.get("foreach") is None else "foreach" if d["foreach"] else "for-loop"

@@ -17,25 +17,18 @@ import torch
 
 from ..profile import Profile, resolve, with_task_config
 from ..tasks.loader import TaskLoadError, load_task_class
-from . import optimizer as optim
 from . import precision
 from .context import planning
 from .data import make_loader
 from .hooks import attach
-from .schedule import lr_factor, scaled_lr
+from .optimizers import Optimizers
+from .schedule import decay_steps, floor_ratio, lr_factor, scaled_lr
 
 SOURCE = "the resolved profile"
 
 
 class TaskBuildError(Exception):
     """The task failed to import or build: a user's own code raised."""
-
-
-def describe_optimizer(opt: torch.optim.Optimizer) -> str:
-    """``AdamW (fused)``: the class and the implementation it was built with."""
-    d = opt.defaults
-    impl = "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
-    return f"{type(opt).__name__} ({impl})"
 
 
 def _last_line(e: BaseException) -> str:
@@ -66,19 +59,21 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
         raise TaskBuildError(f"task {kind}: {e}") from None
     p = with_task_config(p, task_cls.Config, SOURCE)
     task = _call(kind, "its constructor", task_cls, p.task)
-    attach(task, planning(p, world_size, device_type))  # as the loop does, before build_model
+    ctx = planning(p, world_size, device_type)
+    ctx.resumed, ctx.start_step, ctx.step = bool(start_step), start_step, start_step
+    attach(task, ctx)  # as the loop does, before build_model
     prec = precision.resolve(p.train.precision, device_type, capability(device_type))
 
     torch.manual_seed(p.train.seed)  # as the loop does before build_model
     model = _call(kind, "build_model()", task.build_model)
     lr = scaled_lr(p.train.lr, world_size, p.distributed.lr_scaling)
-    groups, decay = optim.groups(
-        task, model, p.train, lambda x: scaled_lr(x, world_size, p.distributed.lr_scaling)
-    )
-    # The optimizer is built for the run's device type (its kernel choice), over CPU tensors:
-    # every implementation a run can pick takes them.
-    opt = optim.build(groups, lr, p.train.weight_decay, p.train.optimizer_impl, device_type)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.train))
+    # The optimizers are built for the run's device type (their kernel choice), over CPU
+    # tensors: every implementation a run can pick takes them. A task's hook sees rank 0.
+    opts = _call(
+        kind, "configure_optimizers()", Optimizers.build, task, model, p, world_size, device_type,
+        ctx,
+    )  # fmt: skip
+    scheduler = opts.entries[0].scheduler
 
     train_set, eval_set = _call(kind, "build_datasets()", task.build_datasets)
     # Rank 0's loader: every rank's has the same number of batches (ShardSampler).
@@ -101,21 +96,19 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
         "epochs": micro_steps / per_epoch,
         "global_batch": p.data.batch_size * p.train.grad_accum * world_size,
         "lr": lr,
-        "optimizer": describe_optimizer(opt),
-        "weight_decay": decay.fields(),
-        "param_groups": [
-            {
-                "tensors": len(g["params"]),
-                "params": sum(q.numel() for q in g["params"]),
-                "weight_decay": g["weight_decay"],
-                "lr": g["initial_lr"],  # the peak: LambdaLR has set "lr" to the first step's
-            }
-            for g in opt.param_groups
-        ],
-        "schedule": {
+        "optimizer": opts.summary(),
+        "optimizers": opts.describe(),  # as the start event has them
+        "weight_decay": opts.decay.fields() if opts.decay else None,
+        # The first optimizer's groups; each one's lr is the peak.
+        "param_groups": opts.describe()[0]["param_groups"],
+        # The profile's schedule; a task's own are in "optimizers".
+        "schedule": None
+        if opts.source == "task"
+        else {
             "kind": p.train.schedule,
             "warmup_steps": p.train.warmup_steps,
-            "min_lr_ratio": p.train.min_lr_ratio,
+            "min_lr_ratio": floor_ratio(p.train),
+            "decay_end": p.train.warmup_steps + decay_steps(p.train),
             "max_steps": p.train.max_steps,
             "start_step": start_step,
             # The lr of the first update this run makes (a resumed one: after start_step).

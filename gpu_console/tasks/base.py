@@ -21,6 +21,15 @@ Optional hooks (the engine looks them up; a task without them works the same):
         def flops_per_sample(self) -> float: ...   # training FLOPs of one sample, for MFU
         def close(self) -> None: ...               # teardown: every rank, however it ended
         def export_modules(self) -> dict[str, str]: ...  # `gpu-console export`: {name: submodule}
+        def configure_optimizers(self, model, ctx): ...  # own optimizers and schedules
+        def train_step(self, model, batch, optimizers, ctx) -> TaskOutput: ...  # own updates
+
+``train_step`` (engine/task_step.py): the task's own backward/step sequence per micro-batch,
+through ``optimizers.backward(loss, name)`` and ``optimizers.step(name)``.
+
+``configure_optimizers``: one ``torch.optim`` optimizer, an :class:`OptimizerSpec` (an
+optimizer with its schedule), or a dict of them by name; it replaces the profile's
+``train.optimizer`` and schedule (README: Your own task).
 
 ``flops_per_sample``: forward and backward (about 3× the forward), 2 FLOPs per multiply-add,
 as :class:`torch.utils.flop_counter.FlopCounterMode` counts them (matmuls, convolutions,
@@ -87,6 +96,34 @@ class Task(Protocol):
     def build_datasets(self) -> tuple[Dataset, Dataset | None]: ...
 
     def compute(self, model: torch.nn.Module, batch: Any) -> TaskOutput: ...
+
+
+# -- optimizers: the optional hook configure_optimizers(model, ctx) --------------------------
+
+
+@dataclass
+class OptimizerSpec:
+    """One optimizer a task's ``configure_optimizers(model, ctx)`` builds, and its schedule.
+
+    ``schedule`` is one of:
+
+    - ``None``: the lr stays what the optimizer's groups say;
+    - a function ``f(step) -> factor`` of the completed steps, multiplying each group's lr
+      before the update that follows (as ``torch.optim.lr_scheduler.LambdaLR``, which wraps it);
+    - a ``torch.optim.lr_scheduler.LRScheduler`` over this optimizer, stepped after every
+      update;
+    - a ``ReduceLROnPlateau``, stepped after every eval with the eval metric ``monitor``
+      names (a key of the eval event: ``"loss"`` or one of ``compute``'s metrics).
+    """
+
+    optimizer: torch.optim.Optimizer
+    schedule: Any = None
+    monitor: str | None = None
+
+
+# What configure_optimizers may return: one optimizer (named "main"), one OptimizerSpec, or
+# a dict of them by name (the names checkpoints, the start event and step events use).
+Optimizers = Any  # torch.optim.Optimizer | OptimizerSpec | dict[str, Optimizer | OptimizerSpec]
 
 
 class TensorSet:

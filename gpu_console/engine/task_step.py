@@ -1,0 +1,158 @@
+"""A task-owned step: ``train_step(model, batch, optimizers, ctx)`` runs its own updates.
+
+A GAN updates its discriminator, then its generator, from two losses: one ``compute`` loss
+cannot say that. With ``train_step`` the task calls, in its own order:
+
+- ``optimizers.backward(loss, name)``: the gradients of ``loss`` for that optimizer's
+  parameters only (``backward(inputs=...)``: a generator's loss leaves the discriminator's
+  gradients alone), divided by ``train.grad_accum``, scaled by that optimizer's own
+  GradScaler under fp16, outside autocast;
+- ``optimizers.step(name)``: at the accumulation boundary (the last micro-batch of the
+  step; before it, nothing) the engine averages that optimizer's gradients over the ranks
+  (one all-reduce), unscales them (fp16), clips them to ``train.clip_grad_norm``, skips the
+  update if their norm is not finite (``nan_policy`` skip or stop), steps, and sets them to
+  ``None``;
+- ``optimizers[name]``: the optimizer itself (its lr, its groups).
+
+The engine runs ``train_step`` under autocast, once per micro-batch, with the bare model
+(not the DDP wrapper: averaging is the engine's, in ``step``; buffers such as BatchNorm's
+running statistics stay each rank's own), and steps every per-step schedule after it, as
+for ``compute``. ``train_step`` returns a :class:`TaskOutput` (its loss is what the step
+events report).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .optimizers import Optimizers
+
+
+class StepOptimizers(Mapping):
+    """What ``train_step`` gets: the optimizers by name, and the engine's part of each update."""
+
+    def __init__(
+        self,
+        opts: Optimizers,
+        device: torch.device,
+        world_size: int,
+        accum: int,
+        max_norm: float,
+        guard_non_finite: bool,
+        scalers: dict[str, Any] | None,
+    ):
+        self._opts = {e.name: e for e in opts.entries}
+        self.device, self.world_size, self.accum = device, world_size, accum
+        self.max_norm, self.guard = max_norm, guard_non_finite
+        self.scalers = scalers  # name → GradScaler (fp16 on CUDA), else None
+        self.final = True  # whether this micro-batch ends the step (step() acts)
+        self._norms: dict[str, torch.Tensor] = {}
+        self.skipped = 0
+
+    # -- the mapping: name → optimizer ----------------------------------------------------
+    def __getitem__(self, name: str) -> torch.optim.Optimizer:
+        return self._entry(name).optimizer
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._opts)
+
+    def __len__(self) -> int:
+        return len(self._opts)
+
+    def _entry(self, name: str):
+        if name not in self._opts:
+            raise KeyError(f"no optimizer {name!r} (the task's are {', '.join(self._opts)})")
+        return self._opts[name]
+
+    def run(self, task, model, batch, final: bool, ctx, step: int):
+        """One micro-batch of the task's own step (``step``: the steps completed)."""
+        self.final = final
+        ctx.step = step
+        return task.train_step(model, batch, self, ctx)
+
+    # -- the engine's part -----------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, name: str) -> None:
+        """Gradients of ``loss`` for optimizer ``name``'s parameters (accumulated)."""
+        params = [q for q in self._entry(name).params if q.requires_grad]
+        if self.accum > 1:
+            loss = loss / self.accum
+        if self.scalers is not None:
+            loss = self.scalers[name].scale(loss)
+        with torch.autocast(self.device.type, enabled=False):
+            loss.backward(inputs=params)
+
+    def step(self, name: str) -> None:
+        """At the step's last micro-batch: average, unscale, clip, check, step, zero."""
+        if not self.final:
+            return
+        entry = self._entry(name)
+        params = [q for q in entry.params if q.requires_grad]
+        average(params, self.world_size)
+        scaler = self.scalers[name] if self.scalers is not None else None
+        if scaler is not None:
+            scaler.unscale_(entry.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm)
+        self._norms[name] = norm
+        if scaler is not None:  # an overflow is the scaler's to skip
+            scaler.step(entry.optimizer)
+            scaler.update()
+        elif self.guard and not bool(torch.isfinite(norm)):
+            self.skipped += 1
+        else:
+            entry.optimizer.step()
+        entry.optimizer.zero_grad(set_to_none=True)
+
+    def clip(self, name: str, max_norm: float) -> torch.Tensor:
+        """Clip optimizer ``name``'s gradients to ``max_norm`` now (after :meth:`step`
+        averaged them the engine clips to ``train.clip_grad_norm`` anyway)."""
+        return torch.nn.utils.clip_grad_norm_(self._entry(name).params, max_norm)
+
+    def finish(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """After the step's last micro-batch: the norm over all, each one's, and skips."""
+        norms, self._norms = self._norms, {}
+        skipped, self.skipped = self.skipped, 0
+        if not norms:
+            return torch.zeros((), device=self.device), norms, skipped
+        total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms.values()]))
+        return total, norms, skipped
+
+
+def average(params: list[torch.Tensor], world_size: int) -> None:
+    """Every rank's gradients of ``params`` replaced by their mean (one flat all-reduce);
+    a parameter this rank gave no gradient counts as zeros, so every rank sends the same
+    shapes."""
+    if world_size == 1 or not params:
+        return
+    grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat.mul_(1.0 / world_size)  # as DDP: scaled as it is copied in, then summed
+    dist.all_reduce(flat)
+    offset = 0
+    for q, g in zip(params, grads, strict=True):
+        n = g.numel()
+        q.grad = flat[offset : offset + n].view_as(g).clone()
+        offset += n
+
+
+def for_task(task, opts: Optimizers, train, d, scaler) -> StepOptimizers | None:
+    """The task's step, when it has ``train_step``; one GradScaler per optimizer where the
+    run has one (fp16 on CUDA)."""
+    if getattr(task, "train_step", None) is None:
+        return None
+    scalers = None
+    if scaler is not None:
+        scalers = {e.name: torch.amp.GradScaler(d.device.type) for e in opts.entries}
+    return StepOptimizers(
+        opts,
+        d.device,
+        d.world_size,
+        train.grad_accum,
+        train.clip_grad_norm if train.clip_grad_norm > 0 else math.inf,
+        train.nan_policy in ("skip", "stop"),
+        scalers,
+    )
