@@ -13,8 +13,10 @@ from conftest import events_of, only_run, task_profile
 from gpu_console.engine.train_metrics import MetricReduceError, declared
 
 # Values depend on the rank and on the step's parity (every log window holds two steps, one
-# odd, one even), so each reduction gives its own, known answer.
+# odd, one even), so each reduction gives its own, known answer. Tensors (kept on the device)
+# and plain numbers (kept on the host) both.
 RANKED = """
+import torch
 from gpu_console.tasks.base import TaskOutput
 from gpu_console.tasks.mlp import MLPTask
 
@@ -42,9 +44,9 @@ class Ranked(MLPTask):
         self.calls += 1
         out.tokens = out.samples * (1 + 2 * rank)  # rank 1 weighs 3× per token
         out.metrics = {
-            "rank_max": rank + 0.5 * odd,  # max over ranks and the window: 1.5
+            "rank_max": torch.tensor(rank + 0.5 * odd),  # max over ranks and window: 1.5
             "rank_first": 10 * rank + odd,  # rank 0's mean over the window: 0.5
-            "count": 1 + rank + odd,  # rank means 1.5 and 2.5, summed: 4
+            "count": torch.full((3,), 1.0 + rank + odd),  # rank means 1.5, 2.5; summed: 4
             "rank_mean": rank,  # undeclared: the mean over samples, 0.5
             "per_token": rank,  # over tokens: 3 / 4
         }

@@ -22,6 +22,7 @@ left out, with one warning.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +50,16 @@ def declared(task) -> dict[str, str]:
     return spec
 
 
+@dataclass
+class _Acc:
+    """One metric's window on one rank: its numerator (a device tensor for tensor values, a
+    host number for plain numbers; a maximum for ``max``) and its weight."""
+
+    dev: torch.Tensor | None = None
+    host: float | None = None
+    weight: float = 0.0
+
+
 class TrainMetrics:
     """One rank's metrics over the current log window, and their reduction over the ranks."""
 
@@ -58,14 +69,14 @@ class TrainMetrics:
         self.warn = warn or (lambda message: None)
         self.names: list[str] | None = None  # agreed at the first log step
         self._late: set[str] = set()
-        self._num: dict[str, torch.Tensor] = {}
-        self._weight: dict[str, torch.Tensor] = {}
+        self._acc: dict[str, _Acc] = {}  # this log window's, by name
 
     def how(self, name: str) -> str:
         return self.reduce.get(name, DEFAULT)
 
     def add(self, output) -> None:
-        """One micro-batch's metrics, kept on the device."""
+        """One micro-batch's metrics: tensors stay on the device, numbers on the host (a
+        number copied to a GPU every step would sync the host)."""
         for name, value in output.metrics.items():
             if self.names is not None and name not in self.names:
                 if name not in self._late:
@@ -75,33 +86,54 @@ class TrainMetrics:
                         "not reported"
                     )
                 continue
-            v = torch.as_tensor(value, device=self.device).detach().float().mean()
+            if isinstance(value, torch.Tensor):
+                value = value.detach().float()
+                value = value if value.dim() == 0 else value.mean()
+            else:
+                value = float(value)
             how = self.how(name)
-            if how == "mean_samples":
-                v, w = v * output.samples, float(output.samples)
-            elif how == "mean_tokens":
-                v, w = v * output.tokens, float(output.tokens)
-            else:
-                w = 1.0
+            weight = {"mean_samples": output.samples, "mean_tokens": output.tokens}.get(how, 1)
+            acc = self._acc.setdefault(name, _Acc())
+            acc.weight += weight
+            on_device = isinstance(value, torch.Tensor)
             if how == "max":
-                old = self._num.get(name)
-                self._num[name] = v if old is None else torch.maximum(old, v)
-                self._weight[name] = torch.ones((), device=self.device)
+                if on_device:
+                    acc.dev = value if acc.dev is None else torch.maximum(acc.dev, value)
+                else:
+                    acc.host = value if acc.host is None else max(acc.host, value)
             else:
-                self._num[name] = self._num.get(name, 0.0) + v
-                self._weight[name] = self._weight.get(name, 0.0) + torch.as_tensor(
-                    w, device=self.device
-                )
+                value = value * weight if weight != 1 else value
+                if on_device:
+                    acc.dev = value if acc.dev is None else acc.dev + value
+                else:
+                    acc.host = value if acc.host is None else acc.host + value
 
     def columns(self) -> list[torch.Tensor]:
         """This rank's extra exchange columns: (numerator, weight) per agreed name. The first
         call agrees on the names (collective: every rank calls it at the same log step)."""
         if self.names is None:
-            self.names = self._agree(sorted(self._num))
-        zero = torch.zeros((), device=self.device)
+            self.names = self._agree(sorted(self._acc))
+        if not self.names:
+            return []
+        accs = [self._acc.get(name, _Acc()) for name in self.names]
+        # The host's numbers in one copy (pinned and asynchronous on a GPU, as exchange.py's).
+        host = [a.weight for a in accs] + [a.host if a.host is not None else 0.0 for a in accs]
+        host_t = torch.tensor(host, dtype=torch.float32)
+        if self.device.type == "cuda":
+            host_t = host_t.pin_memory().to(self.device, non_blocking=True)
+        host_t = host_t.to(self.device)
+        n = len(accs)
         out: list[torch.Tensor] = []
-        for name in self.names:
-            out += [self._num.get(name, zero), self._weight.get(name, zero)]
+        for i, (name, a) in enumerate(zip(self.names, accs, strict=True)):
+            num = host_t[n + i]
+            if a.dev is not None:
+                if a.host is None:
+                    num = a.dev
+                elif self.how(name) == "max":
+                    num = torch.maximum(a.dev, num)
+                else:
+                    num = a.dev + num
+            out += [num, host_t[i]]
         return out
 
     def _agree(self, mine: list[str]) -> list[str]:
@@ -135,7 +167,7 @@ class TrainMetrics:
 
     def reset(self) -> None:
         """A new log window."""
-        self._num, self._weight = {}, {}
+        self._acc = {}
 
     def describe(self) -> dict[str, Any]:
         return dict(self.reduce)
