@@ -107,3 +107,12 @@ def test_an_unknown_reduction_is_named():
     with pytest.raises(MetricReduceError, match=r"metric_reduce\['acc'\] = 'median'"):
         declared(Task())
     assert declared(type("T", (), {"metric_reduce": lambda self: {"n": "sum"}})()) == {"n": "sum"}
+
+
+def test_a_run_whose_task_declares_an_unknown_reduction_fails_naming_it(procs, runs_dir, tmp_path):
+    source = "from gpu_console.tasks.mlp import MLPTask\n\n\nclass Bad(MLPTask):\n"
+    source += '    metric_reduce = {"accuracy": "median"}\n'
+    profile = task_profile(tmp_path, "bad_reduce", source, "Bad", max_steps=2)
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
+    assert result.returncode != 0
+    assert "task.metric_reduce['accuracy'] = 'median': expected one of" in result.stdout
