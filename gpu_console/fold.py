@@ -11,7 +11,8 @@ show. One rule each, so that they never disagree on the same events:
 - stall: no step for max(30 s, 10 × the median step time of the current torchrun group);
 - means (MFU, samples/s): over the current session (a resume may run on other hardware);
   a torchrun restart within a session continues its session;
-- restarts: the newest ``start``'s count (torchrun's, within the session).
+- restarts: the newest ``start``'s count (torchrun's, within the session);
+- train metrics: each task metric's newest value (a step event without it keeps the last).
 
 Imports no torch and nothing heavy: the supervisor folds with it.
 """
@@ -68,6 +69,7 @@ class RunFold:
         self.samples_sum, self.samples_count = 0.0, 0  # and with samples/s
         self.last_checkpoint: dict[str, Any] | None = None
         self.best_checkpoint: dict[str, Any] | None = None  # checkpoint.keep_best's newest
+        self.train_metrics: dict[str, float] = {}  # the task's, newest value of each
         self.checkpoint_failed: dict[str, Any] | None = None
         self.checkpointed = True  # a stop's checkpoint was written (the engine's word)
         self.final_t = 0.0  # when the engine last said the run ended (a session's end)
@@ -101,6 +103,8 @@ class RunFold:
             v = e.get("step_time_s")
             if type(v) in _NUM:
                 self.step_times.append(v)
+            if isinstance(metrics := e.get("metrics"), dict):
+                self.train_metrics.update((k, v) for k, v in metrics.items() if _number(v))
             v = e.get("mfu")
             if type(v) in _NUM:
                 self.mfu_sum += v

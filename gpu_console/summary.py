@@ -69,6 +69,7 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "loss": st.loss,
         "best_loss": st.best_loss,
         "eval": dict(sorted(st.eval.items())),
+        "train_metrics": dict(sorted(st.train_metrics.items())),  # the task's, last values
         "samples_per_s": st.mean_samples_per_s(),
         "mfu": st.mean_mfu(),
         "mfu_not_shown": st.mfu_not_shown,
@@ -115,6 +116,7 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
         out.append(("task", f"{f['task']}{params}"))
     out += [("final loss", fmt(f["loss"])), ("best loss", fmt(f["best_loss"]))]
     out += [(f"eval {k}", fmt(v)) for k, v in f["eval"].items()]
+    out += [(f"train {k}", fmt(v)) for k, v in f["train_metrics"].items()]
     rate = f["samples_per_s"]
     out.append(("samples/s", f"{rate:,.0f} (mean)" if rate else "-"))
     out.append(("MFU", mfu_text(f)))

@@ -16,12 +16,13 @@ bucket can carry the table (no float32 gradients, or DDP never calls the hook),
 :meth:`Exchange.gather` makes one collective of its own instead.
 
 Integers (sample counts, memory bytes, step numbers) travel as two float32 halves, each
-exact, so nothing is rounded on the way.
+exact, so nothing is rounded on the way. After them, a run may add extra float columns (the
+task's train-time metrics, train_metrics.py): the same number on every rank.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,7 @@ class Row:
     cmd: int  # control code proposed by a control reader (0: none)
     signalled: int  # 1 if a stop signal reached this rank
     next_check: int  # the step a control reader proposes for the next check (0: none)
+    extra: list[float] = field(default_factory=list)  # the run's extra columns (metrics)
 
 
 def encode_ints(values: list[int]) -> list[float]:
@@ -62,9 +64,9 @@ def decode(table: torch.Tensor) -> list[Row]:
     rows = []
     for r in table.tolist():
         floats = r[: len(FLOATS)]
-        pairs = r[len(FLOATS) :]
+        pairs = r[len(FLOATS) : WIDTH]
         ints = [int(pairs[i]) * _SPLIT + int(pairs[i + 1]) for i in range(0, len(pairs), 2)]
-        rows.append(Row(*floats, *ints))
+        rows.append(Row(*floats, *ints, extra=r[WIDTH:]))
     return rows
 
 
@@ -78,6 +80,7 @@ class Exchange:
         self._result: torch.Tensor | None = None  # the summed table, after it
         self.carried = 0  # tables that rode with the gradients' all-reduce
         self.separate = 0  # tables that needed a collective of their own
+        self.extra = 0  # extra columns, set by the last prepare (the same on every rank)
 
     # -- the hook ----------------------------------------------------------------------------
 
@@ -94,7 +97,7 @@ class Exchange:
 
         def split(f: torch.futures.Future) -> torch.Tensor:
             out = f.value()
-            self._result = out[n:].view(self.world_size, WIDTH)
+            self._result = out[n:].view(self.world_size, -1)
             return out[:n]
 
         self.carried += 1
@@ -111,18 +114,28 @@ class Exchange:
 
     # -- a step's exchange -------------------------------------------------------------------
 
-    def prepare(self, floats: list[torch.Tensor], ints: list[int]) -> None:
+    def prepare(
+        self, floats: list[torch.Tensor], ints: list[int], extra: list[torch.Tensor] = ()
+    ) -> None:
         """Before the backward of a step that exchanges: this rank's row goes into the table.
 
-        ``floats`` are 0-dim tensors on the device (no host sync); ``ints`` plain ints.
+        ``floats`` and ``extra`` are 0-dim tensors on the device (no host sync); ``ints``
+        plain ints. ``extra`` must have the same length on every rank.
         """
         ints_t = torch.tensor(encode_ints(ints), dtype=torch.float32)
         if self.device.type == "cuda":  # a pageable copy would sync the host before backward
             ints_t = ints_t.pin_memory().to(self.device, non_blocking=True)
-        row = torch.cat(
-            [torch.stack([f.detach().reshape(()).float() for f in floats]), ints_t.to(self.device)]
+        parts = [
+            torch.stack([f.detach().reshape(()).float() for f in floats]),
+            ints_t.to(self.device),
+        ]
+        if extra:
+            parts.append(torch.stack([f.detach().reshape(()).float() for f in extra]))
+        row = torch.cat(parts)
+        self.extra = len(extra)
+        table = torch.zeros(
+            self.world_size, WIDTH + self.extra, dtype=torch.float32, device=self.device
         )
-        table = torch.zeros(self.world_size, WIDTH, dtype=torch.float32, device=self.device)
         table[self.rank] = row
         self._pending, self._result = table, None
 
@@ -146,5 +159,6 @@ class Exchange:
         """A control check outside a log step (paused, or between sparse log steps): one
         collective of its own, carrying only the control proposal (the rest zeros)."""
         zero = torch.zeros((), device=self.device)
-        self.prepare([zero] * len(FLOATS), [0] * (len(INTS) - 3) + list(proposal))
+        ints = [0] * (len(INTS) - 3) + list(proposal)
+        self.prepare([zero] * len(FLOATS), ints, [zero] * self.extra)
         return self.gather()

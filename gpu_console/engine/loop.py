@@ -59,6 +59,7 @@ from .optimizers import Optimizers
 from .reporter import Reporter
 from .schedule import scaled_lr
 from .shared_reduce import SharedReduce
+from .train_metrics import TrainMetrics
 
 CONTROL_INTERVAL_S = 0.25
 
@@ -273,6 +274,10 @@ def _train(
             d, p.distributed.collective_timeout_s, os.path.basename(run_dir)
         )
     exchange = Exchange(d.rank, d.world_size, d.device, shared)
+    # The task's train-time metrics ride in the log step's exchange (train_metrics.py).
+    train_metrics = TrainMetrics(
+        task, d.rank, d.world_size, d.device, lambda m: out.log("warning", m)
+    )
     ddp.register_comm_hook(None, exchange.hook)
     batches = Batches(train_loader, position)
     hooks.start(step, batches)
@@ -398,11 +403,13 @@ def _train(
                     last_loss = part if last_loss is None else last_loss + part
                     window.samples += result.samples
                     window.tokens += result.tokens
+                    train_metrics.add(result)
                     if final and logging:
                         exchange.prepare(
                             [last_loss, window.loss_sum + last_loss],
                             [window.samples, window.tokens, *memory_sample(d.device)]
                             + list(control.proposal(step + 1)),
+                            train_metrics.columns(),
                         )
                     if owned is None:
                         (scaler.scale(loss) if scaler else loss).backward()
@@ -464,10 +471,12 @@ def _train(
                         window,
                         mfu,
                         watch,
+                        train_metrics,
                     )
                 except NonFiniteLoss as e:
                     _fail_non_finite(out, d, p, step, save, model, e)
                 window = Window(loss_sum=torch.zeros((), device=d.device))
+                train_metrics.reset()
             improved = False
             if eval_loader is not None and p.train.eval_every and step % p.train.eval_every == 0:
                 beat.set(step, "eval")
@@ -627,7 +636,19 @@ def _gib(n: int) -> str:
 
 
 def _log_step(
-    out, d, p, step, batches, opts, rows: list[Row], grad_norm, grad_norms, window, mfu, watch
+    out,
+    d,
+    p,
+    step,
+    batches,
+    opts,
+    rows: list[Row],
+    grad_norm,
+    grad_norms,
+    window,
+    mfu,
+    watch,
+    train_metrics,
 ) -> None:
     """A step event from every rank's numbers, which came with the step's exchange."""
     loss = sum(r.last_loss for r in rows) / d.world_size
@@ -665,6 +686,8 @@ def _log_step(
         fields["mfu"] = util
     if p.train.nan_policy == "skip":
         fields["skipped"] = window.skipped
+    if metrics := train_metrics.reduced([r.extra for r in rows]):
+        fields["metrics"] = metrics  # the task's, reduced as it declares (train_metrics.py)
     out.event("step", **fields, **watch.first_step_fields())  # the first one: its timings
 
 

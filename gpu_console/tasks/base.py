@@ -27,6 +27,11 @@ Optional hooks (the engine looks them up; a task without them works the same):
 ``train_step`` (engine/task_step.py): the task's own backward/step sequence per micro-batch,
 through ``optimizers.backward(loss, name)`` and ``optimizers.step(name)``.
 
+Train metrics: ``TaskOutput.metrics`` returned at training steps (by ``compute`` or
+``train_step``) go into step events' ``metrics``, reduced as the optional ``metric_reduce``
+(a dict or a method: name → ``"mean_samples"`` (default), ``"mean_tokens"``, ``"sum"``,
+``"max"``, ``"rank0"``) says (engine/train_metrics.py).
+
 ``configure_optimizers``: one ``torch.optim`` optimizer, an :class:`OptimizerSpec` (an
 optimizer with its schedule), or a dict of them by name; it replaces the profile's
 ``train.optimizer`` and schedule (README: Your own task).

@@ -173,6 +173,8 @@ class ConsoleApp(App[int]):
         if run is not None:
             yield SystemCommand("Loss window", "Whole run / last 10k / 1k / 100 steps (w)",
                                 run.action_window)  # fmt: skip
+            yield SystemCommand("Chart series", "Loss, then each of the task's train metrics (m)",
+                                run.action_series)  # fmt: skip
         if _is(screen, "LaunchScreen"):
             yield SystemCommand("Launch", "Launch the highlighted profile (Enter)",
                                 screen.action_launch)  # fmt: skip

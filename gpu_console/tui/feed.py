@@ -81,6 +81,9 @@ class RunSnapshot:
     live: bool = field(default=False)
     mfu: float | None = None  # the newest step event's (peaks.py)
     mfu_not_shown: str | None = None  # why there is none, from the start event
+    # The task's train-time metrics (step events' ``metrics``): frozen series by name.
+    metric_series: dict[str, Series] = field(default_factory=dict)
+    train_metrics: dict[str, float] = field(default_factory=dict)  # the newest of each
 
     @property
     def ended(self) -> bool:
@@ -107,6 +110,7 @@ class RunModel(RunFold):
         self.lr_series = Series(512, 512)
         self.throughput_series = Series(512, 512)
         self.tokens_series = Series(512, 512)  # tokens/s, where the task reports tokens
+        self.metric_series: dict[str, Series] = {}  # the task's train metrics, by name
         self.evals: list[tuple[int, dict[str, float]]] = []  # sorted by step
         self.controls: dict[str, dict[str, Any]] = {}
         self.logs: deque[LogLine] = deque(maxlen=LOG_LINES)
@@ -126,6 +130,9 @@ class RunModel(RunFold):
                 self.lr_series.append(step, e.get("lr"))
                 self.throughput_series.append(step, e.get("samples_per_s"))
                 self.tokens_series.append(step, e.get("tokens_per_s"))
+                metrics = e.get("metrics")
+                for name, value in metrics.items() if isinstance(metrics, dict) else ():
+                    self.metric_series.setdefault(name, Series(1024, 1024)).append(step, value)
         elif kind == "status":
             text = f"state: {self.state}" + (f" ({self.reason})" if self.reason else "")
             self._log(LogLine("state", text, e.get("t")))
@@ -399,6 +406,8 @@ class RunFeed:
             live=state in LIVE_STATES,
             mfu=m.mfu,
             mfu_not_shown=m.mfu_not_shown,
+            metric_series={k: _frozen(v) for k, v in sorted(m.metric_series.items())},
+            train_metrics=dict(m.train_metrics),
         )
 
 

@@ -260,3 +260,29 @@ async def test_lr_ticks_that_differ_in_the_fourth_digit_have_labels_that_tell_th
         assert len(labels) == 3, rows
         values = [float(label.replace(",", "")) for label in labels]
         assert values[0] > values[1] > values[2], labels  # top to bottom, three numbers
+
+
+async def test_m_shows_a_task_train_metric_in_the_main_chart(tmp_path):
+    run = synthetic.write_run(tmp_path / "runs" / "gan-20260101-000000", state="running",
+                              steps=50, max_steps=1000, supervisor_pid=os.getpid())  # fmt: skip
+    out = EventWriter(run / "events.jsonl")
+    for step in range(51, 61):
+        out.emit("step", step=step, loss=0.5, lr=1e-3, samples_per_s=1000.0, step_time_s=0.01,
+                 memory=[], metrics={"D(x)": step / 100, "Loss_D": 1.0})  # fmt: skip
+    out.close()
+    app = app_on(run)
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await loaded(pilot, app)
+        await until(pilot, lambda: screen.snapshot.step == 60, 10, "the metrics' steps")
+        chart = screen.query_one("#loss")
+        assert [line.label for line in chart.lines] == ["train", "eval"]
+        assert "chart" in screen_text(app)  # the footer names the key
+        await pilot.press("m")  # the task's first metric (by name)
+        assert "D(x)" in str(chart.border_title) and "0.6" in str(chart.border_title)
+        assert [line.label for line in chart.lines] == ["D(x)"]
+        assert list(chart.lines[0].points) == [(s, s / 100) for s in range(51, 61)]
+        await pilot.press("m")
+        assert [line.label for line in chart.lines] == ["Loss_D"]
+        await pilot.press("m")  # and back to the loss
+        assert [line.label for line in chart.lines] == ["train", "eval"]
+        assert str(chart.border_title).startswith("loss")

@@ -72,6 +72,7 @@ Run screen
   k   kill the run now, no checkpoint (asks y/n)
   d   detach: quit the console, the run keeps training
   w   loss window: whole run / last 10k / 1k / 100 steps
+  m   main chart: the loss, then each train metric the task reports
 
 Launch screen
   ↑↓ Enter   pick a profile and launch it

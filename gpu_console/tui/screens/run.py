@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
@@ -74,6 +75,7 @@ class RunScreen(Screen):
         Binding("k", "kill", "kill"),
         Binding("d", "detach", "detach"),
         Binding("w", "window", "window"),
+        Binding("m", "series", "chart"),  # the main chart: loss, then each task metric
     ]
 
     def __init__(
@@ -99,6 +101,7 @@ class RunScreen(Screen):
         self.telemetry = telemetry
         self.snapshot: RunSnapshot | None = None
         self.window = 0
+        self.series = "loss"  # what the main chart draws: the loss or a task's train metric
         self.pending: dict[str, dict[str, Any]] = {}  # control id → {cmd, state, step}
         self.last_command: Text | None = None
         self._stop = threading.Event()
@@ -205,25 +208,38 @@ class RunScreen(Screen):
     def _chart_titles(self, s: RunSnapshot) -> None:
         """The charts' numbers: the same snapshot's as the header's (the lines may lag)."""
         window = WINDOWS[self.window]
-        title = f"[{TRAIN}]━ train {num(s.loss)}[/]"
-        if s.eval_name:
-            title += f"  [{EVAL}]• eval {s.eval_name} {num(s.eval_latest.get(s.eval_name))}[/]"
         span = "whole run" if window is None else f"last {window:,} steps"
         sampled = " · sampled" if s.sampled and window is None else ""
-        self.query_one("#loss", BrailleChart).titles(f"loss  {title}", span + sampled)
+        name = self.series if self.series in s.metric_series else "loss"
+        if name != "loss":  # a task metric: its newest value; m cycles back to the loss
+            value = num(s.train_metrics.get(name))
+            self.query_one("#loss", BrailleChart).titles(
+                f"{escape(name)}  [{TRAIN}]━ train {value}[/]", span + sampled
+            )
+        else:
+            self._loss_title(s, span + sampled)
         unit, now = "samples/s", s.samples_per_s
         if s.tokens_points:
             unit, now = "tokens/s", s.tokens_per_s
         self.query_one("#throughput", BrailleChart).titles(f"{unit} [{RATE}]{num(now)}[/]")
         self.query_one("#lr", BrailleChart).titles(f"lr [{LR}]{num(s.lr, 3)}[/]")
 
+    def _loss_title(self, s: RunSnapshot, subtitle: str) -> None:
+        title = f"[{TRAIN}]━ train {num(s.loss)}[/]"
+        if s.eval_name:
+            title += f"  [{EVAL}]• eval {s.eval_name} {num(s.eval_latest.get(s.eval_name))}[/]"
+        self.query_one("#loss", BrailleChart).titles(f"loss  {title}", subtitle)
+
     def _plot(self, s: RunSnapshot) -> None:
         window = WINDOWS[self.window]
         train = s.loss_series.view(window)
         lo = train[0][0] if train and window is not None else None
-        evals = [p for p in s.eval_points if lo is None or p[0] >= lo]
         chart = self.query_one("#loss", BrailleChart)
-        chart.plot([Line("train", train, TRAIN), Line("eval", evals, EVAL, marker=True)])
+        if (metric := s.metric_series.get(self.series)) is not None:
+            chart.plot([Line(self.series, metric.view(window), TRAIN)])
+        else:
+            evals = [p for p in s.eval_points if lo is None or p[0] >= lo]
+            chart.plot([Line("train", train, TRAIN), Line("eval", evals, EVAL, marker=True)])
         rate = self.query_one("#throughput", BrailleChart)
         # Tokens/s where the task reports tokens (sequence models), else samples/s.
         unit, pts = "samples/s", s.throughput_points
@@ -347,6 +363,15 @@ class RunScreen(Screen):
 
     def action_window(self) -> None:
         self.window = (self.window + 1) % len(WINDOWS)
+        if self.snapshot is not None:
+            self._chart_titles(self.snapshot)
+            self._plot(self.snapshot)
+
+    def action_series(self) -> None:
+        """The main chart's next series: the loss, then each of the task's train metrics."""
+        names = ["loss", *(self.snapshot.metric_series if self.snapshot else ())]
+        at = names.index(self.series) if self.series in names else 0
+        self.series = names[(at + 1) % len(names)]
         if self.snapshot is not None:
             self._chart_titles(self.snapshot)
             self._plot(self.snapshot)

@@ -1,0 +1,118 @@
+"""Train-time metrics: what a task returns in ``TaskOutput.metrics`` at training steps goes
+into the step events, reduced over the log window and the ranks as the task declares
+(``metric_reduce``), through real torchrun on 2 CPU ranks; the headless summary shows the
+last value of each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import events_of, only_run, task_profile
+
+from gpu_console.engine.train_metrics import MetricReduceError, declared
+
+# Values depend on the rank and on the step's parity (every log window holds two steps, one
+# odd, one even), so each reduction gives its own, known answer. Tensors (kept on the device)
+# and plain numbers (kept on the host) both.
+RANKED = """
+import torch
+from gpu_console.tasks.base import TaskOutput
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Ranked(MLPTask):
+    metric_reduce = {
+        "rank_max": "max",
+        "rank_first": "rank0",
+        "count": "sum",
+        "per_token": "mean_tokens",
+    }
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.calls = 0
+
+    def flops_per_sample(self):
+        return 1.0  # no measuring pass: every compute call below is a training step
+
+    def compute(self, model, batch):
+        out = super().compute(model, batch)
+        if not model.training:
+            return out
+        rank, odd = self.ctx.rank, self.calls % 2
+        self.calls += 1
+        out.tokens = out.samples * (1 + 2 * rank)  # rank 1 weighs 3× per token
+        out.metrics = {
+            "rank_max": torch.tensor(rank + 0.5 * odd),  # max over ranks and window: 1.5
+            "rank_first": 10 * rank + odd,  # rank 0's mean over the window: 0.5
+            "count": torch.full((3,), 1.0 + rank + odd),  # rank means 1.5, 2.5; summed: 4
+            "rank_mean": rank,  # undeclared: the mean over samples, 0.5
+            "per_token": rank,  # over tokens: 3 / 4
+        }
+        return out
+"""
+
+EXPECTED = {"rank_max": 1.5, "rank_first": 0.5, "count": 4.0, "rank_mean": 0.5, "per_token": 0.75}
+
+
+def test_metrics_are_reduced_over_the_window_and_ranks_as_declared(procs, runs_dir, tmp_path):
+    profile = task_profile(tmp_path, "ranked", RANKED, "Ranked", max_steps=6)
+    profile.write_text(profile.read_text().replace("log_every = 1", "log_every = 2"))
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = events_of(only_run(runs_dir), "step")
+    assert [e["step"] for e in steps] == [2, 4, 6]
+    for e in steps:
+        assert e["metrics"] == pytest.approx(EXPECTED)
+    # The headless summary: the last value of each.
+    for name, value in EXPECTED.items():
+        assert f"train {name}: {value:g}" in result.stdout
+
+
+GAN_METRICS = """
+import torch
+from gan_task import GanStepTask
+
+
+class GanMetrics(GanStepTask):
+    metric_reduce = {"D(x)": "rank0"}
+
+    def train_step(self, model, batch, optimizers, ctx):
+        out = super().train_step(model, batch, optimizers, ctx)
+        out.metrics = {"Loss_D": torch.tensor(float(ctx.rank + 1)), "D(x)": ctx.rank + 0.25}
+        return out
+"""
+
+
+def test_a_task_owned_step_reports_its_metrics(procs, runs_dir, tmp_path):
+    (tmp_path / "gan_task.py").write_text((Path(__file__).parent / "gan_task.py").read_text())
+    profile = task_profile(tmp_path, "gan_metrics", GAN_METRICS, "GanMetrics", max_steps=4)
+    text = profile.read_text().replace("train_samples = 8192\neval_samples = 512\n", "")
+    profile.write_text(text.replace("hidden_dim = 64\n", ""))
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = events_of(only_run(runs_dir), "step")
+    assert len(steps) == 4
+    for e in steps:
+        assert e["metrics"] == pytest.approx({"Loss_D": 1.5, "D(x)": 0.25})
+    assert "train Loss_D: 1.5" in result.stdout
+    assert "train D(x): 0.25" in result.stdout
+
+
+def test_an_unknown_reduction_is_named():
+    class Task:
+        metric_reduce = {"acc": "median"}
+
+    with pytest.raises(MetricReduceError, match=r"metric_reduce\['acc'\] = 'median'"):
+        declared(Task())
+    assert declared(type("T", (), {"metric_reduce": lambda self: {"n": "sum"}})()) == {"n": "sum"}
+
+
+def test_a_run_whose_task_declares_an_unknown_reduction_fails_naming_it(procs, runs_dir, tmp_path):
+    source = "from gpu_console.tasks.mlp import MLPTask\n\n\nclass Bad(MLPTask):\n"
+    source += '    metric_reduce = {"accuracy": "median"}\n'
+    profile = task_profile(tmp_path, "bad_reduce", source, "Bad", max_steps=2)
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
+    assert result.returncode != 0
+    assert "task.metric_reduce['accuracy'] = 'median': expected one of" in result.stdout
