@@ -75,6 +75,11 @@ class DataConfig:
     seed: int = opt(
         0, "shuffling seed (each epoch reshuffles from it); seeds workers' draws per batch"
     )
+    order: Literal["shuffle", "sequential", "contiguous", "random"] = opt(
+        "shuffle",
+        "training order: shuffle each epoch, sequential, contiguous per-rank streams "
+        "(truncated BPTT), or random with replacement (README: Data order)",
+    )
 
 
 @dataclass
