@@ -1,13 +1,17 @@
-"""Sharded, resumable data loading.
+"""Sharded, resumable data loading in the order the profile's ``data.order`` chooses.
 
-The position in the data is (epoch, samples the whole run consumed in that epoch): each
-epoch's order is a permutation drawn from ``data.seed + epoch``, and the ranks take it in
-turns (rank r the samples at r, r + world, ...), so what every rank consumed together is
+The position in the data is (epoch, samples the whole run consumed in that epoch). With
+``shuffle`` (``sequential`` is the same without the permutation) each epoch's order is a
+permutation drawn from ``data.seed + epoch``, and the ranks take it in turns (rank r the
+samples at r, r + world, ...), so what every rank consumed together is
 always a prefix of that permutation. A resumed run rebuilds the same order and deals out
 what follows the prefix, with no generator state to carry, whatever its world size and
 batch size: no sample of the epoch is skipped or repeated (the epoch's ragged tail, fewer
 samples than one batch on every rank, is dropped as always). With the same world and batch
-it is the very same split, batch for batch.
+it is the very same split, batch for batch. The stream orders (``contiguous``: each rank's
+rows are consecutive slices of the data set, batchify's layout; ``random``: with replacement,
+a generator per batch) are functions of the batch index, ``samples // (world × batch)``:
+exact with the same world and batch size, and kept as that index otherwise.
 
 Random draws in the dataset (augmentations): with ``data.num_workers = 0`` they come from
 the rank's own RNG stream, which checkpoints carry. In worker processes, the global RNGs
