@@ -45,10 +45,11 @@ def test_random_draws_with_replacement_per_rank_and_batch_reproducibly():
     assert all(0 <= i < 16 for b in a for i in b)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("order", ["shuffle", "sequential", "contiguous", "random"])
-def test_every_order_resumes_at_the_exact_batch(order):
+def test_every_order_resumes_at_the_exact_batch(order, workers):
     full = batches(order, 40, 1, 2, 4, 12)  # 5 batches an epoch
-    cfg = DataConfig(batch_size=4, order=order)
+    cfg = DataConfig(batch_size=4, order=order, num_workers=workers, persistent_workers=False)
     loader = make_loader(TensorSet(torch.arange(40)), cfg, 1, 2, True, False)
     source = Batches(loader, DataPosition(1, samples=2 * 4 * 2))  # batch 2 of epoch 1
     assert [source.next()[0].tolist() for _ in range(5)] == full[7:12]
