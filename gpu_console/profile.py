@@ -73,7 +73,14 @@ class DataConfig:
     prefetch_factor: int = opt(2, "batches each worker loads ahead (num_workers > 0)", min=1)
     persistent_workers: bool = opt(True, "keep DataLoader workers between epochs")
     seed: int = opt(
-        0, "shuffling seed (each epoch reshuffles from it); seeds workers' draws per batch"
+        0,
+        "order seed (shuffle: each epoch reshuffles from it; random: per rank and batch); "
+        "seeds workers' draws per batch",
+    )
+    order: Literal["shuffle", "sequential", "contiguous", "random"] = opt(
+        "shuffle",
+        "training order: shuffle each epoch, sequential, contiguous per-rank streams "
+        "(truncated BPTT), or random with replacement (README: Data order)",
     )
 
 

@@ -87,6 +87,12 @@ TABLE: dict[str, tuple[str, str]] = {
         WARNING,
         "the epoch's order is drawn anew: until the epoch ends, samples may repeat or be skipped",
     ),
+    "data.order": (
+        WARNING,
+        "the epoch's position (samples consumed) is kept in the new order: until the epoch "
+        "ends, samples may repeat or be skipped, and a task's carried stream state no longer "
+        "matches its rows",
+    ),
     "data.pin_memory": (APPLIED, "how batches reach the GPU"),
     "data.prefetch_factor": (APPLIED, "how far workers load ahead"),
     "data.persistent_workers": (APPLIED, "whether workers live between epochs"),

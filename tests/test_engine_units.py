@@ -275,10 +275,10 @@ def test_shuffle_order_is_a_function_of_seed_and_epoch():
 def test_set_position_yields_exactly_the_tail_after_k_batches(k):
     n, world, bs = 70, 2, 4
     for rank in range(world):
-        full = ShardSampler(n, rank, world, bs, seed=11, shuffle=True)
+        full = ShardSampler(n, rank, world, bs, seed=11, train=True)
         full.set_position(2, 0)
         order = full.indices()
-        s = ShardSampler(n, rank, world, bs, seed=11, shuffle=True)
+        s = ShardSampler(n, rank, world, bs, seed=11, train=True)
         s.set_position(2, k * bs * world)  # samples the whole run consumed
         assert list(s) == order[k * bs :]
         assert len(s) == len(order) - k * bs
@@ -350,7 +350,7 @@ def test_eval_covers_every_sample_exactly_once_across_ranks(n, world, bs):
 
 def test_eval_sampler_len_matches_what_it_yields():
     for rank in range(3):
-        s = ShardSampler(10, rank, 3, 4, seed=0, shuffle=False)
+        s = ShardSampler(10, rank, 3, 4, seed=0, train=False)
         assert len(s) == len(list(s))
 
 

@@ -1,13 +1,17 @@
-"""Sharded, resumable data loading.
+"""Sharded, resumable data loading in the order the profile's ``data.order`` chooses.
 
-The position in the data is (epoch, samples the whole run consumed in that epoch): each
-epoch's order is a permutation drawn from ``data.seed + epoch``, and the ranks take it in
-turns (rank r the samples at r, r + world, ...), so what every rank consumed together is
+The position in the data is (epoch, samples the whole run consumed in that epoch). With
+``shuffle`` (``sequential`` is the same without the permutation) each epoch's order is a
+permutation drawn from ``data.seed + epoch``, and the ranks take it in turns (rank r the
+samples at r, r + world, ...), so what every rank consumed together is
 always a prefix of that permutation. A resumed run rebuilds the same order and deals out
 what follows the prefix, with no generator state to carry, whatever its world size and
 batch size: no sample of the epoch is skipped or repeated (the epoch's ragged tail, fewer
 samples than one batch on every rank, is dropped as always). With the same world and batch
-it is the very same split, batch for batch.
+it is the very same split, batch for batch. The stream orders (``contiguous``: each rank's
+rows are consecutive slices of the data set, batchify's layout; ``random``: with replacement,
+a generator per batch) are functions of the batch index, ``samples // (world × batch)``:
+exact with the same world and batch size, and kept as that index otherwise.
 
 Random draws in the dataset (augmentations): with ``data.num_workers = 0`` they come from
 the rank's own RNG stream, which checkpoints carry. In worker processes, the global RNGs
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -49,20 +53,43 @@ class DataPosition:
         return cls(int(state["epoch"]), int(state["batch"]) * batch_size * world_size)
 
 
-class ShardSampler(Sampler[int]):
-    """This rank's share of a seeded per-epoch permutation, from a given sample onwards."""
+ORDERS = ("shuffle", "sequential", "contiguous", "random")
 
-    def __init__(self, n: int, rank: int, world: int, batch_size: int, seed: int, shuffle: bool):
+
+class ShardSampler(Sampler[int]):
+    """This rank's share of an epoch's order (``data.order``), from a given sample onwards.
+
+    Training (``train``) reads whole batches in the task's order; eval reads every sample
+    once, in order, each rank every ``world``-th. ``start`` counts the samples of the epoch
+    all ranks consumed together; for the stream orders (contiguous, random) it is
+    ``batches × world × batch_size``, so the batch index is ``start // (world × batch_size)``.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        rank: int,
+        world: int,
+        batch_size: int,
+        seed: int,
+        train: bool,
+        order: str = "shuffle",
+    ):
+        if order not in ORDERS:
+            raise ValueError(f"data.order: one of {', '.join(ORDERS)} (got {order!r})")
         self.n, self.rank, self.world = n, rank, world
-        self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
+        self.batch_size, self.seed, self.train = batch_size, seed, train
+        self.order = order if train else "sequential"
         self.epoch = 0
         self.start = 0  # samples of the epoch's order already consumed by all ranks
         self.per_rank = self._per_rank()
 
     def _per_rank(self) -> int:
         """Samples this rank takes from ``start`` to the epoch's end."""
-        if not self.shuffle:
+        if not self.train:
             return -(-self.n // self.world)
+        if self.order in ("contiguous", "random"):
+            return max(0, self.batches_per_epoch() - self.start_batch) * self.batch_size
         # Training drops the ragged tail so every rank takes the same number of steps.
         return ((self.n - self.start) // self.world) // self.batch_size * self.batch_size
 
@@ -80,8 +107,25 @@ class ShardSampler(Sampler[int]):
         """Whole batches per rank in a training epoch read from its start."""
         return (self.n // self.world) // self.batch_size
 
+    def _streams(self) -> Iterator[int]:
+        """Contiguous: the data set cut into ``world × batch_size`` streams of ``L`` samples,
+        rank r's row j the stream ``r × batch_size + j``; batch k holds sample k of each of
+        the rank's streams. Random: each batch ``batch_size`` indices drawn with replacement
+        from a generator seeded by (data.seed, rank, epoch, batch)."""
+        length = self.batches_per_epoch()
+        rows = range(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        for k in range(self.start_batch, length):
+            if self.order == "contiguous":
+                yield from (row * length + k for row in rows)
+            else:
+                seed = batch_seed(self.seed, self.rank, ("random", self.epoch, k))
+                g = torch.Generator().manual_seed(seed % 2**63)
+                yield from torch.randint(self.n, (self.batch_size,), generator=g).tolist()
+
     def indices(self) -> list[int]:
-        if self.shuffle:
+        if self.order in ("contiguous", "random"):
+            return list(self._streams())
+        if self.order == "shuffle":
             g = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.n, generator=g)
         else:
@@ -90,10 +134,12 @@ class ShardSampler(Sampler[int]):
         return order[first : self.start + self.world * self.per_rank : self.world].tolist()
 
     def __iter__(self) -> Iterator[int]:
+        if self.order in ("contiguous", "random"):
+            return self._streams()  # lazily: a token file may hold millions of offsets
         return iter(self.indices())
 
     def __len__(self) -> int:
-        if self.shuffle:
+        if self.train:
             return max(0, self.per_rank)
         return len(range(self.start + self.rank, self.n, self.world))
 
@@ -131,7 +177,7 @@ class KeyedBatchSampler:
 
     def __iter__(self) -> Iterator[KeyedBatch]:
         s = self.sampler
-        where = ("train", s.epoch) if s.shuffle else ("eval",)
+        where = ("train", s.epoch) if s.train else ("eval",)
         n, batch = s.start_batch, []
         for i in s:
             batch.append(i)
@@ -168,9 +214,17 @@ class SeededFetch:
 
 
 def make_loader(
-    dataset: Dataset, cfg: DataConfig, rank: int, world: int, train: bool, cuda: bool
+    dataset: Dataset,
+    cfg: DataConfig,
+    rank: int,
+    world: int,
+    train: bool,
+    cuda: bool,
+    collate: Callable[[Any], Any] | None = None,
 ) -> DataLoader:
-    sampler = ShardSampler(len(dataset), rank, world, cfg.batch_size, cfg.seed, shuffle=train)
+    """``collate``: the task's ``collate(samples)`` if it has one (tasks/base.py)."""
+    n = len(dataset)  # type: ignore[arg-type]
+    sampler = ShardSampler(n, rank, world, cfg.batch_size, cfg.seed, train, cfg.order)
     if train and sampler.batches_per_epoch() == 0:
         raise ValueError(
             f"data.batch_size: {len(dataset)} samples over {world} ranks is less than one batch "
@@ -180,7 +234,7 @@ def make_loader(
     return DataLoader(
         SeededFetch(dataset, cfg.seed, rank),  # type: ignore[arg-type]
         batch_sampler=KeyedBatchSampler(sampler, cfg.batch_size, drop_last=train),
-        collate_fn=batch_collate if isinstance(dataset, TensorSet) else None,
+        collate_fn=collate_of(dataset, collate),
         num_workers=workers,
         pin_memory=cfg.pin_memory and cuda,
         prefetch_factor=cfg.prefetch_factor if workers else None,
@@ -189,6 +243,13 @@ def make_loader(
         # and a resumed run would diverge from an uninterrupted one.
         generator=torch.Generator().manual_seed(cfg.seed),
     )
+
+
+def collate_of(dataset: Dataset, collate: Callable[[Any], Any] | None) -> Callable | None:
+    """The task's own collate, else a TensorSet's batch as is, else ``default_collate``."""
+    if collate is not None:
+        return collate
+    return batch_collate if isinstance(dataset, TensorSet) else None
 
 
 class Batches:

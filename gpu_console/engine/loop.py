@@ -235,9 +235,12 @@ def _train(
     # -- data ----------------------------------------------------------------------------
     train_set, eval_set = task.build_datasets()
     cuda = d.device.type == "cuda"
-    train_loader = make_loader(train_set, p.data, d.rank, d.world_size, True, cuda)
+    collate = getattr(task, "collate", None)  # the task's own, else data.collate_of's rule
+    train_loader = make_loader(train_set, p.data, d.rank, d.world_size, True, cuda, collate)
     eval_loader = (
-        make_loader(eval_set, p.data, d.rank, d.world_size, False, cuda) if eval_set else None
+        make_loader(eval_set, p.data, d.rank, d.world_size, False, cuda, collate)
+        if eval_set
+        else None
     )
 
     # -- state: fresh, or resumed from a checkpoint --------------------------------------

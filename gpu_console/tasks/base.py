@@ -23,6 +23,14 @@ Optional hooks (the engine looks them up; a task without them works the same):
         def export_modules(self) -> dict[str, str]: ...  # `gpu-console export`: {name: submodule}
         def configure_optimizers(self, model, ctx): ...  # own optimizers and schedules
         def train_step(self, model, batch, optimizers, ctx) -> TaskOutput: ...  # own updates
+        def collate(self, batch): ...              # the fetched batch -> what compute gets
+
+``collate`` (engine/data.py ``collate_of``): the DataLoader fetches a batch at once, through
+the dataset's ``__getitems__(indices)`` if it has one, else ``[dataset[i] for i in indices]``,
+and passes that to the task's ``collate``; without one to ``default_collate``, except a
+:class:`TensorSet`'s, already stacked and passed on as is. A dataset whose ``__getitems__``
+returns a ready batch needs a ``collate`` (``return batch``). With workers it runs in them.
+The training order is the profile's ``data.order`` (engine/data.py, README: Data order).
 
 ``train_step`` (engine/task_step.py): the task's own backward/step sequence per micro-batch,
 through ``optimizers.backward(loss, name)`` and ``optimizers.step(name)``.
