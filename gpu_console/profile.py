@@ -75,6 +75,7 @@ class DataConfig:
     seed: int = opt(
         0, "shuffling seed (each epoch reshuffles from it); seeds workers' draws per batch"
     )
+    eval_batch_size: int = opt(0, "samples per rank per eval batch (0 = data.batch_size)", min=0)
 
 
 @dataclass
@@ -122,6 +123,10 @@ class TrainConfig:
         "auto", "auto: bf16 where supported, fp16 + GradScaler on older GPUs, fp32 on CPU"
     )
     eval_every: int = opt(0, "evaluate every N steps (0 = only at the end)", min=0)
+    eval_at_start: bool = opt(
+        False,
+        "evaluate before the first step (a resume: at its step, unless eval_every divides it)",
+    )
     log_every: int = opt(
         10, "steps between step events (their numbers ride with the gradients' all-reduce)", min=1
     )

@@ -168,9 +168,17 @@ class SeededFetch:
 
 
 def make_loader(
-    dataset: Dataset, cfg: DataConfig, rank: int, world: int, train: bool, cuda: bool
+    dataset: Dataset,
+    cfg: DataConfig,
+    rank: int,
+    world: int,
+    train: bool,
+    cuda: bool,
+    batch_size: int = 0,
 ) -> DataLoader:
-    sampler = ShardSampler(len(dataset), rank, world, cfg.batch_size, cfg.seed, shuffle=train)
+    """``batch_size``: the eval's (``data.eval_batch_size``); 0 = ``data.batch_size``."""
+    size = batch_size or cfg.batch_size
+    sampler = ShardSampler(len(dataset), rank, world, size, cfg.seed, shuffle=train)
     if train and sampler.batches_per_epoch() == 0:
         raise ValueError(
             f"data.batch_size: {len(dataset)} samples over {world} ranks is less than one batch "
@@ -179,7 +187,7 @@ def make_loader(
     workers = cfg.num_workers
     return DataLoader(
         SeededFetch(dataset, cfg.seed, rank),  # type: ignore[arg-type]
-        batch_sampler=KeyedBatchSampler(sampler, cfg.batch_size, drop_last=train),
+        batch_sampler=KeyedBatchSampler(sampler, size, drop_last=train),
         collate_fn=batch_collate if isinstance(dataset, TensorSet) else None,
         num_workers=workers,
         pin_memory=cfg.pin_memory and cuda,

@@ -50,6 +50,8 @@ from . import resume as resuming
 from .best import resumed as best_so_far
 from .control import Control
 from .data import Batches, DataPosition, make_loader
+from .evaluate import at_start as eval_at_start
+from .evaluate import evaluate
 from .exchange import Exchange, Row
 from .heartbeat import Heartbeat
 from .hooks import Hooks, attach
@@ -236,7 +238,9 @@ def _train(
     cuda = d.device.type == "cuda"
     train_loader = make_loader(train_set, p.data, d.rank, d.world_size, True, cuda)
     eval_loader = (
-        make_loader(eval_set, p.data, d.rank, d.world_size, False, cuda) if eval_set else None
+        make_loader(eval_set, p.data, d.rank, d.world_size, False, cuda, p.data.eval_batch_size)
+        if eval_set
+        else None
     )
 
     # -- state: fresh, or resumed from a checkpoint --------------------------------------
@@ -368,6 +372,17 @@ def _train(
             or bool(p.checkpoint.every_steps and n % p.checkpoint.every_steps == 0)
         )
 
+    def run_eval() -> bool:
+        """Collective: one eval at ``step``, its metrics to the schedules and hooks; improved?"""
+        beat.set(step, "eval")
+        metrics = evaluate(out, d, task, ddp, eval_loader, autocast, step, move)
+        opts.after_eval(metrics)
+        hooks.eval_end(model, metrics)
+        return best.observe(step, metrics, lambda m: out.log("warning", m))
+
+    if eval_loader is not None and eval_at_start(p.train.eval_at_start, step, p.train.eval_every):
+        run_eval()  # train.eval_at_start: the model before this session's first step
+
     # -- the loop ------------------------------------------------------------------------
     while step < p.train.max_steps:
         if paused:
@@ -470,11 +485,7 @@ def _train(
                 window = Window(loss_sum=torch.zeros((), device=d.device))
             improved = False
             if eval_loader is not None and p.train.eval_every and step % p.train.eval_every == 0:
-                beat.set(step, "eval")
-                metrics = _evaluate(out, d, task, ddp, eval_loader, autocast, step)
-                opts.after_eval(metrics)
-                hooks.eval_end(model, metrics)
-                improved = best.observe(step, metrics, lambda m: out.log("warning", m))
+                improved = run_eval()
             if why := checkpoint.due(step, p.checkpoint, p.train.max_steps, improved):
                 save(why)
             if rows is None:
@@ -518,11 +529,7 @@ def _train(
     # -- the end (skipping what the last step's boundaries already did) ----------------------
     improved = False
     if eval_loader is not None and not (p.train.eval_every and step % p.train.eval_every == 0):
-        beat.set(step, "eval")
-        metrics = _evaluate(out, d, task, ddp, eval_loader, autocast, step)
-        opts.after_eval(metrics)
-        hooks.eval_end(model, metrics)
-        improved = best.observe(step, metrics, lambda m: out.log("warning", m))
+        improved = run_eval()
     if p.checkpoint.at_end:
         save("end")
     elif improved:
@@ -666,38 +673,6 @@ def _log_step(
     if p.train.nan_policy == "skip":
         fields["skipped"] = window.skipped
     out.event("step", **fields, **watch.first_step_fields())  # the first one: its timings
-
-
-@torch.no_grad()
-def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> dict[str, float]:
-    """Collective: the eval's metrics, averaged over every rank's samples (on every rank)."""
-    ddp.eval()
-    totals: dict[str, float] = {}
-    samples = 0
-    for batch in loader:
-        batch = move(batch, d.device)
-        with autocast:
-            result = task.compute(ddp.module, batch)
-        n = result.samples
-        samples += n
-        totals["loss"] = totals.get("loss", 0.0) + float(result.loss) * n
-        for name, value in result.metrics.items():
-            totals[name] = totals.get(name, 0.0) + float(value) * n
-    ddp.train()
-    # A rank with no eval batch (fewer samples than ranks) knows no metric names: agree on
-    # them first, so every rank's buffer has the same shape. Eval is rare; this is cheap.
-    every: list[list[str] | None] = [None] * d.world_size
-    dist.all_gather_object(every, sorted(totals))
-    names = sorted({n for ranks_names in every for n in ranks_names or []})
-    values = [totals.get(k, 0.0) for k in names] + [samples]
-    buf = torch.tensor(values, dtype=torch.float64, device=d.device)
-    dist.all_reduce(buf)
-    values = buf.tolist()
-    n = max(values[-1], 1)
-    metrics = {k: v / n for k, v in zip(names, values[:-1], strict=True)}
-    if out.active:
-        out.event("eval", step=step, **metrics)
-    return metrics
 
 
 def _ddp_settings(ddp) -> dict[str, Any]:

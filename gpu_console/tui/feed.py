@@ -81,6 +81,7 @@ class RunSnapshot:
     live: bool = field(default=False)
     mfu: float | None = None  # the newest step event's (peaks.py)
     mfu_not_shown: str | None = None  # why there is none, from the start event
+    eval_progress: dict[str, Any] | None = None  # the eval in progress: step, done, total
 
     @property
     def ended(self) -> bool:
@@ -398,6 +399,7 @@ class RunFeed:
             events_read=m.events,
             live=state in LIVE_STATES,
             mfu=m.mfu,
+            eval_progress=m.eval_progress if state in LIVE_STATES else None,
             mfu_not_shown=m.mfu_not_shown,
         )
 

@@ -1,0 +1,70 @@
+"""The eval pass: every rank's eval batches, metrics averaged over all ranks' samples.
+
+Progress: rank 0 says where the pass is (``progress`` events, ``phase = "eval"``,
+``done``/``total`` batches of rank 0's shard) at its first batch and then about once a second,
+so a reader shows ``eval 120/400`` and never takes a long eval for a stall (fold.py counts an
+eval batch as a sign of life like a step). The heartbeat's phase is ``eval`` throughout.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+PROGRESS_EVERY_S = 1.0
+
+
+@torch.no_grad()
+def evaluate(out, d, task, ddp, loader, autocast, step: int, move) -> dict[str, float]:
+    """Collective: the eval's metrics, averaged over every rank's samples (on every rank).
+
+    Each batch's ``loss`` and metrics are weighted by its ``samples``, so a short last batch
+    counts for what it holds (a mean of per-batch means would not).
+    """
+    ddp.eval()
+    totals: dict[str, float] = {}
+    samples = 0
+    total = len(loader)
+    said = 0.0
+    for i, batch in enumerate(loader):
+        now = time.monotonic()
+        if out.active and now - said >= PROGRESS_EVERY_S:
+            out.event("progress", phase="eval", step=step, done=i, total=total)
+            said = now
+        batch = move(batch, d.device)
+        with autocast:
+            result = task.compute(ddp.module, batch)
+        n = result.samples
+        samples += n
+        totals["loss"] = totals.get("loss", 0.0) + float(result.loss) * n
+        for name, value in result.metrics.items():
+            totals[name] = totals.get(name, 0.0) + float(value) * n
+    ddp.train()
+    # A rank with no eval batch (fewer samples than ranks) knows no metric names: agree on
+    # them first, so every rank's buffer has the same shape. Eval is rare; this is cheap.
+    every: list[list[str] | None] = [None] * d.world_size
+    dist.all_gather_object(every, sorted(totals))
+    names = sorted({n for ranks_names in every for n in ranks_names or []})
+    values = [totals.get(k, 0.0) for k in names] + [samples]
+    buf = torch.tensor(values, dtype=torch.float64, device=d.device)
+    dist.all_reduce(buf)
+    values = buf.tolist()
+    n = max(values[-1], 1)
+    metrics = {k: v / n for k, v in zip(names, values[:-1], strict=True)}
+    if out.active:
+        out.event("eval", step=step, **metrics)
+    return metrics
+
+
+def at_start(enabled: bool, step: int, eval_every: int) -> bool:
+    """``train.eval_at_start``: evaluate before the first step of this session.
+
+    A fresh run evaluates at step 0. A resumed one evaluates at the step it resumes from,
+    unless ``train.eval_every`` divides that step (the previous session evaluated there
+    before it saved the checkpoint).
+    """
+    if not enabled:
+        return False
+    return step == 0 or not (eval_every and step % eval_every == 0)

@@ -1,0 +1,103 @@
+"""Eval as real scripts do it: its own batch size, an eval at step 0, metrics per sample,
+progress while it runs, and a long eval never taken for a stall (real torchrun, 2 CPU ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from conftest import events_of, only_run, task_profile
+from conftest import test_env as cli_env
+
+from gpu_console.engine.evaluate import at_start
+from gpu_console.fold import derived_state
+
+# Eval samples are the numbers 0..9: an eval batch's loss is their mean, ``batch`` its size.
+# Over 2 ranks in batches of 3, each rank's last batch is short (3 + 2 samples): the mean over
+# samples is 4.5, a mean of the batches' means would be 5.0.
+EVAL_TASK = """
+import os
+import time
+
+import torch
+
+from gpu_console.tasks.base import TaskOutput, TensorSet
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Numbers(MLPTask):
+    def build_datasets(self):
+        train, _ = super().build_datasets()
+        return train, TensorSet(torch.arange(int(os.environ.get("EVAL_N", "10"))).float())
+
+    def compute(self, model, batch):
+        if model.training:
+            return super().compute(model, batch)
+        time.sleep(float(os.environ.get("EVAL_PACE_S", "0")))
+        (x,) = batch
+        n = len(x)
+        return TaskOutput(loss=x.mean(), samples=n, metrics={"batch": torch.tensor(float(n))})
+"""
+
+
+def eval_profile(tmp_path: Path, max_steps: int, extra: str) -> Path:
+    profile = task_profile(tmp_path, "eval_numbers", EVAL_TASK, "Numbers", max_steps=max_steps)
+    text = profile.read_text().replace("[data]\n", f"[data]\n{extra}\n", 1)
+    profile.write_text(
+        text.replace("log_every = 1", "log_every = 1\neval_every = 2\neval_at_start = true")
+    )
+    return profile
+
+
+def test_eval_at_start_its_batch_size_and_a_mean_over_samples(procs, runs_dir, tmp_path):
+    profile = eval_profile(tmp_path, max_steps=4, extra="eval_batch_size = 3")
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                       cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    evals = events_of(only_run(runs_dir), "eval")
+    assert [e["step"] for e in evals] == [0, 2, 4]
+    for e in evals:
+        assert e["loss"] == pytest.approx(4.5, abs=1e-9)  # 45 / 10 samples
+        assert e["batch"] == pytest.approx((9 + 4) * 2 / 10)  # batches of 3 and 2 per rank
+
+
+def test_a_long_eval_shows_progress_and_is_never_a_stall(procs, runs_dir, tmp_path):
+    # 8 eval batches a rank, 0.75 s each: 6 s of eval, twice the stall limit of 3 s.
+    profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 1")
+    profile.write_text(profile.read_text().replace("eval_at_start = true", ""))
+    env = cli_env(GPU_CONSOLE_STALL_S="3", EVAL_PACE_S="0.75", EVAL_N="16")
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                       cwd=tmp_path, env=env)  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "stalled" not in out.lower(), out
+    run = only_run(runs_dir)
+    progress = events_of(run, "progress")
+    assert len(progress) >= 3, progress  # about once a second
+    assert {(p["phase"], p["step"], p["total"]) for p in progress} == {("eval", 2, 8)}
+    assert [p["done"] for p in progress] == sorted({p["done"] for p in progress})
+    assert f"eval {progress[-1]['done']}/8 @ step 2" in out
+    [evaluated] = events_of(run, "eval")
+    assert evaluated["step"] == 2
+
+
+def test_stall_counts_an_eval_batch_as_a_sign_of_life(monkeypatch):
+    monkeypatch.setenv("GPU_CONSOLE_STALL_S", "3")
+    now = time.time()
+    status = {"state": "running", "pids": {"supervisor": os.getpid()}, "last_step_t": now - 60}
+    assert derived_state(status, now) == "stalled"
+    status["eval_progress"] = {"step": 2, "done": 5, "total": 8, "t": now - 1}
+    assert derived_state(status, now) == "running"
+    status["eval_progress"]["t"] = now - 10  # the eval's batches stopped advancing too
+    assert derived_state(status, now) == "stalled"
+
+
+def test_eval_at_start_on_a_resume_only_where_not_evaluated():
+    assert not at_start(False, 0, 0)
+    assert at_start(True, 0, 10)  # a fresh run: step 0
+    assert at_start(True, 15, 10)  # resumed between evals
+    assert not at_start(True, 20, 10)  # the previous session evaluated at 20, then saved
+    assert at_start(True, 20, 0)  # no periodic eval: the previous one was not at 20
