@@ -13,7 +13,9 @@ from conftest import events_of, only_run, task_profile
 from conftest import test_env as cli_env
 
 from gpu_console.engine.evaluate import at_start
+from gpu_console.engine.heartbeat import Heartbeat
 from gpu_console.fold import derived_state
+from gpu_console.state import describe_stopped, read_heartbeats
 
 # Eval samples are the numbers 0..9: an eval batch's loss is their mean, ``batch`` its size.
 # Over 2 ranks in batches of 3, each rank's last batch is short (3 + 2 samples): the mean over
@@ -101,3 +103,15 @@ def test_eval_at_start_on_a_resume_only_where_not_evaluated():
     assert at_start(True, 15, 10)  # resumed between evals
     assert not at_start(True, 20, 10)  # the previous session evaluated at 20, then saved
     assert at_start(True, 20, 0)  # no periodic eval: the previous one was not at 20
+
+
+def test_a_stall_inside_an_eval_names_its_batch(tmp_path):
+    beat = Heartbeat(tmp_path, rank=0, local_rank=0, restart=0)
+    try:
+        beat.set(2, "eval", "3/8")
+        beat._write()
+        beats = read_heartbeats(tmp_path)
+    finally:
+        beat.close("done")
+    assert beats[0]["detail"] == "3/8"
+    assert describe_stopped(beats, time.time()).startswith("rank 0 (step 2, eval 3/8, for ")

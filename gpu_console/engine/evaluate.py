@@ -3,7 +3,8 @@
 Progress: rank 0 says where the pass is (``progress`` events, ``phase = "eval"``,
 ``done``/``total`` batches of rank 0's shard) at its first batch and then about once a second,
 so a reader shows ``eval 120/400`` and never takes a long eval for a stall (fold.py counts an
-eval batch as a sign of life like a step). The heartbeat's phase is ``eval`` throughout.
+eval batch as a sign of life like a step). Every rank's heartbeat says ``eval`` and its batch
+(``detail``: ``120/400``), since that batch began.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ PROGRESS_EVERY_S = 1.0
 
 
 @torch.no_grad()
-def evaluate(out, d, task, ddp, loader, autocast, step: int, move) -> dict[str, float]:
+def evaluate(out, d, task, ddp, loader, autocast, step: int, move, beat) -> dict[str, float]:
     """Collective: the eval's metrics, averaged over every rank's samples (on every rank).
 
     Each batch's ``loss`` and metrics are weighted by its ``samples``, so a short last batch
@@ -29,6 +30,7 @@ def evaluate(out, d, task, ddp, loader, autocast, step: int, move) -> dict[str, 
     total = len(loader)
     said = 0.0
     for i, batch in enumerate(loader):
+        beat.set(step, "eval", f"{i}/{total}")  # a stuck eval names its batch, and for how long
         now = time.monotonic()
         if out.active and now - said >= PROGRESS_EVERY_S:
             out.event("progress", phase="eval", step=step, done=i, total=total)

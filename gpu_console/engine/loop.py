@@ -77,7 +77,7 @@ class _NullHeartbeat:
     step = 0
     phase = "starting"
 
-    def set(self, step: int, phase: str) -> None:
+    def set(self, step: int, phase: str, detail: str = "") -> None:
         self.step = step
 
 
@@ -375,7 +375,7 @@ def _train(
     def run_eval() -> bool:
         """Collective: one eval at ``step``, its metrics to the schedules and hooks; improved?"""
         beat.set(step, "eval")
-        metrics = evaluate(out, d, task, ddp, eval_loader, autocast, step, move)
+        metrics = evaluate(out, d, task, ddp, eval_loader, autocast, step, move, beat)
         opts.after_eval(metrics)
         hooks.eval_end(model, metrics)
         return best.observe(step, metrics, lambda m: out.log("warning", m))
