@@ -4,6 +4,7 @@ progress while it runs, and a long eval never taken for a stall (real torchrun, 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -26,11 +27,13 @@ import time
 
 import torch
 
-from gpu_console.tasks.base import TaskOutput, TensorSet
+from gpu_console.tasks.base import TaskOutput, TensorSet, perplexity
 from gpu_console.tasks.mlp import MLPTask
 
 
 class Numbers(MLPTask):
+    derived_metrics = {"perplexity": perplexity}
+
     def build_datasets(self):
         train, _ = super().build_datasets()
         return train, TensorSet(torch.arange(int(os.environ.get("EVAL_N", "10"))).float())
@@ -41,6 +44,9 @@ class Numbers(MLPTask):
         time.sleep(float(os.environ.get("EVAL_PACE_S", "0")))
         (x,) = batch
         n = len(x)
+        if os.environ.get("TOKENS"):  # sample i: i + 1 tokens, each of loss i
+            loss = (x * (x + 1)).sum() / (x + 1).sum()
+            return TaskOutput(loss=loss, samples=n, tokens=int((x + 1).sum()))
         return TaskOutput(loss=x.mean(), samples=n, metrics={"batch": torch.tensor(float(n))})
 """
 
@@ -64,6 +70,18 @@ def test_eval_at_start_its_batch_size_and_a_mean_over_samples(procs, runs_dir, t
     for e in evals:
         assert e["loss"] == pytest.approx(4.5, abs=1e-9)  # 45 / 10 samples
         assert e["batch"] == pytest.approx((9 + 4) * 2 / 10)  # batches of 3 and 2 per rank
+        assert e["perplexity"] == pytest.approx(math.exp(4.5))  # of the mean loss
+
+
+def test_a_task_counting_tokens_gets_a_mean_over_tokens(procs, runs_dir, tmp_path):
+    profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 3")
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                       cwd=tmp_path, env=cli_env(TOKENS="1"))  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    for e in events_of(only_run(runs_dir), "eval"):
+        # sum of i (i + 1) over sum of (i + 1), i = 0..9: 330 / 55 tokens
+        assert e["loss"] == pytest.approx(6.0, rel=1e-6)  # over samples: 5.01
+        assert e["perplexity"] == pytest.approx(math.exp(e["loss"]))
 
 
 def test_a_long_eval_shows_progress_and_is_never_a_stall(procs, runs_dir, tmp_path):

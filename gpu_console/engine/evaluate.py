@@ -21,12 +21,15 @@ PROGRESS_EVERY_S = 1.0
 def evaluate(out, d, task, ddp, loader, autocast, step: int, move, beat) -> dict[str, float]:
     """Collective: the eval's metrics, averaged over every rank's samples (on every rank).
 
-    Each batch's ``loss`` and metrics are weighted by its ``samples``, so a short last batch
-    counts for what it holds (a mean of per-batch means would not).
+    Each batch's ``loss`` and metrics are weighted by its ``tokens`` where the task counts
+    them (a per-token loss then averages as total loss over total tokens), else by its
+    ``samples``: a short last batch counts for what it holds (a mean of per-batch means would
+    not). Then the task's ``derived_metrics`` (name: function of the averaged metrics), e.g.
+    ``perplexity = exp(loss)``, are added.
     """
     ddp.eval()
     totals: dict[str, float] = {}
-    samples = 0
+    weight = 0  # tokens, else samples
     total = len(loader)
     said = 0.0
     for i, batch in enumerate(loader):
@@ -38,8 +41,8 @@ def evaluate(out, d, task, ddp, loader, autocast, step: int, move, beat) -> dict
         batch = move(batch, d.device)
         with autocast:
             result = task.compute(ddp.module, batch)
-        n = result.samples
-        samples += n
+        n = result.tokens or result.samples
+        weight += n
         totals["loss"] = totals.get("loss", 0.0) + float(result.loss) * n
         for name, value in result.metrics.items():
             totals[name] = totals.get(name, 0.0) + float(value) * n
@@ -49,12 +52,14 @@ def evaluate(out, d, task, ddp, loader, autocast, step: int, move, beat) -> dict
     every: list[list[str] | None] = [None] * d.world_size
     dist.all_gather_object(every, sorted(totals))
     names = sorted({n for ranks_names in every for n in ranks_names or []})
-    values = [totals.get(k, 0.0) for k in names] + [samples]
+    values = [totals.get(k, 0.0) for k in names] + [weight]
     buf = torch.tensor(values, dtype=torch.float64, device=d.device)
     dist.all_reduce(buf)
     values = buf.tolist()
     n = max(values[-1], 1)
     metrics = {k: v / n for k, v in zip(names, values[:-1], strict=True)}
+    for name, derive in (getattr(task, "derived_metrics", None) or {}).items():
+        metrics[name] = float(derive(dict(metrics)))
     if out.active:
         out.event("eval", step=step, **metrics)
     return metrics

@@ -70,6 +70,7 @@ rank r's state where the checkpoint has one, else none, and the run warns:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -84,6 +85,13 @@ class TaskOutput:
     samples: int
     tokens: int = 0
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def perplexity(metrics: dict[str, float]) -> float:
+    """``exp(loss)`` of the averaged eval loss (inf where it overflows): for a task's
+    ``derived_metrics = {"perplexity": perplexity}``."""
+    loss = metrics["loss"]
+    return math.exp(loss) if loss < 709.0 else math.inf
 
 
 class Task(Protocol):
