@@ -114,7 +114,7 @@ class RunFold:
                 self.samples_count += 1
         elif kind == "progress":
             if e.get("phase") == "eval":
-                self.eval_progress = {k: e.get(k) for k in ("step", "done", "total", "t")}
+                self.eval_progress = {k: e.get(k) for k in ("step", "split", "done", "total", "t")}
         elif kind == "eval":
             self.eval_progress = None
         elif kind == "start":

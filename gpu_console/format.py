@@ -46,4 +46,5 @@ def eval_progress_text(p: dict[str, Any] | None) -> str:
     """``eval 120/400`` (rank 0's batches) for the eval in progress, else empty."""
     if not p:
         return ""
-    return f"eval {p.get('done')}/{p.get('total')}"
+    split = f" {p['split']}" if p.get("split") else ""
+    return f"eval{split} {p.get('done')}/{p.get('total')}"

@@ -36,7 +36,10 @@ class Numbers(MLPTask):
 
     def build_datasets(self):
         train, _ = super().build_datasets()
-        return train, TensorSet(torch.arange(int(os.environ.get("EVAL_N", "10"))).float())
+        numbers = TensorSet(torch.arange(int(os.environ.get("EVAL_N", "10"))).float())
+        if os.environ.get("SPLITS"):  # a second split: the numbers 10..19
+            return train, {"val": numbers, "train_est": TensorSet(torch.arange(10, 20).float())}
+        return train, numbers
 
     def compute(self, model, batch):
         if model.training:
@@ -82,6 +85,24 @@ def test_a_task_counting_tokens_gets_a_mean_over_tokens(procs, runs_dir, tmp_pat
         # sum of i (i + 1) over sum of (i + 1), i = 0..9: 330 / 55 tokens
         assert e["loss"] == pytest.approx(6.0, rel=1e-6)  # over samples: 5.01
         assert e["perplexity"] == pytest.approx(math.exp(e["loss"]))
+
+
+def test_several_splits_each_named_and_one_kept_best(procs, runs_dir, tmp_path):
+    profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 3")
+    text = profile.read_text() + '[checkpoint]\nkeep_best = "eval.val/loss"\n'
+    profile.write_text(text.replace("eval_at_start = true", ""))
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                       cwd=tmp_path, env=cli_env(SPLITS="1"))  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    run = only_run(runs_dir)
+    [e] = events_of(run, "eval")
+    assert e["val/loss"] == pytest.approx(4.5) and e["train_est/loss"] == pytest.approx(14.5)
+    assert e["val/perplexity"] == pytest.approx(math.exp(4.5))  # derived per split
+    assert "loss" not in e
+    [best] = [c for c in events_of(run, "checkpoint") if c.get("best")]
+    assert (best["metric"], best["value"]) == ("eval.val/loss", pytest.approx(4.5))
+    assert (run / "checkpoints" / "BEST").is_file()
 
 
 def test_a_long_eval_shows_progress_and_is_never_a_stall(procs, runs_dir, tmp_path):

@@ -1,5 +1,9 @@
 """The eval pass: every rank's eval batches, metrics averaged over all ranks' samples.
 
+A task's ``build_datasets`` may return several eval sets by split (``{"val": ...,
+"train_est": ...}``): each is evaluated in turn, its metrics named ``<split>/<metric>``
+(``val/loss``; ``checkpoint.keep_best = "eval.val/loss"``), in one ``eval`` event.
+
 Progress: rank 0 says where the pass is (``progress`` events, ``phase = "eval"``,
 ``done``/``total`` batches of rank 0's shard) at its first batch and then about once a second,
 so a reader shows ``eval 120/400`` and never takes a long eval for a stall (fold.py counts an
@@ -10,6 +14,7 @@ eval batch as a sign of life like a step). Every rank's heartbeat says ``eval`` 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,26 +22,60 @@ import torch.distributed as dist
 PROGRESS_EVERY_S = 1.0
 
 
+def splits(eval_set) -> dict[str, Any]:
+    """The task's eval sets by split: a dict it returned (``{"val": ..., "train_est": ...}``),
+    or its one set under ``""`` (its metrics keep their bare names); none: empty."""
+    if eval_set is None:
+        return {}
+    if isinstance(eval_set, dict):
+        return {str(k): v for k, v in eval_set.items() if v is not None}
+    return {"": eval_set}
+
+
+def metric_name(split: str, name: str) -> str:
+    """``val/loss`` for a named split's metric (``eval.val/loss`` for keep_best), else ``loss``."""
+    return f"{split}/{name}" if split else name
+
+
+def evaluate(out, d, task, ddp, loaders, autocast, step: int, move, beat) -> dict[str, float]:
+    """Collective: every split's metrics, averaged over every rank's eval (on every rank), as
+    one ``eval`` event."""
+    metrics: dict[str, float] = {}
+    derived = getattr(task, "derived_metrics", None) or {}
+    for split, loader in loaders.items():
+        got = _evaluate_split(out, d, task, ddp, loader, autocast, step, move, beat, split)
+        for name, derive in derived.items():
+            got[name] = float(derive(dict(got)))
+        metrics.update((metric_name(split, k), v) for k, v in got.items())
+    if out.active:
+        out.event("eval", step=step, **metrics)
+    return metrics
+
+
 @torch.no_grad()
-def evaluate(out, d, task, ddp, loader, autocast, step: int, move, beat) -> dict[str, float]:
-    """Collective: the eval's metrics, averaged over every rank's samples (on every rank).
+def _evaluate_split(
+    out, d, task, ddp, loader, autocast, step: int, move, beat, split: str
+) -> dict[str, float]:
+    """One split's metrics, averaged over every rank's samples (collective).
 
     Each batch's ``loss`` and metrics are weighted by its ``tokens`` where the task counts
     them (a per-token loss then averages as total loss over total tokens), else by its
     ``samples``: a short last batch counts for what it holds (a mean of per-batch means would
-    not). Then the task's ``derived_metrics`` (name: function of the averaged metrics), e.g.
-    ``perplexity = exp(loss)``, are added.
+    not). The task's ``derived_metrics`` (name: function of the averaged metrics), e.g.
+    ``perplexity = exp(loss)``, are added by :func:`evaluate`.
     """
     ddp.eval()
     totals: dict[str, float] = {}
     weight = 0  # tokens, else samples
     total = len(loader)
     said = 0.0
+    where = {"split": split} if split else {}
     for i, batch in enumerate(loader):
-        beat.set(step, "eval", f"{i}/{total}")  # a stuck eval names its batch, and for how long
+        # A stuck eval names its batch, and for how long.
+        beat.set(step, "eval", f"{split + ' ' if split else ''}{i}/{total}")
         now = time.monotonic()
         if out.active and now - said >= PROGRESS_EVERY_S:
-            out.event("progress", phase="eval", step=step, done=i, total=total)
+            out.event("progress", phase="eval", step=step, done=i, total=total, **where)
             said = now
         batch = move(batch, d.device)
         with autocast:
@@ -57,12 +96,7 @@ def evaluate(out, d, task, ddp, loader, autocast, step: int, move, beat) -> dict
     dist.all_reduce(buf)
     values = buf.tolist()
     n = max(values[-1], 1)
-    metrics = {k: v / n for k, v in zip(names, values[:-1], strict=True)}
-    for name, derive in (getattr(task, "derived_metrics", None) or {}).items():
-        metrics[name] = float(derive(dict(metrics)))
-    if out.active:
-        out.event("eval", step=step, **metrics)
-    return metrics
+    return {k: v / n for k, v in zip(names, values[:-1], strict=True)}
 
 
 def at_start(enabled: bool, step: int, eval_every: int) -> bool:

@@ -52,6 +52,7 @@ from .control import Control
 from .data import Batches, DataPosition, make_loader
 from .evaluate import at_start as eval_at_start
 from .evaluate import evaluate
+from .evaluate import splits as eval_splits
 from .exchange import Exchange, Row
 from .heartbeat import Heartbeat
 from .hooks import Hooks, attach
@@ -237,11 +238,10 @@ def _train(
     train_set, eval_set = task.build_datasets()
     cuda = d.device.type == "cuda"
     train_loader = make_loader(train_set, p.data, d.rank, d.world_size, True, cuda)
-    eval_loader = (
-        make_loader(eval_set, p.data, d.rank, d.world_size, False, cuda, p.data.eval_batch_size)
-        if eval_set
-        else None
-    )
+    eval_loader = {  # by split (evaluate.py); empty: no eval
+        split: make_loader(s, p.data, d.rank, d.world_size, False, cuda, p.data.eval_batch_size)
+        for split, s in eval_splits(eval_set).items()
+    }
 
     # -- state: fresh, or resumed from a checkpoint --------------------------------------
     step, position = 0, DataPosition()
@@ -284,7 +284,7 @@ def _train(
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
     newest = checkpoint.Newest()
     best = best_so_far(p.checkpoint.keep_best, p.checkpoint.best_direction(), resume, run_dir)
-    if best.on and eval_loader is None:
+    if best.on and not eval_loader:
         out.log("warning", f"checkpoint.keep_best = {best.metric!r}: the task has no eval set")
 
     def save(reason: str) -> bool:
@@ -368,7 +368,7 @@ def _train(
         return (
             log_step(n)
             or control.due(n)
-            or bool(eval_loader is not None and p.train.eval_every and n % p.train.eval_every == 0)
+            or bool(eval_loader and p.train.eval_every and n % p.train.eval_every == 0)
             or bool(p.checkpoint.every_steps and n % p.checkpoint.every_steps == 0)
         )
 
@@ -380,7 +380,7 @@ def _train(
         hooks.eval_end(model, metrics)
         return best.observe(step, metrics, lambda m: out.log("warning", m))
 
-    if eval_loader is not None and eval_at_start(p.train.eval_at_start, step, p.train.eval_every):
+    if eval_loader and eval_at_start(p.train.eval_at_start, step, p.train.eval_every):
         run_eval()  # train.eval_at_start: the model before this session's first step
 
     # -- the loop ------------------------------------------------------------------------
@@ -484,7 +484,7 @@ def _train(
                     _fail_non_finite(out, d, p, step, save, model, e)
                 window = Window(loss_sum=torch.zeros((), device=d.device))
             improved = False
-            if eval_loader is not None and p.train.eval_every and step % p.train.eval_every == 0:
+            if eval_loader and p.train.eval_every and step % p.train.eval_every == 0:
                 improved = run_eval()
             if why := checkpoint.due(step, p.checkpoint, p.train.max_steps, improved):
                 save(why)
@@ -528,7 +528,7 @@ def _train(
 
     # -- the end (skipping what the last step's boundaries already did) ----------------------
     improved = False
-    if eval_loader is not None and not (p.train.eval_every and step % p.train.eval_every == 0):
+    if eval_loader and not (p.train.eval_every and step % p.train.eval_every == 0):
         improved = run_eval()
     if p.checkpoint.at_end:
         save("end")

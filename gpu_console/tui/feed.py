@@ -182,7 +182,9 @@ class RunModel(RunFold):
         if not self.evals:
             return "", []
         names = list(self.evals[-1][1])
-        name = "loss" if "loss" in names else (names[0] if names else "")
+        # Several splits (``val/loss``, ``train_est/loss``): the first split's loss.
+        split_loss = next((n for n in names if n.endswith("/loss")), None)
+        name = "loss" if "loss" in names else (split_loss or (names[0] if names else ""))
         pts = [(s, m[name]) for s, m in self.evals if name in m]
         if len(pts) > 1024:
             stride = math.ceil(len(pts) / 1024)
