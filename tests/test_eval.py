@@ -76,6 +76,19 @@ def test_eval_at_start_its_batch_size_and_a_mean_over_samples(procs, runs_dir, t
         assert e["perplexity"] == pytest.approx(math.exp(4.5))  # of the mean loss
 
 
+def test_a_resume_evaluates_at_start_only_where_the_run_did_not(procs, runs_dir, tmp_path):
+    profile = eval_profile(tmp_path, max_steps=3, extra="")
+    first = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                      cwd=tmp_path)  # fmt: skip
+    assert first.returncode == 0, first.stdout + first.stderr
+    run = only_run(runs_dir)
+    assert [e["step"] for e in events_of(run, "eval")] == [0, 2, 3]  # 3: the end's
+    more = procs.cli("run", "--resume", str(run), "--headless", "--set", "train.max_steps=5",
+                     cwd=tmp_path)  # fmt: skip
+    assert more.returncode == 0, more.stdout + more.stderr
+    assert [e["step"] for e in events_of(run, "eval")] == [0, 2, 3, 4, 5]  # no second at 3
+
+
 def test_a_task_counting_tokens_gets_a_mean_over_tokens(procs, runs_dir, tmp_path):
     profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 3")
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
@@ -137,11 +150,12 @@ def test_stall_counts_an_eval_batch_as_a_sign_of_life(monkeypatch):
 
 
 def test_eval_at_start_on_a_resume_only_where_not_evaluated():
-    assert not at_start(False, 0, 0)
-    assert at_start(True, 0, 10)  # a fresh run: step 0
-    assert at_start(True, 15, 10)  # resumed between evals
-    assert not at_start(True, 20, 10)  # the previous session evaluated at 20, then saved
-    assert at_start(True, 20, 0)  # no periodic eval: the previous one was not at 20
+    assert not at_start(False, 0, None, 0)
+    assert at_start(True, 0, None, 10)  # a fresh run: step 0
+    assert at_start(True, 15, 10, 10)  # resumed between evals
+    assert not at_start(True, 15, 15, 10)  # the end of a finished run evaluated at 15
+    assert not at_start(True, 20, None, 10)  # an older checkpoint: eval_every divides it
+    assert at_start(True, 20, None, 0)
 
 
 def test_a_stall_inside_an_eval_names_its_batch(tmp_path):

@@ -99,13 +99,16 @@ def _evaluate_split(
     return {k: v / n for k, v in zip(names, values[:-1], strict=True)}
 
 
-def at_start(enabled: bool, step: int, eval_every: int) -> bool:
+def at_start(enabled: bool, step: int, evaluated_at: int | None, eval_every: int) -> bool:
     """``train.eval_at_start``: evaluate before the first step of this session.
 
-    A fresh run evaluates at step 0. A resumed one evaluates at the step it resumes from,
-    unless ``train.eval_every`` divides that step (the previous session evaluated there
-    before it saved the checkpoint).
+    A fresh run evaluates at step 0. A resumed one evaluates at the step it resumes from
+    unless its newest eval was at that step (``evaluated_at``, saved in the checkpoint: an
+    ``eval_every`` or end-of-run eval before the save); a checkpoint that does not record it
+    counts as evaluated where ``eval_every`` divides the step.
     """
     if not enabled:
         return False
+    if evaluated_at is not None:
+        return evaluated_at != step
     return step == 0 or not (eval_every and step % eval_every == 0)

@@ -245,12 +245,13 @@ def _train(
 
     # -- state: fresh, or resumed from a checkpoint --------------------------------------
     step, position = 0, DataPosition()
+    evaluated_at: int | None = None  # the step of the newest eval (saved for eval_at_start)
     random.seed(p.train.seed + d.rank)
     torch.manual_seed(p.train.seed + 1_000_003 * (d.rank + 1))  # per-rank dropout streams
     if resume is not None:
         # The optimizers keep this profile's settings over the saved ones (optimizers.py).
         back = checkpoint.resume(resume, model, opts, scalers, d.rank, d.world_size)
-        step = back.step
+        step, evaluated_at = back.step, back.evaluated_at
         position = resuming.position_of(back.data, back.world_size, changes, p.data.batch_size)
         hooks.restore(back.task, d.world_size, lambda m: out.log("warning", m))
         if back.rng is not None:
@@ -297,6 +298,7 @@ def _train(
             "step": step,
             "data": batches.position.state_dict(),
             "world_size": d.world_size,
+            "evaluated_at": evaluated_at,
         }
         rank_state = {"rng": checkpoint.capture_rng(d.device), **hooks.state()}
         outcome = checkpoint.save(
@@ -374,13 +376,15 @@ def _train(
 
     def run_eval() -> bool:
         """Collective: one eval at ``step``, its metrics to the schedules and hooks; improved?"""
+        nonlocal evaluated_at
+        evaluated_at = step
         beat.set(step, "eval")
         metrics = evaluate(out, d, task, ddp, eval_loader, autocast, step, move, beat)
         opts.after_eval(metrics)
         hooks.eval_end(model, metrics)
         return best.observe(step, metrics, lambda m: out.log("warning", m))
 
-    if eval_loader and eval_at_start(p.train.eval_at_start, step, p.train.eval_every):
+    if eval_loader and eval_at_start(p.train.eval_at_start, step, evaluated_at, p.train.eval_every):
         run_eval()  # train.eval_at_start: the model before this session's first step
 
     # -- the loop ------------------------------------------------------------------------
