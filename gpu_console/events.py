@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 VERSION = 1
-KINDS = {"start", "step", "eval", "checkpoint", "control", "status", "log"}
+KINDS = {"start", "step", "eval", "progress", "checkpoint", "control", "status", "log"}
 CONTROL_COMMANDS = ("checkpoint", "stop", "pause", "resume")
 
 

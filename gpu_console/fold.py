@@ -8,7 +8,8 @@ show. One rule each, so that they never disagree on the same events:
   carries (log steps may be far apart), else a ``start``'s ``start_step``;
 - best loss: the lowest finite loss over every session of the run (a NaN is never best);
 - best checkpoint: the newest checkpoint event marked ``best`` (``checkpoint.keep_best``);
-- stall: no step for max(30 s, 10 × the median step time of the current torchrun group);
+- stall: no step for max(30 s, 10 × the median step time of the current torchrun group),
+  where an eval batch (a ``progress`` event of the eval in progress) counts as a step;
 - means (MFU, samples/s): over the current session (a resume may run on other hardware);
   a torchrun restart within a session continues its session;
 - restarts: the newest ``start``'s count (torchrun's, within the session);
@@ -63,6 +64,8 @@ class RunFold:
         self.first_step_t: float | None = None  # this torchrun group's first step: its rate
         self.first_step = 0
         self.last_step_t: float | None = None
+        # The eval in progress (rank 0's ``progress`` events): its batches are signs of life.
+        self.eval_progress: dict[str, Any] | None = None
         self.restarts = 0
         self.max_restarts: int | None = None
         self.mfu_sum, self.mfu_count = 0.0, 0  # this session's step events with an MFU
@@ -113,7 +116,13 @@ class RunFold:
             if type(v) in _NUM:
                 self.samples_sum += v
                 self.samples_count += 1
+        elif kind == "progress":
+            if e.get("phase") == "eval":
+                self.eval_progress = {k: e.get(k) for k in ("step", "split", "done", "total", "t")}
+        elif kind == "eval":
+            self.eval_progress = None
         elif kind == "start":
+            self.eval_progress = None
             self.start = e
             self.max_steps = e.get("max_steps")
             self.start_step = self.step = int(e.get("start_step") or 0)
@@ -206,6 +215,7 @@ class RunFold:
         out.update(step=self.step, loss=self.loss, last_step_t=self.last_step_t)
         if self.step_times:
             out["step_time_s"] = self.step_time_s
+        out["eval_progress"] = self.eval_progress
         if self.mfu_count:
             out["mfu"], out["mfu_mean"] = self.mfu, self.mean_mfu()
         if self.start:
@@ -268,8 +278,8 @@ def derived_state(status: dict[str, Any], now: float, step_time_s: float | None 
     """The state a reader shows: status.json's, or ``lost`` / ``stalled`` (DESIGN.md).
 
     ``lost``: status says the run is live but its supervisor is gone. ``stalled``: running,
-    but no step for max(30 s, 10× the median step time, which the supervisor keeps in
-    status.json; a reader with its own :class:`RunFold` may pass the same median).
+    but no step (nor eval batch) for max(30 s, 10× the median step time, which the supervisor
+    keeps in status.json; a reader with its own :class:`RunFold` may pass the same median).
     """
     state = status.get("state", "starting")
     if status.get("ended") or state in FINAL_STATES:
@@ -277,6 +287,9 @@ def derived_state(status: dict[str, Any], now: float, step_time_s: float | None 
     if not pid_alive(status.get("pids", {}).get("supervisor")):
         return "lost"
     last = status.get("last_step_t")
+    evaluating = status.get("eval_progress") or {}
+    if type(evaluating.get("t")) in _NUM:  # an eval batch is a sign of life, like a step
+        last = max(last or 0.0, evaluating["t"])
     limit = stall_limit_s(step_time_s or status.get("step_time_s"))
     if state == "running" and last and now - last > limit:
         return "stalled"

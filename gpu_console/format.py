@@ -40,3 +40,11 @@ def uncut(console: Any) -> Any:
         console.soft_wrap = True
         console.width = UNLIMITED_WIDTH
     return console
+
+
+def eval_progress_text(p: dict[str, Any] | None) -> str:
+    """``eval 120/400`` (rank 0's batches) for the eval in progress, else empty."""
+    if not p:
+        return ""
+    split = f" {p['split']}" if p.get("split") else ""
+    return f"eval{split} {p.get('done')}/{p.get('total')}"

@@ -30,7 +30,7 @@ from rich.text import Text
 
 from .events import append_control
 from .exit_watch import ExitWatch
-from .format import fmt, human_bytes, human_duration, uncut
+from .format import eval_progress_text, fmt, human_bytes, human_duration, uncut
 from .resume_changes import line as change_line
 from .runs import EXIT_FAILED
 from .state import RunFollower, RunState, describe_stopped, read_heartbeats
@@ -288,6 +288,8 @@ def _notable(e: dict, console: Console) -> None:
             f"{k} {v:.4f}" for k, v in e.items() if k not in ("v", "t", "kind", "step")
         )
         say(f"eval @ step {e.get('step')}: {metrics}")
+    elif kind == "progress" and e.get("phase") == "eval":
+        say(f"{eval_progress_text(e)} @ step {e.get('step')}")  # about once a second
     elif kind == "checkpoint":
         say(
             f"checkpoint @ step {e.get('step')} ({e.get('reason')}): "
@@ -321,7 +323,8 @@ def optimizer_line(o: dict[str, Any]) -> str:
 def _progress_text(st: RunState) -> str:
     rate = f"{st.samples_per_s:,.0f} samples/s" if st.samples_per_s else "- samples/s"
     mfu = f"  MFU {st.mfu:.1%}" if st.mfu is not None else ""
-    return f"loss {fmt(st.loss)}  {rate}{mfu}"
+    evaluating = f"  {eval_progress_text(st.eval_progress)}" if st.eval_progress else ""
+    return f"loss {fmt(st.loss)}  {rate}{mfu}{evaluating}"
 
 
 def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watch) -> None:

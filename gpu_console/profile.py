@@ -82,6 +82,7 @@ class DataConfig:
         "training order: shuffle each epoch, sequential, contiguous per-rank streams "
         "(truncated BPTT), or random with replacement (README: Data order)",
     )
+    eval_batch_size: int = opt(0, "samples per rank per eval batch (0 = data.batch_size)", min=0)
 
 
 @dataclass
@@ -129,6 +130,10 @@ class TrainConfig:
         "auto", "auto: bf16 where supported, fp16 + GradScaler on older GPUs, fp32 on CPU"
     )
     eval_every: int = opt(0, "evaluate every N steps (0 = only at the end)", min=0)
+    eval_at_start: bool = opt(
+        False,
+        "evaluate before the first step (a resume: at its step, unless the run evaluated there)",
+    )
     log_every: int = opt(
         10, "steps between step events (their numbers ride with the gradients' all-reduce)", min=1
     )

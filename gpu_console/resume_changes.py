@@ -62,6 +62,7 @@ TABLE: dict[str, tuple[str, str]] = {
     "train.clip_grad_norm": (APPLIED, _EACH_STEP),
     "train.nan_policy": (APPLIED, _EACH_STEP),
     "train.eval_every": (APPLIED, _EACH_STEP),
+    "train.eval_at_start": (APPLIED, "whether this session evaluates before its first step"),
     "train.log_every": (APPLIED, _EACH_STEP),
     "train.weight_decay_params": (
         APPLIED,
@@ -93,6 +94,7 @@ TABLE: dict[str, tuple[str, str]] = {
         "ends, samples may repeat or be skipped, and a task's carried stream state no longer "
         "matches its rows",
     ),
+    "data.eval_batch_size": (APPLIED, "the eval's batches (its metrics are per sample)"),
     "data.pin_memory": (APPLIED, "how batches reach the GPU"),
     "data.prefetch_factor": (APPLIED, "how far workers load ahead"),
     "data.persistent_workers": (APPLIED, "whether workers live between epochs"),

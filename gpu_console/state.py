@@ -83,9 +83,8 @@ def describe_stopped(beats: list[dict[str, Any]], now: float) -> str:
             parts.append(f"rank {b['rank']} (no heartbeat for {ago:.0f} s)")
         else:
             since = now - float(b.get("since") or now)
-            parts.append(
-                f"rank {b['rank']} (step {b.get('step')}, {b.get('phase')}, for {since:.0f} s)"
-            )
+            phase = " ".join(str(x) for x in (b.get("phase"), b.get("detail")) if x)
+            parts.append(f"rank {b['rank']} (step {b.get('step')}, {phase}, for {since:.0f} s)")
     return ", ".join(parts)
 
 

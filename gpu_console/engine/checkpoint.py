@@ -280,6 +280,7 @@ class Resumed:
     ranks: int  # how many ranks' RNG states the checkpoint holds
     world_size: int  # the world size of the run that wrote it
     task: list[Any] | None = None  # each saving rank's task state (None: the task kept none)
+    evaluated_at: int | None = None  # the step of the run's newest eval (None: not recorded)
 
 
 def resume(path: Path, model, optimizers, scaler, rank: int, world_size: int) -> Resumed:
@@ -305,7 +306,10 @@ def resume(path: Path, model, optimizers, scaler, rank: int, world_size: int) ->
     rng = ranks[rank]["rng"] if len(ranks) == world_size else None
     world = int(state.get("world_size") or len(ranks) or 1)
     task = [r.get("task") for r in ranks] if any("task" in r for r in ranks) else None
-    return Resumed(int(state["step"]), dict(state["data"]), rng, len(ranks), world, task)
+    evaluated_at = state.get("evaluated_at")
+    return Resumed(
+        int(state["step"]), dict(state["data"]), rng, len(ranks), world, task, evaluated_at
+    )
 
 
 def scaler_state(scaler) -> dict[str, Any] | None:

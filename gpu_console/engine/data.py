@@ -221,10 +221,13 @@ def make_loader(
     train: bool,
     cuda: bool,
     collate: Callable[[Any], Any] | None = None,
+    batch_size: int = 0,
 ) -> DataLoader:
-    """``collate``: the task's ``collate(samples)`` if it has one (tasks/base.py)."""
+    """``collate``: the task's ``collate(samples)`` if it has one (tasks/base.py).
+    ``batch_size``: the eval's (``data.eval_batch_size``); 0 = ``data.batch_size``."""
     n = len(dataset)  # type: ignore[arg-type]
-    sampler = ShardSampler(n, rank, world, cfg.batch_size, cfg.seed, train, cfg.order)
+    size = batch_size or cfg.batch_size
+    sampler = ShardSampler(n, rank, world, size, cfg.seed, train, cfg.order)
     if train and sampler.batches_per_epoch() == 0:
         raise ValueError(
             f"data.batch_size: {len(dataset)} samples over {world} ranks is less than one batch "
@@ -233,7 +236,7 @@ def make_loader(
     workers = cfg.num_workers
     return DataLoader(
         SeededFetch(dataset, cfg.seed, rank),  # type: ignore[arg-type]
-        batch_sampler=KeyedBatchSampler(sampler, cfg.batch_size, drop_last=train),
+        batch_sampler=KeyedBatchSampler(sampler, size, drop_last=train),
         collate_fn=collate_of(dataset, collate),
         num_workers=workers,
         pin_memory=cfg.pin_memory and cuda,

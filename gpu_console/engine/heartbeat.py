@@ -7,7 +7,8 @@ place (one ``pwrite`` of a fixed-size record, so the file never shrinks or grows
 
 - ``t``: when the thread last wrote. A rank whose thread went quiet is frozen (stopped,
   wedged holding the interpreter) or gone.
-- ``step`` / ``phase`` / ``since``: where the loop is and since when. ``step`` is the step
+- ``step`` / ``phase`` / ``detail`` / ``since``: where the loop is and since when (``detail``:
+  the eval's batch, ``120/400``, else empty). ``step`` is the step
   in progress in ``data``/``compute``/``update``, the step just completed in the later
   phases, so (step, phase) grows monotonically. In a hang, the rank furthest behind is the
   one that stopped; the others wait for it in a collective.
@@ -52,6 +53,7 @@ class Heartbeat:
         self.rank, self.local_rank, self.restart = rank, local_rank, restart
         self.step = 0
         self.phase = "starting"
+        self.detail = ""  # within the phase: the eval's batch (``120/400``)
         self.since = time.time()
         self._host = socket.gethostname()
         self._lock = threading.Lock()
@@ -63,10 +65,11 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
 
-    def set(self, step: int, phase: str) -> None:
+    def set(self, step: int, phase: str, detail: str = "") -> None:
         """Where the loop is now. Cheap: called several times a step."""
         self.step = step
         self.phase = phase
+        self.detail = detail
         self.since = time.time()
 
     def _record(self) -> bytes:
@@ -78,6 +81,7 @@ class Heartbeat:
             "restart": self.restart,
             "step": self.step,
             "phase": self.phase,
+            "detail": self.detail,
             "since": round(self.since, 3),
             "t": round(time.time(), 3),
         }

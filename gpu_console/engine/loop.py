@@ -50,6 +50,9 @@ from . import resume as resuming
 from .best import resumed as best_so_far
 from .control import Control
 from .data import Batches, DataPosition, make_loader
+from .evaluate import at_start as eval_at_start
+from .evaluate import evaluate
+from .evaluate import splits as eval_splits
 from .exchange import Exchange, Row
 from .heartbeat import Heartbeat
 from .hooks import Hooks, attach
@@ -76,7 +79,7 @@ class _NullHeartbeat:
     step = 0
     phase = "starting"
 
-    def set(self, step: int, phase: str) -> None:
+    def set(self, step: int, phase: str, detail: str = "") -> None:
         self.step = step
 
 
@@ -237,20 +240,22 @@ def _train(
     cuda = d.device.type == "cuda"
     collate = getattr(task, "collate", None)  # the task's own, else data.collate_of's rule
     train_loader = make_loader(train_set, p.data, d.rank, d.world_size, True, cuda, collate)
-    eval_loader = (
-        make_loader(eval_set, p.data, d.rank, d.world_size, False, cuda, collate)
-        if eval_set
-        else None
-    )
+    eval_loader = {  # by split (evaluate.py); empty: no eval
+        split: make_loader(
+            s, p.data, d.rank, d.world_size, False, cuda, collate, p.data.eval_batch_size
+        )
+        for split, s in eval_splits(eval_set).items()
+    }
 
     # -- state: fresh, or resumed from a checkpoint --------------------------------------
     step, position = 0, DataPosition()
+    evaluated_at: int | None = None  # the step of the newest eval (saved for eval_at_start)
     random.seed(p.train.seed + d.rank)
     torch.manual_seed(p.train.seed + 1_000_003 * (d.rank + 1))  # per-rank dropout streams
     if resume is not None:
         # The optimizers keep this profile's settings over the saved ones (optimizers.py).
         back = checkpoint.resume(resume, model, opts, scalers, d.rank, d.world_size)
-        step = back.step
+        step, evaluated_at = back.step, back.evaluated_at
         position = resuming.position_of(back.data, back.world_size, changes, p.data.batch_size)
         hooks.restore(back.task, d.world_size, lambda m: out.log("warning", m))
         if back.rng is not None:
@@ -288,7 +293,7 @@ def _train(
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
     newest = checkpoint.Newest()
     best = best_so_far(p.checkpoint.keep_best, p.checkpoint.best_direction(), resume, run_dir)
-    if best.on and eval_loader is None:
+    if best.on and not eval_loader:
         out.log("warning", f"checkpoint.keep_best = {best.metric!r}: the task has no eval set")
 
     def save(reason: str) -> bool:
@@ -301,6 +306,7 @@ def _train(
             "step": step,
             "data": batches.position.state_dict(),
             "world_size": d.world_size,
+            "evaluated_at": evaluated_at,
         }
         rank_state = {"rng": checkpoint.capture_rng(d.device), **hooks.state()}
         outcome = checkpoint.save(
@@ -372,9 +378,22 @@ def _train(
         return (
             log_step(n)
             or control.due(n)
-            or bool(eval_loader is not None and p.train.eval_every and n % p.train.eval_every == 0)
+            or bool(eval_loader and p.train.eval_every and n % p.train.eval_every == 0)
             or bool(p.checkpoint.every_steps and n % p.checkpoint.every_steps == 0)
         )
+
+    def run_eval() -> bool:
+        """Collective: one eval at ``step``, its metrics to the schedules and hooks; improved?"""
+        nonlocal evaluated_at
+        evaluated_at = step
+        beat.set(step, "eval")
+        metrics = evaluate(out, d, task, ddp, eval_loader, autocast, step, move, beat)
+        opts.after_eval(metrics)
+        hooks.eval_end(model, metrics)
+        return best.observe(step, metrics, lambda m: out.log("warning", m))
+
+    if eval_loader and eval_at_start(p.train.eval_at_start, step, evaluated_at, p.train.eval_every):
+        run_eval()  # train.eval_at_start: the model before this session's first step
 
     # -- the loop ------------------------------------------------------------------------
     while step < p.train.max_steps:
@@ -481,12 +500,8 @@ def _train(
                 window = Window(loss_sum=torch.zeros((), device=d.device))
                 train_metrics.reset()
             improved = False
-            if eval_loader is not None and p.train.eval_every and step % p.train.eval_every == 0:
-                beat.set(step, "eval")
-                metrics = _evaluate(out, d, task, ddp, eval_loader, autocast, step)
-                opts.after_eval(metrics)
-                hooks.eval_end(model, metrics)
-                improved = best.observe(step, metrics, lambda m: out.log("warning", m))
+            if eval_loader and p.train.eval_every and step % p.train.eval_every == 0:
+                improved = run_eval()
             if why := checkpoint.due(step, p.checkpoint, p.train.max_steps, improved):
                 save(why)
             if rows is None:
@@ -529,12 +544,8 @@ def _train(
 
     # -- the end (skipping what the last step's boundaries already did) ----------------------
     improved = False
-    if eval_loader is not None and not (p.train.eval_every and step % p.train.eval_every == 0):
-        beat.set(step, "eval")
-        metrics = _evaluate(out, d, task, ddp, eval_loader, autocast, step)
-        opts.after_eval(metrics)
-        hooks.eval_end(model, metrics)
-        improved = best.observe(step, metrics, lambda m: out.log("warning", m))
+    if eval_loader and not (p.train.eval_every and step % p.train.eval_every == 0):
+        improved = run_eval()
     if p.checkpoint.at_end:
         save("end")
     elif improved:
@@ -692,38 +703,6 @@ def _log_step(
     if metrics := train_metrics.reduced([r.extra for r in rows]):
         fields["metrics"] = metrics  # the task's, reduced as it declares (train_metrics.py)
     out.event("step", **fields, **watch.first_step_fields())  # the first one: its timings
-
-
-@torch.no_grad()
-def _evaluate(out, d, task, ddp, loader, autocast, step: int) -> dict[str, float]:
-    """Collective: the eval's metrics, averaged over every rank's samples (on every rank)."""
-    ddp.eval()
-    totals: dict[str, float] = {}
-    samples = 0
-    for batch in loader:
-        batch = move(batch, d.device)
-        with autocast:
-            result = task.compute(ddp.module, batch)
-        n = result.samples
-        samples += n
-        totals["loss"] = totals.get("loss", 0.0) + float(result.loss) * n
-        for name, value in result.metrics.items():
-            totals[name] = totals.get(name, 0.0) + float(value) * n
-    ddp.train()
-    # A rank with no eval batch (fewer samples than ranks) knows no metric names: agree on
-    # them first, so every rank's buffer has the same shape. Eval is rare; this is cheap.
-    every: list[list[str] | None] = [None] * d.world_size
-    dist.all_gather_object(every, sorted(totals))
-    names = sorted({n for ranks_names in every for n in ranks_names or []})
-    values = [totals.get(k, 0.0) for k in names] + [samples]
-    buf = torch.tensor(values, dtype=torch.float64, device=d.device)
-    dist.all_reduce(buf)
-    values = buf.tolist()
-    n = max(values[-1], 1)
-    metrics = {k: v / n for k, v in zip(names, values[:-1], strict=True)}
-    if out.active:
-        out.event("eval", step=step, **metrics)
-    return metrics
 
 
 def _ddp_settings(ddp) -> dict[str, Any]:

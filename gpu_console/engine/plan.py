@@ -20,6 +20,7 @@ from ..tasks.loader import TaskLoadError, load_task_class
 from . import precision
 from .context import planning
 from .data import make_loader
+from .evaluate import splits as eval_splits
 from .hooks import attach
 from .optimizers import Optimizers
 from .schedule import decay_steps, floor_ratio, lr_factor, scaled_lr
@@ -91,7 +92,7 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
         "params": sum(q.numel() for q in model.parameters()),
         "trainable": sum(q.numel() for q in model.parameters() if q.requires_grad),
         "train_samples": len(train_set),
-        "eval_samples": len(eval_set) if eval_set is not None else None,
+        "eval_samples": sum(len(s) for s in eval_splits(eval_set).values()) if eval_set else None,
         "batches_per_epoch": per_epoch,
         "epochs": micro_steps / per_epoch,
         "global_batch": p.data.batch_size * p.train.grad_accum * world_size,

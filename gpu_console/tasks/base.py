@@ -83,6 +83,7 @@ rank r's state where the checkpoint has one, else none, and the run warns:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -99,6 +100,13 @@ class TaskOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def perplexity(metrics: dict[str, float]) -> float:
+    """``exp(loss)`` of the averaged eval loss (inf where it overflows): for a task's
+    ``derived_metrics = {"perplexity": perplexity}``."""
+    loss = metrics["loss"]
+    return math.exp(loss) if loss < 709.0 else math.inf
+
+
 class Task(Protocol):
     Config: type
 
@@ -106,7 +114,7 @@ class Task(Protocol):
 
     def build_model(self) -> torch.nn.Module: ...
 
-    def build_datasets(self) -> tuple[Dataset, Dataset | None]: ...
+    def build_datasets(self) -> tuple[Dataset, Dataset | dict[str, Dataset] | None]: ...
 
     def compute(self, model: torch.nn.Module, batch: Any) -> TaskOutput: ...
 

@@ -84,6 +84,7 @@ class RunSnapshot:
     # The task's train-time metrics (step events' ``metrics``): frozen series by name.
     metric_series: dict[str, Series] = field(default_factory=dict)
     train_metrics: dict[str, float] = field(default_factory=dict)  # the newest of each
+    eval_progress: dict[str, Any] | None = None  # the eval in progress: step, done, total
 
     @property
     def ended(self) -> bool:
@@ -188,7 +189,9 @@ class RunModel(RunFold):
         if not self.evals:
             return "", []
         names = list(self.evals[-1][1])
-        name = "loss" if "loss" in names else (names[0] if names else "")
+        # Several splits (``val/loss``, ``train_est/loss``): the first split's loss.
+        split_loss = next((n for n in names if n.endswith("/loss")), None)
+        name = "loss" if "loss" in names else (split_loss or (names[0] if names else ""))
         pts = [(s, m[name]) for s, m in self.evals if name in m]
         if len(pts) > 1024:
             stride = math.ceil(len(pts) / 1024)
@@ -405,6 +408,7 @@ class RunFeed:
             events_read=m.events,
             live=state in LIVE_STATES,
             mfu=m.mfu,
+            eval_progress=m.eval_progress if state in LIVE_STATES else None,
             mfu_not_shown=m.mfu_not_shown,
             metric_series={k: _frozen(v) for k, v in sorted(m.metric_series.items())},
             train_metrics=dict(m.train_metrics),

@@ -286,3 +286,17 @@ async def test_m_shows_a_task_train_metric_in_the_main_chart(tmp_path):
         await pilot.press("m")  # and back to the loss
         assert [line.label for line in chart.lines] == ["train", "eval"]
         assert str(chart.border_title).startswith("loss")
+
+
+async def test_the_header_shows_the_eval_in_progress_until_its_event(tmp_path):
+    run = synthetic.write_run(tmp_path / "runs" / "evaluating-20260101-000000", state="running",
+                              steps=50, max_steps=1000, supervisor_pid=os.getpid())  # fmt: skip
+    app = app_on(run)
+    async with app.run_test(size=(100, 32)) as pilot:
+        await loaded(pilot, app)
+        out = EventWriter(run / "events.jsonl")
+        out.emit("progress", phase="eval", step=50, done=120, total=400)
+        await until(pilot, lambda: "eval 120/400" in screen_text(app), 10, "the eval's progress")
+        out.emit("eval", step=50, loss=0.5)
+        out.close()
+        await until(pilot, lambda: "eval 120/400" not in screen_text(app), 10, "the eval's end")

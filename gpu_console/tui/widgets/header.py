@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from ...format import eval_progress_text
 from ..feed import RunSnapshot
 from .panel import TextPanel
 from .text import STATE_STYLE, human_duration, num
@@ -22,6 +23,8 @@ def header_text(s: RunSnapshot, command: Text | None = None, readonly: bool = Fa
     t.append(f"{s.step:,}", style="bold")
     if s.max_steps:
         t.append(f"/{s.max_steps:,} ({100 * s.step / s.max_steps:.0f}%)")
+    if s.eval_progress:
+        t.append(f"  {eval_progress_text(s.eval_progress)}", style="bold #d7af5f")
     t.append(f"  elapsed {human_duration(s.elapsed_s)}")
     if s.restarts:
         t.append(f"  restarts {s.restarts}", style="#ffaf5f")

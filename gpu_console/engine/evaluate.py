@@ -1,0 +1,114 @@
+"""The eval pass: every rank's eval batches, metrics averaged over all ranks' samples.
+
+A task's ``build_datasets`` may return several eval sets by split (``{"val": ...,
+"train_est": ...}``): each is evaluated in turn, its metrics named ``<split>/<metric>``
+(``val/loss``; ``checkpoint.keep_best = "eval.val/loss"``), in one ``eval`` event.
+
+Progress: rank 0 says where the pass is (``progress`` events, ``phase = "eval"``,
+``done``/``total`` batches of rank 0's shard) at its first batch and then about once a second,
+so a reader shows ``eval 120/400`` and never takes a long eval for a stall (fold.py counts an
+eval batch as a sign of life like a step). Every rank's heartbeat says ``eval`` and its batch
+(``detail``: ``120/400``), since that batch began.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PROGRESS_EVERY_S = 1.0
+
+
+def splits(eval_set) -> dict[str, Any]:
+    """The task's eval sets by split: a dict it returned (``{"val": ..., "train_est": ...}``),
+    or its one set under ``""`` (its metrics keep their bare names); none: empty."""
+    if eval_set is None:
+        return {}
+    if isinstance(eval_set, dict):
+        return {str(k): v for k, v in eval_set.items() if v is not None}
+    return {"": eval_set}
+
+
+def metric_name(split: str, name: str) -> str:
+    """``val/loss`` for a named split's metric (``eval.val/loss`` for keep_best), else ``loss``."""
+    return f"{split}/{name}" if split else name
+
+
+def evaluate(out, d, task, ddp, loaders, autocast, step: int, move, beat) -> dict[str, float]:
+    """Collective: every split's metrics, averaged over every rank's eval (on every rank), as
+    one ``eval`` event."""
+    metrics: dict[str, float] = {}
+    derived = getattr(task, "derived_metrics", None) or {}
+    for split, loader in loaders.items():
+        got = _evaluate_split(out, d, task, ddp, loader, autocast, step, move, beat, split)
+        for name, derive in derived.items():
+            got[name] = float(derive(dict(got)))
+        metrics.update((metric_name(split, k), v) for k, v in got.items())
+    if out.active:
+        out.event("eval", step=step, **metrics)
+    return metrics
+
+
+@torch.no_grad()
+def _evaluate_split(
+    out, d, task, ddp, loader, autocast, step: int, move, beat, split: str
+) -> dict[str, float]:
+    """One split's metrics, averaged over every rank's samples (collective).
+
+    Each batch's ``loss`` and metrics are weighted by its ``tokens`` where the task counts
+    them (a per-token loss then averages as total loss over total tokens), else by its
+    ``samples``: a short last batch counts for what it holds (a mean of per-batch means would
+    not). The task's ``derived_metrics`` (name: function of the averaged metrics), e.g.
+    ``perplexity = exp(loss)``, are added by :func:`evaluate`.
+    """
+    ddp.eval()
+    totals: dict[str, float] = {}
+    weight = 0  # tokens, else samples
+    total = len(loader)
+    said = 0.0
+    where = {"split": split} if split else {}
+    for i, batch in enumerate(loader):
+        # A stuck eval names its batch, and for how long.
+        beat.set(step, "eval", f"{split + ' ' if split else ''}{i}/{total}")
+        now = time.monotonic()
+        if out.active and now - said >= PROGRESS_EVERY_S:
+            out.event("progress", phase="eval", step=step, done=i, total=total, **where)
+            said = now
+        batch = move(batch, d.device)
+        with autocast:
+            result = task.compute(ddp.module, batch)
+        n = result.tokens or result.samples
+        weight += n
+        totals["loss"] = totals.get("loss", 0.0) + float(result.loss) * n
+        for name, value in result.metrics.items():
+            totals[name] = totals.get(name, 0.0) + float(value) * n
+    ddp.train()
+    # A rank with no eval batch (fewer samples than ranks) knows no metric names: agree on
+    # them first, so every rank's buffer has the same shape. Eval is rare; this is cheap.
+    every: list[list[str] | None] = [None] * d.world_size
+    dist.all_gather_object(every, sorted(totals))
+    names = sorted({n for ranks_names in every for n in ranks_names or []})
+    values = [totals.get(k, 0.0) for k in names] + [weight]
+    buf = torch.tensor(values, dtype=torch.float64, device=d.device)
+    dist.all_reduce(buf)
+    values = buf.tolist()
+    n = max(values[-1], 1)
+    return {k: v / n for k, v in zip(names, values[:-1], strict=True)}
+
+
+def at_start(enabled: bool, step: int, evaluated_at: int | None, eval_every: int) -> bool:
+    """``train.eval_at_start``: evaluate before the first step of this session.
+
+    A fresh run evaluates at step 0. A resumed one evaluates at the step it resumes from
+    unless its newest eval was at that step (``evaluated_at``, saved in the checkpoint: an
+    ``eval_every`` or end-of-run eval before the save); a checkpoint that does not record it
+    counts as evaluated where ``eval_every`` divides the step.
+    """
+    if not enabled:
+        return False
+    if evaluated_at is not None:
+        return evaluated_at != step
+    return step == 0 or not (eval_every and step % eval_every == 0)

@@ -1,0 +1,170 @@
+"""Eval as real scripts do it: its own batch size, an eval at step 0, metrics per sample,
+progress while it runs, and a long eval never taken for a stall (real torchrun, 2 CPU ranks).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+from conftest import events_of, only_run, task_profile
+from conftest import test_env as cli_env
+
+from gpu_console.engine.evaluate import at_start
+from gpu_console.engine.heartbeat import Heartbeat
+from gpu_console.fold import derived_state
+from gpu_console.state import describe_stopped, read_heartbeats
+
+# Eval samples are the numbers 0..9: an eval batch's loss is their mean, ``batch`` its size.
+# Over 2 ranks in batches of 3, each rank's last batch is short (3 + 2 samples): the mean over
+# samples is 4.5, a mean of the batches' means would be 5.0.
+EVAL_TASK = """
+import os
+import time
+
+import torch
+
+from gpu_console.tasks.base import TaskOutput, TensorSet, perplexity
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Numbers(MLPTask):
+    derived_metrics = {"perplexity": perplexity}
+
+    def build_datasets(self):
+        train, _ = super().build_datasets()
+        numbers = TensorSet(torch.arange(int(os.environ.get("EVAL_N", "10"))).float())
+        if os.environ.get("SPLITS"):  # a second split: the numbers 10..19
+            return train, {"val": numbers, "train_est": TensorSet(torch.arange(10, 20).float())}
+        return train, numbers
+
+    def compute(self, model, batch):
+        if model.training:
+            return super().compute(model, batch)
+        time.sleep(float(os.environ.get("EVAL_PACE_S", "0")))
+        (x,) = batch
+        n = len(x)
+        if os.environ.get("TOKENS"):  # sample i: i + 1 tokens, each of loss i
+            loss = (x * (x + 1)).sum() / (x + 1).sum()
+            return TaskOutput(loss=loss, samples=n, tokens=int((x + 1).sum()))
+        return TaskOutput(loss=x.mean(), samples=n, metrics={"batch": torch.tensor(float(n))})
+"""
+
+
+def eval_profile(tmp_path: Path, max_steps: int, extra: str) -> Path:
+    profile = task_profile(tmp_path, "eval_numbers", EVAL_TASK, "Numbers", max_steps=max_steps)
+    text = profile.read_text().replace("[data]\n", f"[data]\n{extra}\n", 1)
+    profile.write_text(
+        text.replace("log_every = 1", "log_every = 1\neval_every = 2\neval_at_start = true")
+    )
+    return profile
+
+
+def test_eval_at_start_its_batch_size_and_a_mean_over_samples(procs, runs_dir, tmp_path):
+    profile = eval_profile(tmp_path, max_steps=4, extra="eval_batch_size = 3")
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                       cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    evals = events_of(only_run(runs_dir), "eval")
+    assert [e["step"] for e in evals] == [0, 2, 4]
+    for e in evals:
+        assert e["loss"] == pytest.approx(4.5, abs=1e-9)  # 45 / 10 samples
+        assert e["batch"] == pytest.approx((9 + 4) * 2 / 10)  # batches of 3 and 2 per rank
+        assert e["perplexity"] == pytest.approx(math.exp(4.5))  # of the mean loss
+
+
+def test_a_resume_evaluates_at_start_only_where_the_run_did_not(procs, runs_dir, tmp_path):
+    profile = eval_profile(tmp_path, max_steps=3, extra="")
+    first = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                      cwd=tmp_path)  # fmt: skip
+    assert first.returncode == 0, first.stdout + first.stderr
+    run = only_run(runs_dir)
+    assert [e["step"] for e in events_of(run, "eval")] == [0, 2, 3]  # 3: the end's
+    more = procs.cli("run", "--resume", str(run), "--headless", "--set", "train.max_steps=5",
+                     cwd=tmp_path)  # fmt: skip
+    assert more.returncode == 0, more.stdout + more.stderr
+    assert [e["step"] for e in events_of(run, "eval")] == [0, 2, 3, 4, 5]  # no second at 3
+
+
+def test_a_task_counting_tokens_gets_a_mean_over_tokens(procs, runs_dir, tmp_path):
+    profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 3")
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                       cwd=tmp_path, env=cli_env(TOKENS="1"))  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    for e in events_of(only_run(runs_dir), "eval"):
+        # sum of i (i + 1) over sum of (i + 1), i = 0..9: 330 / 55 tokens
+        assert e["loss"] == pytest.approx(6.0, rel=1e-6)  # over samples: 5.01
+        assert e["perplexity"] == pytest.approx(math.exp(e["loss"]))
+
+
+def test_several_splits_each_named_and_one_kept_best(procs, runs_dir, tmp_path):
+    profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 3")
+    text = profile.read_text() + '[checkpoint]\nkeep_best = "eval.val/loss"\n'
+    profile.write_text(text.replace("eval_at_start = true", ""))
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                       cwd=tmp_path, env=cli_env(SPLITS="1"))  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    run = only_run(runs_dir)
+    [e] = events_of(run, "eval")
+    assert e["val/loss"] == pytest.approx(4.5) and e["train_est/loss"] == pytest.approx(14.5)
+    assert e["val/perplexity"] == pytest.approx(math.exp(4.5))  # derived per split
+    assert "loss" not in e
+    [best] = [c for c in events_of(run, "checkpoint") if c.get("best")]
+    assert (best["metric"], best["value"]) == ("eval.val/loss", pytest.approx(4.5))
+    assert (run / "checkpoints" / "BEST").is_file()
+
+
+def test_a_long_eval_shows_progress_and_is_never_a_stall(procs, runs_dir, tmp_path):
+    # 8 eval batches a rank, 0.75 s each: 6 s of eval, twice the stall limit of 3 s.
+    profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 1")
+    profile.write_text(profile.read_text().replace("eval_at_start = true", ""))
+    env = cli_env(GPU_CONSOLE_STALL_S="3", EVAL_PACE_S="0.75", EVAL_N="16")
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                       cwd=tmp_path, env=env)  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "stalled" not in out.lower(), out
+    run = only_run(runs_dir)
+    progress = events_of(run, "progress")
+    assert len(progress) >= 3, progress  # about once a second
+    assert {(p["phase"], p["step"], p["total"]) for p in progress} == {("eval", 2, 8)}
+    assert [p["done"] for p in progress] == sorted({p["done"] for p in progress})
+    assert f"eval {progress[-1]['done']}/8 @ step 2" in out
+    [evaluated] = events_of(run, "eval")
+    assert evaluated["step"] == 2
+
+
+def test_stall_counts_an_eval_batch_as_a_sign_of_life(monkeypatch):
+    monkeypatch.setenv("GPU_CONSOLE_STALL_S", "3")
+    now = time.time()
+    status = {"state": "running", "pids": {"supervisor": os.getpid()}, "last_step_t": now - 60}
+    assert derived_state(status, now) == "stalled"
+    status["eval_progress"] = {"step": 2, "done": 5, "total": 8, "t": now - 1}
+    assert derived_state(status, now) == "running"
+    status["eval_progress"]["t"] = now - 10  # the eval's batches stopped advancing too
+    assert derived_state(status, now) == "stalled"
+
+
+def test_eval_at_start_on_a_resume_only_where_not_evaluated():
+    assert not at_start(False, 0, None, 0)
+    assert at_start(True, 0, None, 10)  # a fresh run: step 0
+    assert at_start(True, 15, 10, 10)  # resumed between evals
+    assert not at_start(True, 15, 15, 10)  # the end of a finished run evaluated at 15
+    assert not at_start(True, 20, None, 10)  # an older checkpoint: eval_every divides it
+    assert at_start(True, 20, None, 0)
+
+
+def test_a_stall_inside_an_eval_names_its_batch(tmp_path):
+    beat = Heartbeat(tmp_path, rank=0, local_rank=0, restart=0)
+    try:
+        beat.set(2, "eval", "3/8")
+        beat._write()
+        beats = read_heartbeats(tmp_path)
+    finally:
+        beat.close("done")
+    assert beats[0]["detail"] == "3/8"
+    assert describe_stopped(beats, time.time()).startswith("rank 0 (step 2, eval 3/8, for ")
