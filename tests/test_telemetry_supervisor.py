@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, fast_profile, only_run, read_events, read_status
+from conftest import REPO, fast_profile, only_run, paced_profile, read_events, read_status
 from conftest import test_env as cli_env
 from nvml_run_fake import POWER_W, UTIL
 from test_telemetry_fake import GIB, FakeGpu, FakeNvml, install
@@ -62,10 +62,13 @@ def headless_run(tmp_path_factory):
     runs = tmp / "runs"
     procs = Procs(runs)
     try:
-        profile = fast_profile(tmp, max_steps=60)
+        # Paced (3 s at least): the ranks live for several of the supervisor's ticks, so a
+        # rank's CPU % (a difference of two ticks' readings) is measured however fast the
+        # machine and the start-up are.
+        profile = paced_profile(tmp, max_steps=60)
         done = procs.cli(
             "run", str(profile), "--headless", "--devices", "cpu:2", "--runs-dir", str(runs),
-            env=fake_env(),
+            cwd=tmp, env={**fake_env(), "PACE_S": "0.05"},
         )  # fmt: skip
         listed = procs.cli("ls", "--json", "--runs-dir", str(runs), env=fake_env())
     finally:
