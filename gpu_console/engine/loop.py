@@ -43,7 +43,7 @@ from ..profile import Profile
 from ..runs import latest_checkpoint, write_nodes
 from ..tasks.base import Task
 from ..timings import Stopwatch
-from . import checkpoint, determinism, flops, precision, signals, task_step
+from . import auto_batch, checkpoint, determinism, flops, precision, signals, task_step
 from . import context as contexts
 from . import distributed as distmod
 from . import resume as resuming
@@ -239,6 +239,10 @@ def _train(
     train_set, eval_set = task.build_datasets()
     cuda = d.device.type == "cuda"
     collate = getattr(task, "collate", None)  # the task's own, else data.collate_of's rule
+    auto_batch = None
+    if p.data.batch_size == "auto":  # searched on real steps, agreed by every rank
+        auto_batch = auto_batch_size(run_dir, p, task, model, opts, owned, d, prec, out, ctx,
+                                     (train_set, collate))  # fmt: skip
     train_loader = make_loader(train_set, p.data, d.rank, d.world_size, True, cuda, collate)
     eval_loader = {  # by split (evaluate.py); empty: no eval
         split: make_loader(
@@ -342,6 +346,8 @@ def _train(
         node=int(os.environ.get("GROUP_RANK", 0)),
         nodes=d.world_size // max(d.local_world_size, 1),
         rank_0=rank_0,
+        batch_size=p.data.batch_size,  # per rank per micro-batch
+        auto_batch=auto_batch,  # how data.batch_size = "auto" was chosen, else None
         global_batch=p.data.batch_size * p.train.grad_accum * d.world_size,
         lr=lr,
         optimizer=opts.summary(),
@@ -552,6 +558,17 @@ def _train(
         save("best")
     hooks.train_end(model, "finished")
     out.status("finished", reason="max_steps reached", step=step, exchanges=exchange.counts())
+
+
+def auto_batch_size(run_dir, p: Profile, task, model, opts, owned, d, prec, out, ctx, data):
+    """``data.batch_size = "auto"``: search (auto_batch.py), then record the number in this
+    node's run.toml (a restart or a resume reads it there) and say it."""
+    autocast = precision.autocast(prec, d.device.type)
+    report = auto_batch.choose(p, task, model, opts, owned, d, prec, autocast, data, ctx)
+    if d.local_rank == 0:
+        auto_batch.write_run_toml(run_dir, p.data.batch_size)
+    out.log("info", auto_batch.describe(report))
+    return report
 
 
 def _ack(out: Reporter, decision, state: str, step: int, **fields) -> None:
