@@ -78,6 +78,7 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "world_size": first(st.world_size, st.status.get("world_size"), known["world_size"]),
         "device_type": first(st.device_type, known["device_type"]),
         "precision": first(st.precision, known["precision"]),
+        "auto_batch": st.start.get("auto_batch"),  # data.batch_size = "auto": how it was chosen
         "peak_memory": [{"rank": r, "peak": p} for r, p in sorted(st.peak_memory.items())],
         "gpus": st.gpus,
         "wall_s": st.elapsed_s(),
@@ -122,6 +123,8 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
     out.append(("MFU", mfu_text(f)))
     devices = f"{f['world_size'] or '-'} × {f['device_type'] or '-'}, {f['precision'] or '-'}"
     out.append(("devices", devices))
+    if ab := f.get("auto_batch"):
+        out.append(("batch size", f"{ab['chosen']} per rank (auto, {len(ab['tried'])} tried)"))
     out += [(f"peak memory rank {m['rank']}", human_bytes(m["peak"])) for m in f["peak_memory"]]
     out += gpu_rows(f["gpus"])
     out.append(("wall time", human_duration(f["wall_s"])))
