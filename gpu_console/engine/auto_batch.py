@@ -96,14 +96,14 @@ def search(trial: Callable[[int], Trial], largest: int, by_memory: bool) -> tupl
         return t
 
     size = min(START, largest)
-    first = run(size)
+    first, bad = run(size), None
     if not first.ok and size > 1:
-        size, first = 1, run(1)
+        bad, size, first = size, 1, run(1)
     if not first.ok:
         raise AutoBatchError(f"data.batch_size = auto: not even a batch of {size} fits")
     if not by_memory:
         best = first
-        while best.size < largest:
+        while best.size < largest and bad is None:
             t = run(min(best.size * 2, largest))
             if not t.ok or (t.samples_per_s or 0) < GAIN * (best.samples_per_s or 0):
                 if t.ok:
@@ -111,8 +111,8 @@ def search(trial: Callable[[int], Trial], largest: int, by_memory: bool) -> tupl
                 break
             best = t
         return best.size, tried
-    good, bad = size, None
-    while good < largest:
+    good = size
+    while good < largest and bad is None:
         t = run(min(good * 2, largest))
         if not t.ok:
             bad = t.size
