@@ -181,7 +181,7 @@ def test_on_cpu_the_search_stops_where_samples_per_s_stop_growing(procs, runs_di
     taken = [t for t in tried if t["size"] <= ab["chosen"]]
     # Each size taken was at least 10 % faster than the one before it; the search ended
     # on the first that was not (or at the data set's bound, 2048 samples per rank).
-    for before, after in zip(taken, taken[1:]):
+    for before, after in zip(taken, taken[1:], strict=False):
         assert after["samples_per_s"] >= 1.1 * before["samples_per_s"]
     if ab["chosen"] < ab["largest"]:
         assert tried[-1]["size"] == 2 * ab["chosen"]
