@@ -118,9 +118,10 @@ def test_run_toml_gets_the_number_in_data_only(tmp_path):
     auto_batch.write_run_toml(tmp_path, 24)
     doc = tomllib.loads((tmp_path / "run.toml").read_text())
     assert doc["data"]["batch_size"] == 24 and doc["task"]["batch_size"] == "auto"
-    assert 'batch_size = 24  # chosen by data.batch_size = "auto"' in (
-        tmp_path / "run.toml"
-    ).read_text()
+    assert (
+        'batch_size = 24  # chosen by data.batch_size = "auto"'
+        in (tmp_path / "run.toml").read_text()
+    )
 
 
 # -- 2 CPU ranks, real torchrun -------------------------------------------------------------
