@@ -231,3 +231,20 @@ def test_gpu_search_fits_under_the_headroom(procs, runs_dir, tmp_path):
     chosen = next(t for t in ab["tried"] if t["size"] == ab["chosen"])
     assert chosen["verdict"] == "ok" and chosen["peak"] <= ab["limit"]
     assert read_status(run_dir)["state"] == "finished"
+
+
+def test_a_task_owned_step_is_searched_and_trains_as_the_size_given(procs, runs_dir, tmp_path):
+    # The GAN of tests/gan_task.py: train_step, two optimizers, their schedules (one on an
+    # eval metric), each put back after the search.
+    from test_task_optimizers import gan_profile, steps_of
+
+    path = gan_profile(tmp_path, max_steps=6)
+    given = path.read_text()
+    path.write_text(given.replace("batch_size = 32", 'batch_size = "auto"'))
+    run(procs, runs_dir / "auto", path, fake="12")
+    path.write_text(given.replace("batch_size = 32", "batch_size = 12"))
+    run(procs, runs_dir / "given", path)
+    auto = only_run(runs_dir / "auto")
+    assert events_of(auto, "start")[0]["auto_batch"]["chosen"] == 12
+    assert steps_of(auto) == steps_of(only_run(runs_dir / "given"))
+    assert len(steps_of(auto)) == 6
