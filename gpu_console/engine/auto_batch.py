@@ -13,8 +13,9 @@ The search:
   ``1 - data.auto_batch_headroom`` of the GPU's memory, less what other processes hold) or
   reaches the bound (the data set's samples per rank, at most :data:`LARGEST`); then halve
   the gap between the last good and the first bad size (to a multiple of 8 from 64 up).
-- On CPU, where nothing runs out of memory: double while samples/s grows by at least
-  :data:`GAIN` (10 %); the size before the first smaller gain is the answer.
+- On CPU, where nothing runs out of memory: double while samples/s grows; a size is
+  taken when its samples/s is at least :data:`GAIN` (10 %) above the best so far, and two
+  doublings in a row without that end the search (one alone may be another process's noise).
 
 Afterwards the model's parameters and buffers, the optimizers' and schedules' states,
 the task's state (``state_dict``), the context's step and the RNGs are put back as they
@@ -54,6 +55,8 @@ FAKE_OOM_ENV = "GPU_CONSOLE_FAKE_OOM_ABOVE"
 START = 2  # a batch of one breaks BatchNorm in training
 LARGEST = 8192
 GAIN = 1.10
+PATIENCE = 2  # CPU: doublings in a row without that gain end the search (one may be noise)
+TIMED_S = 0.2  # CPU: each candidate's steps are timed over this long at least
 COMMENT = '  # chosen by data.batch_size = "auto" (the start event\'s auto_batch says how)'
 
 OK, HEADROOM, OOM, ERROR = 0, 1, 2, 3
@@ -68,7 +71,7 @@ class AutoBatchError(RuntimeError):
 class Trial:
     size: int
     code: int  # OK, HEADROOM, OOM, ERROR (the worst over the ranks)
-    seconds: float  # the slowest rank's timed steps
+    seconds: float  # a step's time on the slowest rank
     peak: int | None  # the largest peak allocated over the ranks (CUDA), bytes
     samples_per_s: float | None = None  # over all ranks
     verdict: str = ""
@@ -102,14 +105,17 @@ def search(trial: Callable[[int], Trial], largest: int, by_memory: bool) -> tupl
     if not first.ok:
         raise AutoBatchError(f"data.batch_size = auto: not even a batch of {size} fits")
     if not by_memory:
-        best = first
-        while best.size < largest and bad is None:
-            t = run(min(best.size * 2, largest))
-            if not t.ok or (t.samples_per_s or 0) < GAIN * (best.samples_per_s or 0):
-                if t.ok:
-                    t.verdict = f"ok, under {GAIN - 1:.0%} more samples/s"
+        best, misses = first, 0
+        while size < largest and bad is None and misses < PATIENCE:
+            size = min(size * 2, largest)
+            t = run(size)
+            if not t.ok:
                 break
-            best = t
+            if (t.samples_per_s or 0) >= GAIN * (best.samples_per_s or 0):
+                best, misses = t, 0
+            else:
+                t.verdict = f"ok, under {GAIN - 1:.0%} more samples/s"
+                misses += 1
         return best.size, tried
     good = size
     while good < largest and bad is None:
@@ -199,7 +205,9 @@ class Trials:
         self.fake = fake_oom_limit(d.rank)
         self.limit = _memory_limit(d.device, p.data.auto_batch_headroom) if self.cuda else None
         self.max_norm = p.train.clip_grad_norm if p.train.clip_grad_norm > 0 else math.inf
-        self.steps = 1 if self.cuda else 2  # timed, after one untimed (the optimizer's state)
+        # Timed steps, after untimed ones (the optimizers' state, warm caches): on CPU for
+        # TIMED_S at least, or a small batch's samples/s is noise.
+        self.warm, self.timed_s = (1, 0.0) if self.cuda else (2, TIMED_S)
 
     def __call__(self, size: int) -> Trial:
         code, seconds, peak, error = self._local(size)
@@ -215,7 +223,7 @@ class Trials:
                 f"data.batch_size = auto: another rank failed at batch size {size} "
                 "(its log says why)"
             )
-        rate = size * self.steps * self.d.world_size / seconds if code == OK and seconds else None
+        rate = size * self.d.world_size / seconds if code == OK and seconds else None
         return Trial(size, code, seconds, peak_all if self.cuda else None, rate)
 
     def _local(self, size: int) -> tuple[int, float, int | None, BaseException | None]:
@@ -229,13 +237,15 @@ class Trials:
                     f"{FAKE_OOM_ENV}: batch {size} above {self.fake} (a test's fake)"
                 )
             batch = self._batch(size)
-            self._step(batch)  # the optimizers' state is allocated here
+            for _ in range(self.warm):
+                self._step(batch)  # the optimizers' state is allocated in the first
             self._sync()
-            started = time.perf_counter()
-            for _ in range(self.steps):
+            steps, started = 0, time.perf_counter()
+            while steps < 1 or time.perf_counter() - started < self.timed_s:
                 self._step(batch)
-            self._sync()
-            seconds = time.perf_counter() - started
+                self._sync()
+                steps += 1
+            seconds = (time.perf_counter() - started) / steps
             del batch
         except torch.OutOfMemoryError:
             code = OOM
