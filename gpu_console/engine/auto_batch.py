@@ -19,9 +19,9 @@ The search:
 
 Afterwards the model's parameters and buffers, the optimizers' and schedules' states,
 the task's state (``state_dict``), the context's step and the RNGs are put back as they
-were, and a trial's GradScaler is its own: training then runs exactly as a run given the
-chosen size directly. Each node's first rank rewrites its ``run.toml`` with the number
-(:func:`write_run_toml`), so a restart or ``--resume`` reads it and does not search again.
+were: training then runs exactly as a run given the chosen size directly (the trials use
+no GradScaler: see ``Trials._step``). Each node's first rank rewrites its ``run.toml`` with
+the number (:func:`write_run_toml`): a restart or ``--resume`` reads it, with no search.
 
 ``GPU_CONSOLE_FAKE_OOM_ABOVE`` (tests only): ``N`` makes every candidate above ``N`` raise
 ``torch.OutOfMemoryError`` on every rank; ``rank1:24`` (comma-separated, one per rank) on
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from ..runs import atomic_write_text
-from . import checkpoint, precision
+from . import checkpoint
 from .data import collate_of
 from .task_step import StepOptimizers
 
@@ -194,12 +194,12 @@ class Snapshot:
 class Trials:
     """Real steps at a candidate size on this rank, and the ranks' one agreement on them."""
 
-    def __init__(self, p, task, model, opts, owned, d, prec: str, autocast, data, ctx):
+    def __init__(self, p, task, model, opts, owned, d, autocast, data, ctx):
         dataset, collate = data
-        self.p, self.task, self.model, self.opts, self.d = p, task, model, opts, d
+        self.task, self.model, self.opts, self.d = task, model, opts, d
         self.ctx = ctx
         self.owned = owned is not None
-        self.prec, self.autocast = prec, autocast
+        self.autocast = autocast
         self.dataset, self.collate = dataset, collate_of(dataset, collate) or default_collate
         self.cuda = d.device.type == "cuda"
         self.fake = fake_oom_limit(d.rank)
@@ -228,7 +228,7 @@ class Trials:
 
     def _local(self, size: int) -> tuple[int, float, int | None, BaseException | None]:
         error: BaseException | None = None
-        code, seconds, peak = OK, 0.0, None
+        code, seconds, peak, batch = OK, 0.0, None, None
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.d.device)
         try:
@@ -246,7 +246,6 @@ class Trials:
                 self._sync()
                 steps += 1
             seconds = (time.perf_counter() - started) / steps
-            del batch
         except torch.OutOfMemoryError:
             code = OOM
         except Exception as e:
@@ -255,6 +254,7 @@ class Trials:
             peak = torch.cuda.max_memory_allocated(self.d.device)
             if self.limit is not None and peak > self.limit:
                 code = HEADROOM
+        batch = None  # before the cache is emptied
         self.opts.zero_grad()
         if self.cuda:
             gc.collect()
@@ -271,32 +271,24 @@ class Trials:
         return move(self.collate(samples), self.d.device)
 
     def _step(self, batch: Any) -> None:
+        # No GradScaler under fp16: a fresh one's first steps overflow and skip the update,
+        # and the optimizers' state (memory a step needs) would never be allocated. The
+        # run's scaler is not touched.
         self.model.train()
-        # A trial's own scaler (fp16 on CUDA): the run's keeps its scale untouched.
-        scaler = precision.make_scaler(self.prec, self.d.device.type)
         if self.owned:
-            scalers = None
-            if scaler is not None:
-                scalers = {
-                    e.name: precision.make_scaler(self.prec, "cuda") for e in self.opts.entries
-                }
             # One rank's step, no averaging: a rank that fails must not leave the others
             # waiting in a collective.
-            step_opts = StepOptimizers(
-                self.opts, self.d.device, 1, 1, self.max_norm, False, scalers
-            )
+            step_opts = StepOptimizers(self.opts, self.d.device, 1, 1, self.max_norm, False, None)
             with self.autocast:
                 step_opts.run(self.task, self.model, batch, True, self.ctx, 0)
             step_opts.finish()
             return
         with self.autocast:
             result = self.task.compute(self.model, batch)
-        (scaler.scale(result.loss) if scaler else result.loss).backward()
-        if scaler is not None:
-            self.opts.unscale(scaler)
+        result.loss.backward()
         if self.max_norm < math.inf:
             self.opts.clip(self.max_norm)
-        self.opts.step(scaler)
+        self.opts.step(None)
         self.opts.zero_grad()
 
     def _sync(self) -> None:
@@ -312,7 +304,7 @@ def _memory_limit(device: torch.device, headroom: float) -> int:
     return int((1.0 - headroom) * total) - others
 
 
-def choose(p, task, model, opts, owned, d, prec: str, autocast, data, ctx) -> dict:
+def choose(p, task, model, opts, owned, d, autocast, data, ctx) -> dict:
     """Search, put everything back, set ``p.data.batch_size``; what the start event says.
 
     ``data``: the training set and the task's collate (or None)."""
@@ -324,7 +316,7 @@ def choose(p, task, model, opts, owned, d, prec: str, autocast, data, ctx) -> di
         raise AutoBatchError(
             f"data.batch_size = auto: {n} samples over {d.world_size} ranks is less than one batch"
         )
-    trials = Trials(p, task, model, opts, owned, d, prec, autocast, data, ctx)
+    trials = Trials(p, task, model, opts, owned, d, autocast, data, ctx)
     # The same rule on every rank: the variable is every rank's, its limits may not be.
     by_memory = d.device.type == "cuda" or bool(os.environ.get(FAKE_OOM_ENV, "").strip())
     snapshot = Snapshot(model, opts, task, ctx, d.device)

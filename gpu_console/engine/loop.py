@@ -564,7 +564,7 @@ def auto_batch_size(run_dir, p: Profile, task, model, opts, owned, d, prec, out,
     """``data.batch_size = "auto"``: search (auto_batch.py), then record the number in this
     node's run.toml (a restart or a resume reads it there) and say it."""
     autocast = precision.autocast(prec, d.device.type)
-    report = auto_batch.choose(p, task, model, opts, owned, d, prec, autocast, data, ctx)
+    report = auto_batch.choose(p, task, model, opts, owned, d, autocast, data, ctx)
     if d.local_rank == 0:
         auto_batch.write_run_toml(run_dir, p.data.batch_size)
     out.log("info", auto_batch.describe(report))
