@@ -236,7 +236,13 @@ def test_gpu_search_fits_under_the_headroom(procs, runs_dir, tmp_path):
     assert ab["rule"] == "memory" and ab["limit"] > 0
     chosen = next(t for t in ab["tried"] if t["size"] == ab["chosen"])
     assert chosen["verdict"] == "ok" and chosen["peak"] <= ab["limit"]
+    for t in ab["tried"]:  # each verdict as its measured peak says
+        if t["verdict"] == "ok":
+            assert 0 < t["peak"] <= ab["limit"]
+        elif t["verdict"] == "over headroom":
+            assert t["peak"] > ab["limit"]
     assert read_status(run_dir)["state"] == "finished"
+    assert tomllib.loads((run_dir / "run.toml").read_text())["data"]["batch_size"] == ab["chosen"]
 
 
 def test_a_task_owned_step_is_searched_and_trains_as_the_size_given(procs, runs_dir, tmp_path):
