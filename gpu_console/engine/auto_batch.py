@@ -319,6 +319,8 @@ def choose(p, task, model, opts, owned, d, autocast, data, ctx) -> dict:
     trials = Trials(p, task, model, opts, owned, d, autocast, data, ctx)
     # The same rule on every rank: the variable is every rank's, its limits may not be.
     by_memory = d.device.type == "cuda" or bool(os.environ.get(FAKE_OOM_ENV, "").strip())
+    if by_memory:
+        trials.timed_s = 0.0  # memory decides: one timed step is enough
     snapshot = Snapshot(model, opts, task, ctx, d.device)
     try:
         chosen, tried = search(trials, largest, by_memory)
