@@ -47,6 +47,20 @@ if TYPE_CHECKING:
     )
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+def key_lines(toml: str, keys: list[str]) -> list[int]:
+    """The lines (1-based, in order) of ``section.key`` names in a TOML text of flat sections."""
+    wanted, section, found = set(keys), "", []
+    for n, line in enumerate(toml.splitlines(), 1):
+        text = line.strip()
+        if text.startswith("[") and text.endswith("]"):
+            section = text.strip("[]").strip()
+        elif "=" in text and f"{section}.{text.partition('=')[0].strip()}" in wanted:
+            found.append(n)
+    return found
+
+
 # The override fields: (input id, profile key, label).
 FIELDS = (
     ("max_steps", "train.max_steps", "max steps"),
@@ -265,7 +279,21 @@ class LaunchScreen(Screen):
         if p.toml:
             from rich.syntax import Syntax  # pygments: not before the first frame
 
-            toml.update(Syntax(p.toml, "toml", theme="ansi_dark", background_color="default"))
+            # The overridden keys are marked, and the first is scrolled into view: the
+            # profile has more keys than the pane has rows.
+            lines = key_lines(p.toml, [s.partition("=")[0].strip() for s in p.sets])
+            toml.update(
+                Syntax(
+                    p.toml,
+                    "toml",
+                    theme="ansi_dark",
+                    background_color="default",
+                    highlight_lines=set(lines),
+                )
+            )
+            if lines:
+                pane = self.query_one("#resolved", VerticalScroll)
+                self.call_after_refresh(pane.scroll_to, y=max(0, lines[0] - 3), animate=False)
         self.query_one("#resolved").border_title = f"resolved: {p.path.stem}"
         if changed_profile and p.values:
             if not self.precision_touched:
