@@ -108,7 +108,9 @@ def test_the_best_checkpoint_is_listed_however_old_and_marked(tmp_path):
     (run / "checkpoints" / "BEST").write_text("step-00000200\n")
     found = list_checkpoints(run, newest=2)
     assert [(c["step"], c["latest"], c["best"]) for c in found] == [
-        (200, False, True), (400, False, False), (500, True, False)
+        (200, False, True),
+        (400, False, False),
+        (500, True, False),
     ]
     rows = str(checkpoints_text(found, now=0.0)).splitlines()
     assert [r[:2] for r in rows] == ["▶ ", "  ", " ★"]
