@@ -277,3 +277,20 @@ async def test_an_override_is_scrolled_into_view_and_marked(here, no_gpu):
         assert key_lines(screen.preview.toml, ["train.lr"]) == [
             screen.preview.toml.splitlines().index("lr = 0.25") + 1
         ]
+
+
+async def test_a_max_steps_below_the_warmup_says_the_warmup_is_clamped(here, no_gpu):
+    # What a launch would change (the run's own warmup shortened to the run) is said on the
+    # launch screen, before the launch, in the words of the headless run's note.
+    app = ConsoleApp(runs_dir=here / "runs")
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await ready(pilot, app)
+        assert "warmup_steps" not in screen_text(app)
+        field = screen.query_one("#set-max_steps")
+        field.focus()
+        await pilot.press("5")
+        await until(pilot, lambda: "max_steps = 5" in resolved_toml(screen), 5, "the preview")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "train.warmup_steps" in text and "→ 5" in text and not field.has_class("-bad")
+        assert "warmup_steps = 5" in resolved_toml(screen)

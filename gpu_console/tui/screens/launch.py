@@ -252,6 +252,7 @@ class LaunchScreen(Screen):
             preview.devices = base.hardware.devices
             prof = load_profile(str(path), sets) if sets else base
             preview.toml = prof.to_toml()
+            preview.notes = list(prof.notes)
         except ProfileError as e:
             preview.problems = list(e.problems)
         except Exception as e:  # a broken file must not take the screen down
@@ -274,7 +275,7 @@ class LaunchScreen(Screen):
             field = self.query_one(f"#set-{fid}", Input)
             field.placeholder = str(p.values.get(fid, ""))
             field.set_class(any(f"{key}:" in problem for problem in p.problems), "-bad")
-        self._problems(p.problems)
+        self._problems(p.problems, p.notes)
         toml = self.query_one("#toml", Static)
         if p.toml:
             from rich.syntax import Syntax  # pygments: not before the first frame
@@ -301,10 +302,11 @@ class LaunchScreen(Screen):
             if not self.devices_touched:
                 self._apply_profile_devices(p.devices)
 
-    def _problems(self, problems: list[str]) -> None:
-        self.query_one("#problems", Static).update(
-            Text("\n".join(problems), style="bold #ff5f5f") if problems else ""
-        )
+    def _problems(self, problems: list[str], notes: list[str] = ()) -> None:
+        text = Text("\n".join(problems), style="bold #ff5f5f")
+        for note in [] if problems else notes:  # what a launch would change, said before it
+            text.append(("\n" if text else "") + note, style="#ffd75f")
+        self.query_one("#problems", Static).update(text)
 
     # -- devices -----------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="devices", exit_on_error=False)
