@@ -100,6 +100,23 @@ class TaskOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare model under the engine's wrappers: DDP's (``.module``) and ``torch.compile``'s
+    (``_orig_mod``), in any order and any number deep. ``compute`` gets the DDP wrapper in
+    training: call ``model(x)`` there (its backward averages the gradients over the ranks) and
+    reach the model's own attributes and submodules through ``unwrap(model).encoder``."""
+    import torch
+
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    while True:
+        if isinstance(model, wrappers):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = model._orig_mod  # torch.compile's wrapper (torch._dynamo.eval_frame)
+        else:
+            return model
+
+
 def perplexity(metrics: dict[str, float]) -> float:
     """``exp(loss)`` of the averaged eval loss (inf where it overflows): for a task's
     ``derived_metrics = {"perplexity": perplexity}``."""
