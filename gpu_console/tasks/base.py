@@ -16,6 +16,12 @@ on every rank; the datasets must be the same on every rank (the engine shards th
 batch, how many samples (and tokens, if any) it held, and optional metrics (batch means,
 e.g. accuracy) that eval averages over the whole eval set.
 
+The ``model`` ``compute`` gets: in training the DDP wrapper (call ``model(x)``: DDP's forward
+is what averages the gradients in backward), in eval (and the FLOPs measurement) the bare
+model: eval does not go through DDP, as ranks may hold different numbers of eval batches and
+DDP's forward may broadcast buffers. ``train_step``, the hooks and ``configure_optimizers``
+get the bare model. :func:`unwrap` reaches the model's own attributes in every case.
+
 Optional hooks (the engine looks them up; a task without them works the same):
 
         def flops_per_sample(self) -> float: ...   # training FLOPs of one sample, for MFU
