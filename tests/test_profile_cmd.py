@@ -1,0 +1,95 @@
+"""``gpu-console profile RUN --steps K`` on a live run (real torchrun, 2 CPU ranks): every rank
+writes a Chrome trace of the same K steps into the run directory, the log and the ack name
+it; a paused run rejects the request; a stop during a capture still writes what it holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import events_of, paced_profile, read_status, the_run, wait_for
+from conftest import test_env as cli_env
+
+from gpu_console.events import append_control
+
+
+def _trace_steps(path: Path) -> tuple[set[str], list[str]]:
+    """The op names in a trace, and its ProfilerStep ranges (one per recorded step)."""
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    return names, sorted(n for n in names if n.startswith("ProfilerStep#"))
+
+
+def _ack(run: Path, cid: str, state: str) -> dict | None:
+    return next(
+        (e for e in events_of(run, "control") if e["id"] == cid and e["state"] == state), None
+    )
+
+
+def test_profile_traces_the_next_steps_on_every_rank(procs, runs_dir, tmp_path):
+    profile = paced_profile(tmp_path, max_steps=1_000_000)
+    env = cli_env(PACE_S="0.02")
+    procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir), env=env,
+                cwd=tmp_path)  # fmt: skip
+    run = wait_for(lambda: the_run(runs_dir), what="the run directory")
+    wait_for(lambda: read_status(run).get("state") == "running", what="status.json running")
+    rd = ["--runs-dir", str(runs_dir)]
+
+    # Bad --steps: one line, exit 2, nothing sent.
+    for bad in ("0", "-3", "x", "1001"):
+        res = procs.cli("profile", run.name, "--steps", bad, *rd, cwd=tmp_path)
+        assert res.returncode == 2, (bad, res.stdout, res.stderr)
+        assert res.stderr.strip().splitlines() == [
+            f"gpu-console: --steps: a whole number from 1 to 1000 (got {bad!r})"
+        ]
+    assert not (run / "control.jsonl").exists() or "profile" not in (
+        run / "control.jsonl"
+    ).read_text()
+
+    res = procs.cli("profile", run.name, "--steps", "3", *rd, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    folder = Path(res.stdout.split(" (")[0])
+    assert folder.parent == run / "profiles" and folder.name.startswith("step-")
+    traces = sorted(p.name for p in folder.iterdir())
+    assert traces == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+    for name in traces:
+        names, steps = _trace_steps(folder / name)
+        assert "aten::addmm" in names  # the MLP's forward
+        assert "autograd::engine::evaluate_function: AddmmBackward0" in names  # its backward
+        assert len(steps) == 3, steps  # the warmup step is not recorded
+
+    (cmd,) = [json.loads(x) for x in (run / "control.jsonl").read_text().splitlines()]
+    assert cmd["cmd"] == "profile" and cmd["steps"] == 3
+    done = _ack(run, cmd["id"], "done")
+    assert done["path"] == str(folder) and done["steps"] == 3 and done["ranks"] == 2
+    assert done["last_step"] - done["first_step"] == 2 and done["reason"] == "complete"
+    assert f"profile: {res.stdout.split(' (')[1].split(',')[0]} traced on 2 ranks: {folder}" in [
+        e["message"].split(" (open")[0] for e in events_of(run, "log")
+    ]
+    (event,) = events_of(run, "profile")
+    assert event["path"] == str(folder)
+    status = procs.cli("status", run.name, "--json", *rd, cwd=tmp_path)
+    assert json.loads(status.stdout)["profiles"][0]["path"] == str(folder)
+
+    # Paused: no steps to trace, so the request is rejected, saying why.
+    append_control(run, "pause")
+    wait_for(lambda: read_status(run).get("state") == "paused", what="the run paused")
+    res = procs.cli("profile", run.name, *rd, cwd=tmp_path)
+    assert res.returncode == 1 and "the run is paused" in res.stderr, res.stderr
+    append_control(run, "resume")
+
+    # A stop during a long capture: the steps recorded so far are written, and acknowledged.
+    cid = append_control(run, "profile", steps=1000)
+    received = wait_for(lambda: _ack(run, cid, "received"), what="the capture started")
+    wait_for(lambda: events_of(run, "step")[-1]["step"] >= received["step"] + 3, what="steps")
+    again = append_control(run, "profile", steps=2)  # while one is running: rejected
+    rejected = wait_for(lambda: _ack(run, again, "rejected"), what="the second one rejected")
+    assert "in progress" in rejected["reason"]
+    append_control(run, "stop")
+    wait_for(lambda: read_status(run).get("state") == "stopped", what="the run stopped")
+    cut = _ack(run, cid, "done")
+    assert cut["reason"] == "stop" and cut["ranks"] == 2 and cut["steps"] >= 2
+    for rank in (0, 1):
+        names, steps = _trace_steps(Path(cut["path"]) / f"rank{rank}.pt.trace.json")
+        assert "aten::addmm" in names and len(steps) >= cut["steps"]
+    assert [e["path"] for e in events_of(run, "profile")] == [str(folder), cut["path"]]
