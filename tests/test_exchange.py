@@ -78,7 +78,7 @@ for dtype, name in ((torch.float32, "f32"), (torch.float64, "f64")):
     # A step with a table: gradients still right, and every rank's row arrives.
     ref = grads(plain, 2, dtype)
     ex.prepare([torch.tensor(0.5 + rank), torch.tensor(10.0 * rank)],
-               [100 + rank, 2**40 + rank, rank, 2 * rank, 3 * rank, rank % 2, 0, 0])
+               [100 + rank, 2**40 + rank, rank, 2 * rank, 3 * rank, rank % 2, 0, 0, 0])
     got = grads(hooked, 2, dtype)
     rows = ex.gather()
     out[name] = {

@@ -42,9 +42,9 @@ def test_profile_traces_the_next_steps_on_every_rank(procs, runs_dir, tmp_path):
         assert res.stderr.strip().splitlines() == [
             f"gpu-console: --steps: a whole number from 1 to 1000 (got {bad!r})"
         ]
-    assert not (run / "control.jsonl").exists() or "profile" not in (
-        run / "control.jsonl"
-    ).read_text()
+    assert (
+        not (run / "control.jsonl").exists() or "profile" not in (run / "control.jsonl").read_text()
+    )
 
     res = procs.cli("profile", run.name, "--steps", "3", *rd, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
