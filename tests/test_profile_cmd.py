@@ -1,11 +1,13 @@
 """``gpu-console profile RUN --steps K`` on a live run (real torchrun, 2 CPU ranks): every rank
 writes a Chrome trace of the same K steps into the run directory, the log and the ack name
-it; a paused run rejects the request; a stop during a capture still writes what it holds."""
+it; a paused run rejects the request; a stop during a capture still writes what it holds.
+And ``hardware.memory_snapshot_on_oom`` on CPU ranks: accepted, with no effect, said so."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from conftest import events_of, paced_profile, read_status, the_run, wait_for
 from conftest import test_env as cli_env
@@ -29,10 +31,16 @@ def _ack(run: Path, cid: str, state: str) -> dict | None:
 def test_profile_traces_the_next_steps_on_every_rank(procs, runs_dir, tmp_path):
     profile = paced_profile(tmp_path, max_steps=1_000_000)
     env = cli_env(PACE_S="0.02")
-    procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir), env=env,
-                cwd=tmp_path)  # fmt: skip
+    procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                "--set", "hardware.memory_snapshot_on_oom=true", env=env, cwd=tmp_path)  # fmt: skip
     run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     wait_for(lambda: read_status(run).get("state") == "running", what="status.json running")
+    # The OOM snapshot is CUDA's: on CPU ranks the key is accepted, and the start says so.
+    (start,) = events_of(run, "start")
+    assert start["memory_snapshot_on_oom"] == "no effect without CUDA"
+    assert "hardware.memory_snapshot_on_oom = true: no effect without CUDA" in [
+        e["message"] for e in events_of(run, "log") if e["level"] == "warning"
+    ]
     rd = ["--runs-dir", str(runs_dir)]
 
     # Bad --steps: one line, exit 2, nothing sent.
@@ -93,3 +101,20 @@ def test_profile_traces_the_next_steps_on_every_rank(procs, runs_dir, tmp_path):
         names, steps = _trace_steps(Path(cut["path"]) / f"rank{rank}.pt.trace.json")
         assert "aten::addmm" in names and len(steps) >= cut["steps"]
     assert [e["path"] for e in events_of(run, "profile")] == [str(folder), cut["path"]]
+
+
+def test_an_oom_failure_names_the_memory_snapshot_first():
+    """The snapshot's path comes before the long CUDA message: status keeps 500 characters."""
+    import torch
+
+    from gpu_console.engine.loop import oom_message
+    from gpu_console.profile import Profile
+
+    d = SimpleNamespace(rank=1, device=torch.device("cpu"))
+    snapshot = Path("/runs/r/oom-memory-rank1.pickle")
+    long = "CUDA out of memory. Tried to allocate 20.00 GiB. " + "x" * 600
+    message = oom_message(torch.OutOfMemoryError(long), d, Profile(), 7, snapshot)
+    assert f"OutOfMemory: {message}"[:500].startswith(
+        f"OutOfMemory: rank 1 ran out of memory on cpu in step 7 (CUDA memory snapshot: {snapshot}"
+    )
+    assert "snapshot" not in oom_message(torch.OutOfMemoryError(long), d, Profile(), 7)

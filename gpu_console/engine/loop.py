@@ -134,7 +134,7 @@ def train(
                 run_dir, p, task, d, out, resume, beat, restart, changes or [], watch, oom_snapshot
             )
         except torch.OutOfMemoryError as e:  # torch.cuda.OutOfMemoryError is this class
-            snapshot = profiling.dump_memory_snapshot(run_dir, d.rank, d.device)  # when on
+            snapshot = profiling.dump_memory_snapshot(run_dir, d.rank, oom_snapshot)
             # The step the loop was in (its heartbeat knows), counted from 1 like step events.
             raise OutOfMemory(oom_message(e, d, p, beat.step, snapshot)) from e
     except NonFiniteLoss as e:

@@ -198,11 +198,10 @@ def record_memory_history(enabled: bool, device: torch.device) -> str:
     return "on"
 
 
-def dump_memory_snapshot(run_dir: Path, rank: int, device: torch.device) -> Path | None:
-    """On an OOM, with the history recording: the snapshot beside the failure, else None.
-
-    Open it at pytorch.org/memory_viz."""
-    if device.type != "cuda":
+def dump_memory_snapshot(run_dir: Path, rank: int, recording: str) -> Path | None:
+    """On an OOM, when :func:`record_memory_history` said ``on``: the snapshot beside the
+    failure (open it at pytorch.org/memory_viz), else None."""
+    if recording != "on":
         return None
     path = Path(run_dir) / f"oom-memory-rank{rank}.pickle"
     try:
