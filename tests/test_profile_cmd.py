@@ -31,7 +31,7 @@ def _ack(run: Path, cid: str, state: str) -> dict | None:
 def test_profile_traces_the_next_steps_on_every_rank(procs, runs_dir, tmp_path):
     profile = paced_profile(tmp_path, max_steps=1_000_000)
     env = cli_env(PACE_S="0.02")
-    procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
                 "--set", "hardware.memory_snapshot_on_oom=true", env=env, cwd=tmp_path)  # fmt: skip
     run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     wait_for(lambda: read_status(run).get("state") == "running", what="status.json running")
@@ -101,6 +101,12 @@ def test_profile_traces_the_next_steps_on_every_rank(procs, runs_dir, tmp_path):
         names, steps = _trace_steps(Path(cut["path"]) / f"rank{rank}.pt.trace.json")
         assert "aten::addmm" in names and len(steps) >= cut["steps"]
     assert [e["path"] for e in events_of(run, "profile")] == [str(folder), cut["path"]]
+    # The headless console said so as it happened, and its summary names the newest.
+    out, _ = console.communicate(timeout=60)
+    assert f"profile: steps {done['first_step']}-{done['last_step']} traced: {folder}" in out
+    assert (
+        f"profile: {cut['path']} (steps {cut['first_step']}-{cut['last_step']}; 2 captures" in out
+    )
 
 
 def test_an_oom_failure_names_the_memory_snapshot_first():
