@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import events_of, paced_profile, read_status, the_run, wait_for
+from conftest import events_of, paced_profile, read_status, task_profile, the_run, wait_for
 from conftest import test_env as cli_env
 
 from gpu_console.events import append_control
@@ -124,3 +124,38 @@ def test_an_oom_failure_names_the_memory_snapshot_first():
         f"OutOfMemory: rank 1 ran out of memory on cpu in step 7 (CUDA memory snapshot: {snapshot}"
     )
     assert "snapshot" not in oom_message(torch.OutOfMemoryError(long), d, Profile(), 7)
+
+
+# Rank 0 raises once the test creates FAIL_FILE: a failure in the middle of a capture.
+FAILING_TASK = """
+import os
+import time
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Failing(MLPTask):
+    def compute(self, model, batch):
+        time.sleep(float(os.environ.get("PACE_S", "0")))
+        if os.environ.get("RANK") == "0" and os.path.exists(os.environ["FAIL_FILE"]):
+            raise RuntimeError("failing mid-capture, as asked")
+        return super().compute(model, batch)
+"""
+
+
+def test_a_rank_that_fails_mid_capture_writes_what_it_captured(procs, runs_dir, tmp_path):
+    profile = task_profile(tmp_path, "failing", FAILING_TASK, "Failing", max_steps=1_000_000)
+    fail = tmp_path / "fail-now"
+    env = cli_env(PACE_S="0.02", FAIL_FILE=str(fail))
+    procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir), env=env,
+                cwd=tmp_path)  # fmt: skip
+    run = wait_for(lambda: the_run(runs_dir), what="the run directory")
+    wait_for(lambda: read_status(run).get("state") == "running", what="status.json running")
+    cid = append_control(run, "profile", steps=1000)
+    received = wait_for(lambda: _ack(run, cid, "received"), what="the capture started")
+    wait_for(lambda: events_of(run, "step")[-1]["step"] >= received["step"] + 3, what="steps")
+    fail.touch()
+    wait_for(lambda: read_status(run).get("state") == "failed", what="the run failed")
+    folder = run / "profiles" / f"step-{received['step'] + 1:08d}"
+    names, steps = _trace_steps(folder / "rank0.pt.trace.json")
+    assert "aten::addmm" in names and len(steps) >= 2
+    assert _ack(run, cid, "done") is None and events_of(run, "profile") == []
