@@ -90,7 +90,7 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "checkpoint_failed": st.status.get("checkpoint_failed"),
         "failure": failure if isinstance(failure, dict) else None,
         "profiles": [  # the profile command's traces, oldest first
-            {k: e.get(k) for k in ("path", "first_step", "last_step", "reason")}
+            {k: e.get(k) for k in ("path", "first_step", "last_step", "ended_by")}
             for e in st.profiles
         ],
     }

@@ -70,7 +70,7 @@ def test_profile_traces_the_next_steps_on_every_rank(procs, runs_dir, tmp_path):
     assert cmd["cmd"] == "profile" and cmd["steps"] == 3
     done = _ack(run, cmd["id"], "done")
     assert done["path"] == str(folder) and done["steps"] == 3 and done["ranks"] == 2
-    assert done["last_step"] - done["first_step"] == 2 and done["reason"] == "complete"
+    assert done["last_step"] - done["first_step"] == 2 and done["ended_by"] == "complete"
     assert f"profile: {res.stdout.split(' (')[1].split(',')[0]} traced on 2 ranks: {folder}" in [
         e["message"].split(" (open")[0] for e in events_of(run, "log")
     ]
@@ -85,6 +85,10 @@ def test_profile_traces_the_next_steps_on_every_rank(procs, runs_dir, tmp_path):
     res = procs.cli("profile", run.name, *rd, cwd=tmp_path)
     assert res.returncode == 1 and "the run is paused" in res.stderr, res.stderr
     append_control(run, "resume")
+    res = procs.cli("profile", run.name, "--steps", "1", "--json", *rd, cwd=tmp_path)
+    answer = json.loads(res.stdout)
+    assert res.returncode == 0 and answer["state"] == "done" and answer["steps"] == 1
+    assert answer["files"] == [str(Path(answer["path"]) / f"rank{r}.pt.trace.json") for r in (0, 1)]
 
     # A stop during a long capture: the steps recorded so far are written, and acknowledged.
     cid = append_control(run, "profile", steps=1000)
@@ -96,16 +100,20 @@ def test_profile_traces_the_next_steps_on_every_rank(procs, runs_dir, tmp_path):
     append_control(run, "stop")
     wait_for(lambda: read_status(run).get("state") == "stopped", what="the run stopped")
     cut = _ack(run, cid, "done")
-    assert cut["reason"] == "stop" and cut["ranks"] == 2 and cut["steps"] >= 2
+    assert cut["ended_by"] == "stop" and cut["ranks"] == 2 and cut["steps"] >= 2
     for rank in (0, 1):
         names, steps = _trace_steps(Path(cut["path"]) / f"rank{rank}.pt.trace.json")
         assert "aten::addmm" in names and len(steps) >= cut["steps"]
-    assert [e["path"] for e in events_of(run, "profile")] == [str(folder), cut["path"]]
+    assert [e["path"] for e in events_of(run, "profile")] == [
+        str(folder),
+        answer["path"],
+        cut["path"],
+    ]
     # The headless console said so as it happened, and its summary names the newest.
     out, _ = console.communicate(timeout=60)
     assert f"profile: steps {done['first_step']}-{done['last_step']} traced: {folder}" in out
     assert (
-        f"profile: {cut['path']} (steps {cut['first_step']}-{cut['last_step']}; 2 captures" in out
+        f"profile: {cut['path']} (steps {cut['first_step']}-{cut['last_step']}; 3 captures" in out
     )
 
 
@@ -159,3 +167,19 @@ def test_a_rank_that_fails_mid_capture_writes_what_it_captured(procs, runs_dir, 
     names, steps = _trace_steps(folder / "rank0.pt.trace.json")
     assert "aten::addmm" in names and len(steps) >= 2
     assert _ack(run, cid, "done") is None and events_of(run, "profile") == []
+
+
+def test_a_stop_before_a_step_was_recorded_writes_no_trace_and_says_so(procs, runs_dir, tmp_path):
+    profile = paced_profile(tmp_path, max_steps=1_000_000)
+    procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                env=cli_env(PACE_S="0.02"), cwd=tmp_path)  # fmt: skip
+    run = wait_for(lambda: the_run(runs_dir), what="the run directory")
+    wait_for(lambda: read_status(run).get("state") == "running", what="status.json running")
+    # Read at consecutive steps: the stop comes right after the warmup step.
+    cid = append_control(run, "profile", steps=5)
+    append_control(run, "stop")
+    wait_for(lambda: read_status(run).get("state") == "stopped", what="the run stopped")
+    rejected = _ack(run, cid, "rejected")
+    assert rejected["reason"] == "profile: no trace written (stop before a step was recorded)"
+    assert rejected["steps"] == 0 and events_of(run, "profile") == []
+    assert list((run / "profiles").glob("*/*")) == []

@@ -77,7 +77,8 @@ def main(run_arg: str, runs_dir: Path, steps_text: str, as_json: bool) -> int:
         print(json.dumps(out, indent=2))
     elif state == "done":
         span = f"steps {ack.get('first_step')}-{ack.get('last_step')}"
-        cut = "" if ack.get("reason") == "complete" else f", cut short by {ack.get('reason')}"
+        ended = ack.get("ended_by")
+        cut = "" if ended == "complete" else f", cut short by {ended}"
         print(f"{ack['path']} ({span}, {ack.get('ranks')} ranks{cut})")
     elif state == "rejected":
         print(f"{run.name}: profile rejected: {ack.get('reason')}", file=sys.stderr)

@@ -143,7 +143,6 @@ def train(
         # the engine's reason as the failure).
         out.status("failed", reason=f"NonFiniteLoss: {e}"[:500], step=_done_step(beat))
     except BaseException as e:
-        profiling.after_failure()  # a capture in progress writes what it has
         # With restarts left, torchrun starts the group again (from LATEST): not the end.
         again = restart < p.distributed.max_restarts
         out.status(
@@ -155,6 +154,7 @@ def train(
             out.log("error", str(e))
         raise
     finally:
+        profiling.after_failure()  # a capture a failure cut short writes what it has
         close_task(task, out, d.rank)
         out.close()
         if dist.is_initialized():

@@ -48,11 +48,11 @@ def trace_name(rank: int) -> str:
 
 @dataclass
 class Capture:
-    prof: torch.profiler.profile
     folder: Path
     first: int  # the first step captured (the warmup step)
     steps: int  # K: the steps recorded after the warmup
     ack: Callable[..., None]  # acknowledges the command (on the node whose file held it)
+    prof: Any = None  # the torch.profiler.profile, once started
     calls: int = 0  # prof.step() calls so far
     written: Path | None = None  # this rank's trace, once written
 
@@ -91,7 +91,7 @@ class Profiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.d.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        capture = Capture(None, folder, first, steps, ack)  # type: ignore[arg-type]
+        capture = Capture(folder, first, steps, ack)
         capture.prof = torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(wait=0, warmup=WARMUP_STEPS, active=steps, repeat=1),
@@ -125,8 +125,10 @@ class Profiler:
     def _end(self, step: int, reason: str) -> None:
         c, self.capture = self.capture, None
         _failed_capture.clear()
-        with contextlib.suppress(Exception):
+        try:
             c.prof.stop()  # mid-record: writes the steps recorded so far (on_trace_ready)
+        except Exception as e:  # the ack below then says no trace was written
+            self.out.log("warning", f"profile: rank {self.d.rank}: the profiler failed: {e}")
         # Every rank's verdict in one small collective: the ack says the traces are there.
         ok = torch.tensor([1 if c.written else 0], device=self.d.device)
         dist.all_reduce(ok)
@@ -138,9 +140,13 @@ class Profiler:
             "last_step": c.first + WARMUP_STEPS + captured - 1,
             "steps": captured,
             "ranks": wrote,
-            "reason": reason,
+            "ended_by": reason,  # complete, stop, signal, pause or end
         }
         if wrote == 0 or captured == 0:
+            if c.written is not None:  # the warmup step's alone: not a trace of any step
+                with contextlib.suppress(OSError):
+                    c.written.unlink()
+                    c.folder.rmdir()  # the last rank to get here removes it
             why = "before a step was recorded" if captured == 0 else "no rank could write it"
             message = f"profile: no trace written ({reason} {why})"
             self.out.log("warning", message)

@@ -136,7 +136,7 @@ class FakeRun:
             out.emit("control", id=cid, cmd=name, state="done", step=self.step + 1 + cmd["steps"],
                      path=str(self.run_dir / "profiles" / f"step-{first - 1:08d}"),
                      first_step=first, last_step=first + cmd["steps"] - 1, steps=cmd["steps"],
-                     ranks=2, reason="complete")  # fmt: skip
+                     ranks=2, ended_by="complete")  # fmt: skip
             return
         elif name == "stop":
             out.emit("control", id=cid, cmd=name, state="done", step=self.step)
