@@ -183,3 +183,12 @@ def test_a_stop_before_a_step_was_recorded_writes_no_trace_and_says_so(procs, ru
     assert rejected["reason"] == "profile: no trace written (stop before a step was recorded)"
     assert rejected["steps"] == 0 and events_of(run, "profile") == []
     assert list((run / "profiles").glob("*/*")) == []
+
+    # RUN resolves as checkpoint's and stop's: an ended run, an unknown one: one line, exit 2.
+    rd = ["--runs-dir", str(runs_dir)]
+    ended = procs.cli("profile", run.name, *rd, cwd=tmp_path)
+    assert ended.returncode == 2 and ended.stderr.strip().splitlines() == [
+        f"gpu-console: {run}: the run has already ended (state stopped)"
+    ]
+    ghost = procs.cli("profile", "ghost", *rd, cwd=tmp_path)
+    assert ghost.returncode == 2 and len(ghost.stderr.strip().splitlines()) == 1, ghost.stderr
