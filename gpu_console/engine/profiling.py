@@ -5,7 +5,7 @@ there each rank runs ``torch.profiler`` over the next K + 1 steps (one warmup st
 start-up costs the trace leaves out, then K recorded), driven by ``prof.step()`` at each
 step's end, and writes its own trace into the run directory::
 
-    profiles/step-<first step, 8 digits>/rank<R>.pt.trace.json
+    profiles/step-<first recorded step, 8 digits>/rank<R>.pt.trace.json
 
 Chrome trace JSON (``export_chrome_trace``): Perfetto (ui.perfetto.dev) opens a file as it
 is, and TensorBoard's profiler plugin (torch-tb-profiler) reads ``profiles/`` as its logdir:
@@ -87,7 +87,8 @@ class Profiler:
             ack("rejected", step, reason=why)
             return
         first = step + 1
-        folder = self.run_dir / "profiles" / f"step-{first:08d}"
+        # Named after its first recorded step (the warmup step is not in the trace).
+        folder = self.run_dir / "profiles" / f"step-{first + WARMUP_STEPS:08d}"
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.d.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
