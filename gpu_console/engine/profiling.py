@@ -15,7 +15,8 @@ acknowledges the command ``done`` with the path.
 
 A capture ends early, and is still written, when the run stops (a command or a signal),
 reaches max_steps, or is paused (a paused run makes no steps: the trace holds the steps
-before the pause). A profile request while a capture is in progress, or while the run is
+before the pause); cut short before a step was recorded, it leaves no file and its ack is
+``rejected``, saying so. A profile request while a capture is in progress, or while the run is
 paused, is rejected, saying why (no queue: the console sends it again when it wants). When
 a rank fails during a capture, it writes what it captured, without the collective (best
 effort: the ack and the event are not written).
