@@ -295,6 +295,8 @@ def _notable(e: dict, console: Console) -> None:
             f"{human_bytes(e.get('bytes'))} in {e.get('seconds', 0):.2f}s"
             + (f", best {e.get('metric')} {fmt(e.get('value'))}" if e.get("best") else "")
         )
+    elif kind == "profile":  # the profile command's traces (engine/profiling.py)
+        say(f"profile: steps {e.get('first_step')}-{e.get('last_step')} traced: {e.get('path')}")
     elif kind == "status" and e.get("state") == "restarting":
         say(f"a rank failed; torchrun restarts the ranks: {e.get('reason') or ''}", "yellow")
     elif kind == "status" and e.get("state") in ("paused", "stopping", "failed"):
