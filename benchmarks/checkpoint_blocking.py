@@ -4,8 +4,8 @@
                                              [--layers L] [--devices cpu:2] [--json PATH]
 
 One invocation runs the real CLI (console, supervisor, torchrun, engine) on the quickstart
-MLP made wide enough for a few hundred MB of state (``--hidden 2048 --layers 8``: 29 M
-parameters, about 350 MB of model and AdamW state), alternately (ABAB...) with
+MLP made wide enough for a few hundred MB of state (``--hidden 2048 --layers 8``: 25 M
+parameters, a 0.28 GiB checkpoint of model and AdamW state), alternately (ABAB...) with
 ``checkpoint.async_write = true`` and ``false``, R rounds each, every run writing K interval
 checkpoints (every ``--every`` steps, default 10, so a write usually ends before the next
 one is due) and its end checkpoint. From every checkpoint event: ``blocked_s``
