@@ -11,6 +11,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import (
     events_of,
@@ -158,3 +159,20 @@ def test_the_copy_is_independent_of_training_and_keeps_tied_weights_shared():
     again = writer._snapshot(state)  # the next checkpoint refills the same host buffers
     assert again["model"]["a.weight"].data_ptr() == snap["model"]["a.weight"].data_ptr()
     assert torch.equal(again["model"]["a.weight"], shared)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_copy_lands_in_pinned_host_buffers():
+    from gpu_console.engine.checkpoint_writer import Writer
+
+    device = torch.device("cuda", 0)
+    weight = torch.randn(1024, 1024, device=device)
+    state = {"model": {"w": weight}, "step": torch.tensor(3)}  # a CPU tensor beside it
+    snap = Writer(Path("."), device, True, None, 0, True)._snapshot(state)
+    expected = weight.cpu()
+    weight.add_(1)  # queued after the copy: the copy has the values before it
+    torch.cuda.synchronize(device)
+    copy = snap["model"]["w"]
+    assert copy.device.type == "cpu" and copy.is_pinned()
+    assert torch.equal(copy, expected) and int(snap["step"]) == 3

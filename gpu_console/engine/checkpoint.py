@@ -125,7 +125,8 @@ def save(
 
 @dataclass
 class Newest:
-    """The newest checkpoint this session wrote (its event's fields, the same on every rank).
+    """The newest checkpoint this session wrote (its event's fields, the same on every rank
+    once the write in flight has been waited for: read it only then).
 
     A step is checkpointed once: a request at that step (an interval's, or a request while
     paused) is answered with it, and the interval at the run's last step is left to the end

@@ -20,7 +20,8 @@ What can go wrong, and what the loop does about it:
 - CUDA out of memory: the rank fails with its peak memory and what to change.
 - A checkpoint that cannot be written (a full disk): the previous one stays complete and
   named in LATEST; an error event says so and the run goes on (a stop then ends without a
-  checkpoint, which the supervisor records).
+  checkpoint, which the supervisor records). Writes run in the background
+  (checkpoint_writer.py): a failed one is reported at the next step boundary.
 - A restart by torchrun (``distributed.max_restarts``): the run resumes from its own LATEST.
 """
 
