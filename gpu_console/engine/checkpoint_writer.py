@@ -68,12 +68,13 @@ class Writer:
         rank_state: dict[str, Any],
         best: dict[str, Any] | None,
         requested: float,
+        waited_s: float = 0.0,
     ) -> dict[str, Any] | None:
         """Collective (every rank, same step). Call :meth:`wait` first: one write at a time.
 
         Synchronous: the outcome (checkpoint.save's). Background: None; the outcome comes from
         :meth:`finished` or :meth:`wait`. ``requested``: when the loop asked for it
-        (perf_counter), so ``blocked_s`` includes the wait for the previous write.
+        (perf_counter), so ``blocked_s`` includes ``waited_s``, the wait for the previous write.
         """
         assert self._thread is None, "a checkpoint write is still in flight"
         if not self.background:
@@ -82,12 +83,11 @@ class Writer:
                 self.group, best,
             )  # fmt: skip
             return {**outcome, "step": step, "reason": reason}
-        copying = time.perf_counter()
         snap = self._snapshot(state) if self.is_main else None  # only rank 0 writes
         gathered: list[Any] | None = [None] * dist.get_world_size() if self.is_main else None
         dist.gather_object(rank_state, gathered, dst=0)
         blocked = {
-            "waited_s": round(copying - requested, 4),
+            "waited_s": round(waited_s, 4),
             "blocked_s": round(time.perf_counter() - requested, 4),
         }
         self._outcome = [None]

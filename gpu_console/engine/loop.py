@@ -311,6 +311,7 @@ def _train(
         requested = time.perf_counter()
         beat.set(step, "checkpoint")
         settle(writer.wait())
+        waited = time.perf_counter() - requested
         if reason is None:
             return True
         state = {
@@ -323,7 +324,9 @@ def _train(
             "evaluated_at": evaluated_at,
         }
         rank_state = {"rng": checkpoint.capture_rng(d.device), **hooks.state()}
-        outcome = writer.start(step, reason, state, rank_state, best.for_save(step), requested)
+        outcome = writer.start(
+            step, reason, state, rank_state, best.for_save(step), requested, waited
+        )
         if outcome is None and not wait:
             return True
         return settle(outcome or writer.wait())
