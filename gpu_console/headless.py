@@ -295,6 +295,7 @@ def _notable(e: dict, console: Console) -> None:
         say(
             f"checkpoint @ step {e.get('step')} ({e.get('reason')}): "
             f"{human_bytes(e.get('bytes'))} in {e.get('seconds', 0):.2f}s"
+            + (f" (training blocked {e['blocked_s']:.2f}s)" if "blocked_s" in e else "")
             + (f", best {e.get('metric')} {fmt(e.get('value'))}" if e.get("best") else "")
         )
     elif kind == "profile":  # the profile command's traces (engine/profiling.py)

@@ -201,6 +201,11 @@ class CheckpointConfig:
     best_mode: Literal["auto", "min", "max"] = opt(
         "auto", "keep_best: lower (min) or higher (max) is better; auto = min for *loss* metrics"
     )
+    async_write: bool = opt(
+        True,
+        "write checkpoints in the background: training waits only for a copy of the state "
+        "in host memory (false = training waits for the whole write)",
+    )
 
     def best_direction(self) -> str:
         """``min`` or ``max`` (validation made sure ``auto`` resolves)."""

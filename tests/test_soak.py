@@ -1,7 +1,9 @@
 """Soak: kill -9 at random moments, and nothing is ever lost (run on demand: -m slow).
 
 Rounds of real runs (console → supervisor → torchrun → 2 CPU ranks) that checkpoint every
-few steps, with a model large enough that a checkpoint takes a while to write. Each round
+few steps, with a model large enough that a checkpoint takes a while to write; rounds
+alternate background writes (``checkpoint.async_write = true``: rank 0's writer thread is
+killed mid-write while training goes on) and synchronous ones. Each round
 kills processes of the run with SIGKILL at random moments: a rank (torchrun restarts the
 group while ``max_restarts`` allows), rank 0 while it writes a checkpoint, the torchrun
 agent, the supervisor, or the console. After every kill:
@@ -44,6 +46,7 @@ max_restarts = 1
 [checkpoint]
 every_steps = 3
 keep_last = 2
+async_write = {async_write}
 """
 
 
@@ -132,14 +135,15 @@ def test_soak_random_kill_9_never_loses_a_checkpoint(procs, runs_dir, tmp_path):
     seed = int(os.environ.get("GPU_CONSOLE_SOAK_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
     print(f"\nsoak: seed {seed}, {target} kills")
-    profile = fast_profile(tmp_path, max_steps=1_000_000, extra=EXTRA)
-    text = profile.read_text().replace("hidden_dim = 64", "hidden_dim = 768\nnum_layers = 4")
-    profile.write_text(text)  # ~1.2 M parameters: a checkpoint write takes a moment
     kills: dict[str, int] = {}
     rounds = 0
     while sum(kills.values()) < target:
         rounds += 1
         folder = runs_dir / f"round-{rounds:03d}"
+        extra = EXTRA.format(async_write="true" if rounds % 2 else "false")
+        profile = fast_profile(tmp_path, max_steps=1_000_000, extra=extra)
+        text = profile.read_text().replace("hidden_dim = 64", "hidden_dim = 768\nnum_layers = 4")
+        profile.write_text(text)  # ~1.2 M parameters: a checkpoint write takes a moment
         console = procs.start("run", str(profile), "--headless", "--runs-dir", str(folder))
         run = wait_for(lambda f=folder: run_dirs(f) and only_run(f), what="the run directory")
         ever: set[int] = set()
@@ -186,7 +190,8 @@ def test_soak_random_kill_9_never_loses_a_checkpoint(procs, runs_dir, tmp_path):
         )
         name = check_latest(run)
         print(
-            f"round {rounds}: {read_status(run).get('state')}, restarts "
+            f"round {rounds} (async_write {extra.split()[-1]}): "
+            f"{read_status(run).get('state')}, restarts "
             f"{read_status(run).get('restarts') or 0}, LATEST {name}, kills so far {kills}"
         )
         if pid_alive(console.pid):

@@ -10,6 +10,9 @@ While rank 0 writes, the other ranks wait for its outcome on a group of their ow
 (:func:`write_group`: gloo, with a timeout no write outlasts), not in the next training
 collective, whose timeout (``distributed.collective_timeout_s``) a slow disk would exceed.
 Every rank returns the same outcome, so every node knows when a checkpoint failed.
+
+This is the synchronous path (``checkpoint.async_write = false``) and what the background
+write runs (checkpoint_writer.py: training blocks only for a copy of the state).
 """
 
 from __future__ import annotations
@@ -104,8 +107,12 @@ def save(
         assert gathered is not None
         ckpts = Path(run_dir) / "checkpoints"
         try:
+            writing = time.perf_counter()
             event = _write(ckpts, step, reason, state, gathered, keep_last, best)
-            event["seconds"] = round(time.perf_counter() - started, 4)
+            seconds = round(time.perf_counter() - started, 4)
+            # Synchronous: training was blocked for all of it.
+            event.update(seconds=seconds, blocked_s=seconds, waited_s=0.0)
+            event["write_s"] = round(time.perf_counter() - writing, 4)
             outcome[0] = {"ok": True, "event": event}
         except OSError as e:
             previous = latest_checkpoint(run_dir)
@@ -118,7 +125,8 @@ def save(
 
 @dataclass
 class Newest:
-    """The newest checkpoint this session wrote (its event's fields, the same on every rank).
+    """The newest checkpoint this session wrote (its event's fields, the same on every rank
+    once the write in flight has been waited for: read it only then).
 
     A step is checkpointed once: a request at that step (an interval's, or a request while
     paused) is answered with it, and the interval at the run's last step is left to the end
@@ -161,6 +169,16 @@ def failure(step: int, reason: str, outcome: dict[str, Any]) -> tuple[str, dict[
     return f"{message}; {kept}", fields
 
 
+# Test-only seam: seconds the write sleeps before serialising and again before the rename,
+# so a test can act while a (background) write is in flight. Never set in real runs.
+DELAY_ENV = "GPU_CONSOLE_TEST_CHECKPOINT_DELAY_S"
+
+
+def _test_delay() -> None:
+    if delay := float(os.environ.get(DELAY_ENV) or 0):
+        time.sleep(delay)
+
+
 def _write(
     ckpts: Path,
     step: int,
@@ -178,6 +196,7 @@ def _write(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
+        _test_delay()
         torch.save({**state, "ranks": gathered}, tmp / STATE)
         _fsync_file(tmp / STATE)
         nbytes = (tmp / STATE).stat().st_size
@@ -187,6 +206,7 @@ def _write(
         (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
         _fsync_file(tmp / "meta.json")
         fsync_dir(tmp)
+        _test_delay()
         if final.exists():
             _replace(ckpts, tmp, final)
         else:

@@ -21,7 +21,8 @@ What can go wrong, and what the loop does about it:
   ``hardware.memory_snapshot_on_oom``, a CUDA memory snapshot named in the failure).
 - A checkpoint that cannot be written (a full disk): the previous one stays complete and
   named in LATEST; an error event says so and the run goes on (a stop then ends without a
-  checkpoint, which the supervisor records).
+  checkpoint, which the supervisor records). Writes run in the background
+  (checkpoint_writer.py): a failed one is reported at the next step boundary.
 - A restart by torchrun (``distributed.max_restarts``): the run resumes from its own LATEST.
 """
 
@@ -49,6 +50,7 @@ from . import context as contexts
 from . import distributed as distmod
 from . import resume as resuming
 from .best import resumed as best_so_far
+from .checkpoint_writer import Writer
 from .control import Control
 from .data import Batches, DataPosition, make_loader
 from .evaluate import at_start as eval_at_start
@@ -305,14 +307,27 @@ def _train(
     control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
     profiler = profiling.Profiler(run_dir, d, out)  # the profile command (profiling.py)
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
+    # checkpoint.async_write: training waits for a copy of the state, a thread writes it.
+    writer = Writer(run_dir, d.device, d.is_main, writes, p.checkpoint.keep_last,
+                    p.checkpoint.async_write)  # fmt: skip
     newest = checkpoint.Newest()
     best = best_so_far(p.checkpoint.keep_best, p.checkpoint.best_direction(), resume, run_dir)
     if best.on and not eval_loader:
         out.log("warning", f"checkpoint.keep_best = {best.metric!r}: the task has no eval set")
 
-    def save(reason: str) -> bool:
-        """Collective. False when rank 0 could not write it (the previous one stays)."""
+    def save(reason: str | None, wait: bool = True) -> bool:
+        """Collective. False when rank 0 could not write it (the previous one stays).
+
+        The write in flight is waited for first (one at a time). ``wait=False`` (interval
+        and best checkpoints): return once the state is copied, the outcome is settled at a
+        later step boundary. ``reason=None``: only wait for the write in flight.
+        """
+        requested = time.perf_counter()
         beat.set(step, "checkpoint")
+        settle(writer.wait())
+        waited = time.perf_counter() - requested
+        if reason is None:
+            return True
         state = {
             "model": model.state_dict(),
             **opts.state_dict(),  # every optimizer and schedule, by name
@@ -323,17 +338,24 @@ def _train(
             "evaluated_at": evaluated_at,
         }
         rank_state = {"rng": checkpoint.capture_rng(d.device), **hooks.state()}
-        outcome = checkpoint.save(
-            run_dir, step, reason, state, rank_state, p.checkpoint.keep_last, d.is_main, writes,
-            best.for_save(step),
-        )  # fmt: skip
+        outcome = writer.start(
+            step, reason, state, rank_state, best.for_save(step), requested, waited
+        )
+        if outcome is None and not wait:
+            return True
+        return settle(outcome or writer.wait())
+
+    def settle(outcome: dict[str, Any] | None) -> bool:
+        """A write's outcome, the same on every rank: its event, or its failure reported."""
+        if outcome is None:
+            return True
         if outcome["ok"]:
             newest.event = outcome["event"]
             if d.is_main:
                 out.event("checkpoint", **outcome["event"])
             return True
         # Every node's first rank says so: each node's status records the stop as unsaved.
-        message, failed = checkpoint.failure(step, reason, outcome)
+        message, failed = checkpoint.failure(outcome["step"], outcome["reason"], outcome)
         out.log("error", message, checkpoint_failed=failed)
         return False
 
@@ -416,6 +438,7 @@ def _train(
 
     # -- the loop ------------------------------------------------------------------------
     while step < p.train.max_steps:
+        settle(writer.finished())  # a background write that ended: its event, or its failure
         if paused:
             beat.set(step, "paused")
             if d.local_rank == 0:
@@ -523,7 +546,7 @@ def _train(
             if eval_loader and p.train.eval_every and step % p.train.eval_every == 0:
                 improved = run_eval()
             if why := checkpoint.due(step, p.checkpoint, p.train.max_steps, improved):
-                save(why)
+                save(why, wait=False)
             if rows is None:
                 # Between log steps (when they are further apart than the control interval),
                 # a check of its own: one small collective, at a step rank 0's clock chose.
@@ -546,6 +569,7 @@ def _train(
         _ack(out, decision, "received", step)
         done = {}
         if decision.cmd == "checkpoint":
+            save(None)  # a write in flight of this step answers the request once complete
             if newest.at(step) is None:  # else this step's checkpoint answers the request
                 save("request")
             if newest.at(step) is not None:
@@ -581,6 +605,7 @@ def _train(
         save("end")
     elif improved:
         save("best")
+    save(None)  # a write still in flight ends before the run does
     hooks.train_end(model, "finished")
     out.status("finished", reason="max_steps reached", step=step, exchanges=exchange.counts())
 
@@ -605,7 +630,7 @@ def _ack(out: Reporter, decision, state: str, step: int, **fields) -> None:
 
 def _stop(out: Reporter, p: Profile, step: int, save, reason: str, exchanges, hooks, model):
     out.status("stopping", reason=reason)
-    saved = save(reason) if p.checkpoint.on_stop else True
+    saved = save(reason) if p.checkpoint.on_stop else save(None)  # None: the write in flight
     hooks.train_end(model, "signal" if reason == "signal" else "stopped")
     # ``checkpointed`` is false only when a checkpoint was due and could not be written: the
     # supervisor then records the stop as interrupted (exit 130), not as a clean stop.
@@ -638,6 +663,7 @@ def _stop_non_finite(out, d, p: Profile, step: int, save, last_loss, grad_norm) 
             else "; the checkpoint of the last finite state could not be written"
         )
     else:
+        save(None)  # the write in flight ends first
         kept = "; no checkpoint written (checkpoint.on_stop = false)" if step else ""
     raise NonFiniteLoss(where + kept)
 
@@ -656,6 +682,7 @@ def _fail_non_finite(out, d, p: Profile, step: int, save, model, error: NonFinit
                 f"{error}; checkpoint {checkpoint.step_dir_name(step)} holds the weights, "
                 "which are still finite"
             ) from None
+    save(None)  # the write in flight ends first
     raise error
 
 
