@@ -48,3 +48,10 @@ def eval_progress_text(p: dict[str, Any] | None) -> str:
         return ""
     split = f" {p['split']}" if p.get("split") else ""
     return f"eval{split} {p.get('done')}/{p.get('total')}"
+
+
+def compiling_text(since: float | None, now: float) -> str:
+    """``compiling 42 s``: train.compile's first step, with how long it has taken so far."""
+    if not isinstance(since, (int, float)):
+        return "compiling"
+    return f"compiling {max(0.0, now - since):.0f} s"

@@ -106,6 +106,8 @@ class _Held(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
+        # By address: a view shares its base's storage. An address freed and reused by a
+        # later tensor is that tensor's (the allocator recycles memory within the forward).
         self.made: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -113,7 +115,9 @@ class _Held(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 s = t.untyped_storage()
-                self.made.setdefault(s.data_ptr(), (StorageWeakRef(s), s.nbytes()))
+                known = self.made.get(s.data_ptr())
+                if known is None or known[0].expired():
+                    self.made[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
         return out
 
     def alive(self, skip: set[int]) -> int:

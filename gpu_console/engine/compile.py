@@ -83,7 +83,7 @@ class Compiled:
         self.seconds = time.time() - (self.began or time.time())
         self.graphs = _graphs()
         log("info", f"compiled ({self.mode}) in {self.seconds:.1f} s: {self.graphs} graph(s)")
-        status("running", reason="compiled")
+        status("running", reason="compiled", compiled_s=round(self.seconds, 3))
 
     def check(self, log) -> None:
         """At a log step: recompiles since the first step, warned about as they grow."""
