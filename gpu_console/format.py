@@ -50,6 +50,20 @@ def eval_progress_text(p: dict[str, Any] | None) -> str:
     return f"eval{split} {p.get('done')}/{p.get('total')}"
 
 
+def optimizer_line(o: dict[str, Any]) -> str:
+    """``optimizer main: AdamW (fused), 2 groups, lr 0.003, schedule cosine``."""
+    groups = o.get("param_groups") or []
+    lrs = sorted({g["lr"] for g in groups})
+    lr = ", lr " + "/".join(f"{x:.3g}" for x in lrs) if lrs else ""
+    sched = o.get("schedule") or {}
+    on = f" on eval {sched['monitor']}" if sched.get("monitor") else ""
+    return (
+        f"optimizer {o.get('name')}: {o.get('class')} ({o.get('impl')}), "
+        f"{len(groups)} group{'s' if len(groups) != 1 else ''}{lr}, "
+        f"schedule {sched.get('kind', 'none')}{on}"
+    )
+
+
 def compiling_text(since: float | None, now: float) -> str:
     """``compiling 42 s``: train.compile's first step, with how long it has taken so far."""
     if not isinstance(since, (int, float)):

@@ -21,7 +21,6 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 from rich.console import Console
@@ -30,7 +29,15 @@ from rich.text import Text
 
 from .events import append_control
 from .exit_watch import ExitWatch
-from .format import compiling_text, eval_progress_text, fmt, human_bytes, human_duration, uncut
+from .format import (
+    compiling_text,
+    eval_progress_text,
+    fmt,
+    human_bytes,
+    human_duration,
+    optimizer_line,
+    uncut,
+)
 from .resume_changes import line as change_line
 from .runs import EXIT_FAILED
 from .state import RunFollower, RunState, describe_stopped, read_heartbeats
@@ -296,6 +303,8 @@ def _notable(e: dict, console: Console) -> None:
             f"{human_bytes(e.get('bytes'))} in {e.get('seconds', 0):.2f}s"
             + (f", best {e.get('metric')} {fmt(e.get('value'))}" if e.get("best") else "")
         )
+    elif kind == "profile":  # the profile command's traces (engine/profiling.py)
+        say(f"profile: steps {e.get('first_step')}-{e.get('last_step')} traced: {e.get('path')}")
     elif kind == "status" and e.get("state") == "restarting":
         say(f"a rank failed; torchrun restarts the ranks: {e.get('reason') or ''}", "yellow")
     elif kind == "status" and e.get("state") == "compiling":
@@ -308,20 +317,6 @@ def _notable(e: dict, console: Console) -> None:
         say(f"{e.get('level')}: {e.get('message')}", "yellow")
     elif kind == "log" and e.get("source") == "task":  # the task's ctx.log, info included
         say(f"{e.get('level')}: {e.get('message')}")
-
-
-def optimizer_line(o: dict[str, Any]) -> str:
-    """``optimizer main: AdamW (fused), 2 groups, lr 0.003, schedule cosine``."""
-    groups = o.get("param_groups") or []
-    lrs = sorted({g["lr"] for g in groups})
-    lr = ", lr " + "/".join(f"{x:.3g}" for x in lrs) if lrs else ""
-    sched = o.get("schedule") or {}
-    on = f" on eval {sched['monitor']}" if sched.get("monitor") else ""
-    return (
-        f"optimizer {o.get('name')}: {o.get('class')} ({o.get('impl')}), "
-        f"{len(groups)} group{'s' if len(groups) != 1 else ''}{lr}, "
-        f"schedule {sched.get('kind', 'none')}{on}"
-    )
 
 
 def _progress_text(st: RunState) -> str:

@@ -217,6 +217,11 @@ class HardwareConfig:
     memory_fraction: float = opt(1.0, "cap of each GPU's memory for this process", gt=0.0, max=1.0)
     cudnn_benchmark: bool = opt(True, "let cuDNN pick the fastest kernels")
     tf32: bool = opt(True, "TF32 matmuls on Ampere and newer")
+    memory_snapshot_on_oom: bool = opt(
+        False,
+        "on CUDA, record allocations and write a memory snapshot into the run directory when a "
+        "rank runs out of memory (no effect on CPU)",
+    )
 
 
 SECTIONS: dict[str, type] = {

@@ -185,7 +185,8 @@ def named_checkpoint(run_dir: Path, which: str) -> Path | None:
 
 def list_checkpoints(run_dir: Path, newest: int | None = None) -> list[dict[str, Any]]:
     """The complete checkpoints on disk, oldest first: what pruning (``keep_last``) left; only
-    the ``newest`` N directories are read when given (``keep_last = 0`` may keep thousands).
+    the ``newest`` N directories are read when given (``keep_last = 0`` may keep thousands),
+    and the best one (``checkpoint.keep_best``) however old.
 
     Each: ``step``, ``reason`` and ``t`` from its meta.json (written last, so a directory
     without one is incomplete), ``bytes`` of its state.pt, ``path``, ``latest`` for the
@@ -200,7 +201,10 @@ def list_checkpoints(run_dir: Path, newest: int | None = None) -> list[dict[str,
     except OSError:  # no checkpoints/ yet, or unreadable
         return []
     entries.sort(key=lambda e: int(e.name[5:]))
-    for entry in entries[-newest:] if newest else entries:
+    chosen = entries[-newest:] if newest else entries
+    if best is not None and newest and all(e.name != best.name for e in chosen):
+        chosen = [e for e in entries if e.name == best.name] + chosen  # kept however old
+    for entry in chosen:
         try:
             meta = read_json(entry / "meta.json") if (entry / "meta.json").is_file() else None
         except OSError:  # unreadable, or pruned while read

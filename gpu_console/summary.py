@@ -21,7 +21,7 @@ from .runs import current_session, read_json
 from .state import RunState
 
 # Rows whose value is a path: printed outside the table on a terminal, so none is ever folded.
-PATH_ROWS = ("checkpoint", "best checkpoint", "run dir")
+PATH_ROWS = ("checkpoint", "best checkpoint", "profile", "run dir")
 TRACEBACK_LINES = 6
 
 
@@ -91,6 +91,10 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "best_checkpoint": st.best_checkpoint,
         "checkpoint_failed": st.status.get("checkpoint_failed"),
         "failure": failure if isinstance(failure, dict) else None,
+        "profiles": [  # the profile command's traces, oldest first
+            {k: e.get(k) for k in ("path", "first_step", "last_step", "ended_by")}
+            for e in st.profiles
+        ],
     }
 
 
@@ -183,6 +187,11 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
                 f"{failed.get('error')}; LATEST is {failed.get('latest') or 'none'}",
             )
         )
+    if profiles := f["profiles"]:
+        newest = profiles[-1]
+        more = f"; {len(profiles)} captures in all" if len(profiles) > 1 else ""
+        steps = f"steps {newest['first_step']}-{newest['last_step']}"
+        out.append(("profile", f"{newest['path']} ({steps}{more})"))
     if failure := f["failure"]:
         out.append(("failure", failure.get("summary", "")))
         tb = (failure.get("traceback") or "").strip().splitlines()

@@ -129,6 +129,10 @@ class Broken(MLPTask):
 class NoData(MLPTask):
     def build_datasets(self):
         raise FileNotFoundError("/data/train.bin")
+
+
+class BadReduce(MLPTask):
+    metric_reduce = {"acc": "average"}
 """
 
 
@@ -139,6 +143,9 @@ class NoData(MLPTask):
                    "ValueError: hidden_dim must be even (got 63)"),
         ("NoData", "task broken:NoData: build_datasets() failed: "
                    "FileNotFoundError: /data/train.bin"),
+        ("BadReduce", "task broken:BadReduce: metric_reduce failed: MetricReduceError: "
+                      "task.metric_reduce['acc'] = 'average': expected one of mean_samples, "
+                      "mean_tokens, sum, max, rank0"),
     ],
 )  # fmt: skip
 def test_a_task_that_cannot_build_is_one_line_and_exit_2(procs, runs_dir, tmp_path, cls, expected):

@@ -17,7 +17,8 @@ What can go wrong, and what the loop does about it:
   naming the step. (With an fp16 GradScaler, inf/nan gradients are the scaler's business and
   the loss is checked at each log interval instead.) On GPUs the check gates the update on
   the device and the host reads it at the next step where it syncs anyway (nonfinite.py).
-- CUDA out of memory: the rank fails with its peak memory and what to change.
+- CUDA out of memory: the rank fails with its peak memory and what to change (and, with
+  ``hardware.memory_snapshot_on_oom``, a CUDA memory snapshot named in the failure).
 - A checkpoint that cannot be written (a full disk): the previous one stays complete and
   named in LATEST; an error event says so and the run goes on (a stop then ends without a
   checkpoint, which the supervisor records).
@@ -43,7 +44,16 @@ from ..profile import Profile
 from ..runs import latest_checkpoint, write_nodes
 from ..tasks.base import Task
 from ..timings import Stopwatch
-from . import activation_checkpoint, checkpoint, determinism, flops, precision, signals, task_step
+from . import (
+    activation_checkpoint,
+    checkpoint,
+    determinism,
+    flops,
+    precision,
+    profiling,
+    signals,
+    task_step,
+)
 from . import context as contexts
 from . import distributed as distmod
 from . import resume as resuming
@@ -127,12 +137,16 @@ def train(
     watch.mark("process_group")
     out = Reporter(run_dir, d.local_rank == 0)
     beat = heartbeat or _NullHeartbeat()
+    oom_snapshot = profiling.record_memory_history(p.hardware.memory_snapshot_on_oom, d.device)
     try:
         try:
-            _train(run_dir, p, task, d, out, resume, beat, restart, changes or [], watch)
+            _train(
+                run_dir, p, task, d, out, resume, beat, restart, changes or [], watch, oom_snapshot
+            )
         except torch.OutOfMemoryError as e:  # torch.cuda.OutOfMemoryError is this class
+            snapshot = profiling.dump_memory_snapshot(run_dir, d.rank, oom_snapshot)
             # The step the loop was in (its heartbeat knows), counted from 1 like step events.
-            raise OutOfMemory(oom_message(e, d, p, beat.step)) from e
+            raise OutOfMemory(oom_message(e, d, p, beat.step, snapshot)) from e
     except NonFiniteLoss as e:
         # A policy decision every rank made at the same step, not a crash: a restart would
         # not help, so the ranks exit 0 and the status says failed (the supervisor records
@@ -150,6 +164,7 @@ def train(
             out.log("error", str(e))
         raise
     finally:
+        profiling.after_failure()  # a capture a failure cut short writes what it has
         close_task(task, out, d.rank)
         out.close()
         if dist.is_initialized():
@@ -208,6 +223,7 @@ def _train(
     restart: int,
     changes,
     watch: Stopwatch,
+    oom_snapshot: str = "off",
 ):
     out.status("starting")
     resume = resume_point(run_dir, resume, restart, d)
@@ -302,6 +318,7 @@ def _train(
     batches = Batches(train_loader, position)
     hooks.start(step, batches)
     control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
+    profiler = profiling.Profiler(run_dir, d, out)  # the profile command (profiling.py)
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
     newest = checkpoint.Newest()
     best = best_so_far(p.checkpoint.keep_best, p.checkpoint.best_direction(), resume, run_dir)
@@ -370,7 +387,10 @@ def _train(
         **compiled.start_fields(),
         activation_checkpointing=held or p.train.activation_checkpointing,
         **watch.start_fields(),  # where the start-up time went (timings.py)
+        memory_snapshot_on_oom=oom_snapshot,  # on, off, or why it has no effect
     )
+    if oom_snapshot not in ("on", "off"):
+        out.log("warning", f"hardware.memory_snapshot_on_oom = true: {oom_snapshot}")
     compiled.begin(out.status)  # "compiling" until the first step completes, else "running"
 
     window = Window(loss_sum=torch.zeros((), device=d.device))
@@ -490,6 +510,7 @@ def _train(
                     batches.position = DataPosition(*settled.trip.position)
                     _stop_non_finite(out, d, p, step, save, settled.trip.loss, settled.trip.norm)
             hooks.step_end(step, batches, model, result)
+            profiler.step_end(step)  # a capture in progress moves on, or ends and is written
 
             rows = None
             if logging:
@@ -530,11 +551,14 @@ def _train(
                 beat.set(step, "control")
                 rows = exchange.control_only(control.proposal(step))
 
-        decision = control.decide(step, [(r.cmd, r.signalled, r.next_check) for r in rows])
+        decision = control.decide(
+            step, [(r.cmd, r.signalled, r.next_check, r.cmd_arg) for r in rows]
+        )
         while control.warnings:
             out.log("warning", control.warnings.pop(0))
         if decision.signalled:
             out.log("warning", f"signal received: stopping at step {step}")
+            profiler.finish(step, "signal")
             return _stop(out, p, step, save, "signal", exchange.counts(), hooks, model)
         if decision.cmd is None:
             continue
@@ -547,6 +571,7 @@ def _train(
                 done["checkpoint"] = newest.at(step)
         elif decision.cmd == "pause":
             if not paused:
+                profiler.finish(step, "pause")  # a paused run makes no steps to trace
                 paused = True
                 out.status("paused", reason="requested")
         elif decision.cmd == "resume":
@@ -554,13 +579,20 @@ def _train(
                 paused = False
                 window = Window(loss_sum=torch.zeros((), device=d.device))
                 out.status("running", reason="resumed")
+        elif decision.cmd == "profile":  # acknowledged when the traces are written
+            profiler.request(
+                step, decision.arg, paused, lambda *a, c=decision, **f: _ack(out, c, *a, **f)
+            )
+            continue
         elif decision.cmd == "stop":
             control.stopping()
+            profiler.finish(step, "stop")
             _ack(out, decision, "done", step)
             return _stop(out, p, step, save, "stop", exchange.counts(), hooks, model)
         _ack(out, decision, "done", step, **done)
 
     # -- the end (skipping what the last step's boundaries already did) ----------------------
+    profiler.finish(step, "end")
     improved = False
     if eval_loader and not (p.train.eval_every and step % p.train.eval_every == 0):
         improved = run_eval()
@@ -642,7 +674,9 @@ ADVICE = (
 )
 
 
-def oom_message(e: BaseException, d, p: Profile, bad_step: int) -> str:
+def oom_message(
+    e: BaseException, d, p: Profile, bad_step: int, snapshot: Path | None = None
+) -> str:
     """What ran out, how much this rank had at its peak, and what to change."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
     peak = total = None
@@ -660,6 +694,8 @@ def oom_message(e: BaseException, d, p: Profile, bad_step: int) -> str:
     full = p.train.precision == "fp32" or (p.train.precision == "auto" and d.device.type == "cpu")
     lower = f"train.precision = bf16 (now {p.train.precision}); " if full else ""
     advice = ADVICE.format(bs=p.data.batch_size, ga=p.train.grad_accum, prec=lower)
+    if snapshot is not None:  # first: the status keeps a reason's first 500 characters
+        where += f" (CUDA memory snapshot: {snapshot}, open it in pytorch.org/memory_viz)"
     return f"{where} ({first}){sizes}. To fit: {advice}"
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ..profile import Profile, resolve, with_task_config
 from ..tasks.loader import TaskLoadError, load_task_class
-from . import activation_checkpoint, precision
+from . import activation_checkpoint, precision, train_metrics
 from .compile import mode_of
 from .context import planning
 from .data import make_loader
@@ -64,6 +64,7 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
     ctx = planning(p, world_size, device_type)
     ctx.resumed, ctx.start_step, ctx.step = bool(start_step), start_step, start_step
     attach(task, ctx)  # as the loop does, before build_model
+    reduce = _call(kind, "metric_reduce", train_metrics.declared, task)  # checked at start too
     prec = precision.resolve(p.train.precision, device_type, capability(device_type))
 
     torch.manual_seed(p.train.seed)  # as the loop does before build_model
@@ -109,6 +110,7 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
         "lr": lr,
         "optimizer": opts.summary(),
         "optimizers": opts.describe(),  # as the start event has them
+        "metric_reduce": reduce,  # the task's train-time metrics' declared reductions
         "weight_decay": opts.decay.fields() if opts.decay else None,
         # The first optimizer's groups; each one's lr is the peak.
         "param_groups": opts.describe()[0]["param_groups"],

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..events import JsonlTail
 from ..fold import RunFold, shown_state
+from ..format import optimizer_line
 from ..runs import FINAL_STATES, current_session, list_checkpoints, read_json, read_status
 from . import reader
 from .devices import DeviceFeed, DeviceView
@@ -135,6 +136,9 @@ class RunModel(RunFold):
                 metrics = e.get("metrics")
                 for name, value in metrics.items() if isinstance(metrics, dict) else ():
                     self.metric_series.setdefault(name, Series(1024, 1024)).append(step, value)
+        elif kind == "start" and self.start is e:  # what was built, as the headless run says
+            for o in e.get("optimizers") or []:
+                self._log(LogLine("info", optimizer_line(o), e.get("t")))
         elif kind == "status":
             text = f"state: {self.state}" + (f" ({self.reason})" if self.reason else "")
             self._log(LogLine("state", text, e.get("t")))

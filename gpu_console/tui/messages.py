@@ -53,6 +53,7 @@ class Preview:
     path: Path
     toml: str = ""
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what resolving changed (a warmup clamped)
     precision: str = "auto"
     devices: str = "auto"
     values: dict[str, Any] = field(default_factory=dict)  # the override fields' profile values

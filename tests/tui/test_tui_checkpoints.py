@@ -18,6 +18,7 @@ from gpu_console.tui import synthetic
 from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.feed import RunFeed
 from gpu_console.tui.screens.run import RunScreen
+from gpu_console.tui.widgets.checkpoints import checkpoints_text
 
 
 def on_disk(run) -> list[tuple[int, bool]]:
@@ -31,7 +32,7 @@ def on_disk(run) -> list[tuple[int, bool]]:
 def panel(app) -> list[tuple[int, bool]]:
     """(step, marked LATEST) of each row of the panel, top to bottom."""
     text = str(app.screen.query_one("#checkpoints").render())
-    rows = [re.match(r"(▶?)\s*([\d,]+) ", line) for line in text.splitlines()]
+    rows = [re.match(r"(▶?)[★ ]?\s*([\d,]+) ", line) for line in text.splitlines()]
     return [(int(m.group(2).replace(",", "")), m.group(1) == "▶") for m in rows if m]
 
 
@@ -96,3 +97,21 @@ def test_the_feed_sees_a_changed_directory_without_an_event(tmp_path):
     assert feed.poll()
     assert [c["step"] for c in feed.snapshot().checkpoints] == [300]
     assert not feed.poll()  # nothing changed: nothing read
+
+
+def test_the_best_checkpoint_is_listed_however_old_and_marked(tmp_path):
+    # keep_best keeps BEST beside the newest ones; the panel reads only the newest N
+    # directories, and still lists (and stars) the best one.
+    run = tmp_path / "run"
+    for step in (100, 200, 300, 400, 500):
+        checkpoint._write(run / "checkpoints", step, "interval", {"step": step}, [{}], 0)
+    (run / "checkpoints" / "BEST").write_text("step-00000200\n")
+    found = list_checkpoints(run, newest=2)
+    assert [(c["step"], c["latest"], c["best"]) for c in found] == [
+        (200, False, True),
+        (400, False, False),
+        (500, True, False),
+    ]
+    rows = str(checkpoints_text(found, now=0.0)).splitlines()
+    assert [r[:2] for r in rows] == ["▶ ", "  ", " ★"]
+    assert rows[2].split()[1] == "200"

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from gpu_console.tui import reader, synthetic
-from gpu_console.tui.feed import RunFeed, display_state
+from gpu_console.tui.feed import RunFeed, RunModel, display_state
 from gpu_console.tui.series import Series
 from gpu_console.tui.widgets.chart import Line, render_chart
 from gpu_console.tui.widgets.text import num, spark
@@ -198,3 +198,20 @@ def test_a_resumed_run_is_starting_on_its_new_devices_until_its_engine_speaks(tm
     _append(run, {"t": t + 6, "kind": "step", "step": 320, "loss": 0.3, "lr": 1e-3})
     feed.poll()
     assert feed.snapshot().eta_s == pytest.approx(0.5 * (1000 - 320))
+
+
+def test_the_log_pane_says_which_optimizers_were_built():
+    # The start event's optimizers, in the headless run's words: one line each.
+    model = RunModel()
+    groups = [{"lr": 0.003, "params": 4}, {"lr": 0.003, "params": 2}]
+    model.apply({"kind": "start", "t": 1.0, "world_size": 2, "optimizers": [
+        {"name": "d", "class": "Adam", "impl": "foreach", "param_groups": groups[:1],
+         "schedule": {"kind": "none"}},
+        {"name": "g", "class": "SGD", "impl": "foreach", "param_groups": groups,
+         "schedule": {"kind": "plateau", "monitor": "val/loss"}},
+    ]})  # fmt: skip
+    texts = [line.text for line in model.logs]
+    assert texts == [
+        "optimizer d: Adam (foreach), 1 group, lr 0.003, schedule none",
+        "optimizer g: SGD (foreach), 2 groups, lr 0.003, schedule plateau on eval val/loss",
+    ]

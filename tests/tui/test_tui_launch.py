@@ -12,7 +12,7 @@ from tui_support import kill_runs, screen_text, until
 
 from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.messages import Preview, PreviewReady
-from gpu_console.tui.screens.launch import LaunchScreen
+from gpu_console.tui.screens.launch import LaunchScreen, key_lines
 from gpu_console.tui.screens.run import RunScreen
 
 pytestmark = pytest.mark.asyncio
@@ -259,3 +259,38 @@ async def test_a_quit_as_soon_as_it_starts_leaves_cleanly(here, no_gpu):
     async with app.run_test(size=(100, 32)):
         pass
     assert app.return_code == 0
+
+
+async def test_an_override_is_scrolled_into_view_and_marked(here, no_gpu):
+    # The resolved profile is longer than the pane: an overridden key further down than the
+    # first rows (train.lr, then data.batch_size above it) is brought into view.
+    app = ConsoleApp(runs_dir=here / "runs")
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await ready(pilot, app)
+        assert "lr = 0.25" not in screen_text(app)  # below the pane's rows before the override
+        field = screen.query_one("#set-lr")
+        field.focus()
+        await pilot.press(*"0.25")
+        await until(pilot, lambda: "lr = 0.25" in screen_text(app), 5, "the override in view")
+        pane = screen.query_one("#resolved")
+        assert pane.scroll_y > 0
+        assert key_lines(screen.preview.toml, ["train.lr"]) == [
+            screen.preview.toml.splitlines().index("lr = 0.25") + 1
+        ]
+
+
+async def test_a_max_steps_below_the_warmup_says_the_warmup_is_clamped(here, no_gpu):
+    # What a launch would change (the run's own warmup shortened to the run) is said on the
+    # launch screen, before the launch, in the words of the headless run's note.
+    app = ConsoleApp(runs_dir=here / "runs")
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await ready(pilot, app)
+        assert "warmup_steps" not in screen_text(app)
+        field = screen.query_one("#set-max_steps")
+        field.focus()
+        await pilot.press("5")
+        await until(pilot, lambda: "max_steps = 5" in resolved_toml(screen), 5, "the preview")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "train.warmup_steps" in text and "→ 5" in text and not field.has_class("-bad")
+        assert "warmup_steps = 5" in resolved_toml(screen)

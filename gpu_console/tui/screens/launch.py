@@ -47,6 +47,20 @@ if TYPE_CHECKING:
     )
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+def key_lines(toml: str, keys: list[str]) -> list[int]:
+    """The lines (1-based, in order) of ``section.key`` names in a TOML text of flat sections."""
+    wanted, section, found = set(keys), "", []
+    for n, line in enumerate(toml.splitlines(), 1):
+        text = line.strip()
+        if text.startswith("[") and text.endswith("]"):
+            section = text.strip("[]").strip()
+        elif "=" in text and f"{section}.{text.partition('=')[0].strip()}" in wanted:
+            found.append(n)
+    return found
+
+
 # The override fields: (input id, profile key, label).
 FIELDS = (
     ("max_steps", "train.max_steps", "max steps"),
@@ -238,6 +252,7 @@ class LaunchScreen(Screen):
             preview.devices = base.hardware.devices
             prof = load_profile(str(path), sets) if sets else base
             preview.toml = prof.to_toml()
+            preview.notes = list(prof.notes)
         except ProfileError as e:
             preview.problems = list(e.problems)
         except Exception as e:  # a broken file must not take the screen down
@@ -260,12 +275,26 @@ class LaunchScreen(Screen):
             field = self.query_one(f"#set-{fid}", Input)
             field.placeholder = str(p.values.get(fid, ""))
             field.set_class(any(f"{key}:" in problem for problem in p.problems), "-bad")
-        self._problems(p.problems)
+        self._problems(p.problems, p.notes)
         toml = self.query_one("#toml", Static)
         if p.toml:
             from rich.syntax import Syntax  # pygments: not before the first frame
 
-            toml.update(Syntax(p.toml, "toml", theme="ansi_dark", background_color="default"))
+            # The overridden keys are marked, and the first is scrolled into view: the
+            # profile has more keys than the pane has rows.
+            lines = key_lines(p.toml, [s.partition("=")[0].strip() for s in p.sets])
+            toml.update(
+                Syntax(
+                    p.toml,
+                    "toml",
+                    theme="ansi_dark",
+                    background_color="default",
+                    highlight_lines=set(lines),
+                )
+            )
+            if lines:
+                pane = self.query_one("#resolved", VerticalScroll)
+                self.call_after_refresh(pane.scroll_to, y=max(0, lines[0] - 3), animate=False)
         self.query_one("#resolved").border_title = f"resolved: {p.path.stem}"
         if changed_profile and p.values:
             if not self.precision_touched:
@@ -273,10 +302,11 @@ class LaunchScreen(Screen):
             if not self.devices_touched:
                 self._apply_profile_devices(p.devices)
 
-    def _problems(self, problems: list[str]) -> None:
-        self.query_one("#problems", Static).update(
-            Text("\n".join(problems), style="bold #ff5f5f") if problems else ""
-        )
+    def _problems(self, problems: list[str], notes: list[str] = ()) -> None:
+        text = Text("\n".join(problems), style="bold #ff5f5f")
+        for note in [] if problems else notes:  # what a launch would change, said before it
+            text.append(("\n" if text else "") + note, style="#ffd75f")
+        self.query_one("#problems", Static).update(text)
 
     # -- devices -----------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="devices", exit_on_error=False)

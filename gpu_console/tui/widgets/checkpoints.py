@@ -1,7 +1,8 @@
 """The run's checkpoints as they are on disk, newest first: step, reason, size, age.
 
 What ``checkpoint.keep_last`` pruned is gone from the list; ``▶`` marks the one
-``checkpoints/LATEST`` names (what ``--resume`` continues from).
+``checkpoints/LATEST`` names (what ``--resume`` continues from), ``★`` the one
+``checkpoints/BEST`` names (``checkpoint.keep_best``: what ``export --best`` writes out).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from rich.text import Text
 from .panel import TextPanel
 from .text import ago, human_bytes
 
-TITLE = "checkpoints on disk (▶ LATEST)"
+TITLE = "checkpoints on disk (▶ LATEST ★ BEST)"
 
 
 def checkpoints_text(checkpoints: list[dict[str, Any]], now: float, rows: int = 50) -> Text:
@@ -26,6 +27,7 @@ def checkpoints_text(checkpoints: list[dict[str, Any]], now: float, rows: int = 
             t.append("\n")
         style = "bold" if c.get("reason") in ("request", "stop") else ""
         t.append("▶" if c.get("latest") else " ", style="bold #5fd787")
+        t.append("★" if c.get("best") else " ", style="bold #ffd75f")
         t.append(f"{c.get('step', 0):>7,} ", style="bold")
         t.append(f"{str(c.get('reason') or ''):<8} ", style=style)
         t.append(f"{human_bytes(c.get('bytes')):>10} ", style="dim")
