@@ -79,3 +79,44 @@ def test_compiled_run_matches_eager_and_checkpoints_cross(procs, runs_dir, tmp_p
     assert sorted(a) == sorted(b) == [STEPS + 1, STEPS + 2, STEPS + 3]
     for step in a:
         assert math.isclose(a[step], b[step], rel_tol=REL_TOL), (step, a[step], b[step])
+
+
+def test_a_shape_change_after_the_first_step_is_counted_and_warned_about(tmp_path, monkeypatch):
+    import torch
+
+    from gpu_console.engine.compile import Compiled
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+
+    class Small(torch.nn.Module):  # defined here: Dynamo traces it (not torch.nn's own code)
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.lin(x))
+
+    model = Small()
+    compiled = Compiled("default")
+    compiled.apply(model)
+    said: list[tuple] = []
+    status = lambda state, **kw: said.append(("status", state, kw))  # noqa: E731
+    log = lambda level, message: said.append((level, message))  # noqa: E731
+
+    compiled.begin(status)
+    model(torch.ones(4, 3)).sum().backward()
+    compiled.first_step_done(status, log)
+    model(torch.ones(4, 3)).sum().backward()
+    compiled.check(log)
+    assert compiled.recompiles == 0
+    assert [s[1] for s in said if s[0] == "status"] == ["compiling", "running"]
+
+    model(torch.ones(5, 3)).sum().backward()  # a new batch size: one recompile (then dynamic)
+    model(torch.ones(6, 3)).sum().backward()
+    compiled.check(log)
+    compiled.check(log)  # warned once per new recompile, not at every log step
+    assert compiled.recompiles == 1
+    warnings = [m for level, m in (s for s in said if s[0] != "status") if level == "warning"]
+    assert len(warnings) == 1 and "recompiled 1 time(s)" in warnings[0], warnings
+    assert compiled.step_fields()["recompiles"] == 1
