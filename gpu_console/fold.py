@@ -213,8 +213,8 @@ class RunFold:
     def to_status(self) -> dict[str, Any]:
         """The fields the supervisor keeps in status.json (``ls`` reads them alone)."""
         out: dict[str, Any] = {"state": self.state, "reason": self.reason}
-        if self.compiling_since is not None:
-            out["compiling_since"] = self.compiling_since
+        # Always written (null once compiled): status.json is updated, not rewritten.
+        out["compiling_since"] = self.compiling_since
         if self.best_loss is not None:
             out["best_loss"] = self.best_loss
         if not self.events:
