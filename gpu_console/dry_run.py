@@ -171,6 +171,8 @@ def build(
         "schedule": built["schedule"],
         "eval_every": t.eval_every,
         "log_every": t.log_every,
+        "compile": built["compile"],
+        "activation_checkpointing": built["activation_checkpointing"],
         "checkpoint": {
             "every_steps": c.every_steps,
             "keep_last": c.keep_last,
@@ -293,6 +295,10 @@ def text(plan: dict[str, Any]) -> str:
                 sched += f" on eval {o['schedule']['monitor']}"
             rows.append((f"optimizer {o['name']}", f"{o['class']} ({o['impl']}), schedule {sched}"))
             rows += _group_rows(o["param_groups"], None)
+    if (mode := plan["compile"]) is not None:
+        rows.append(("compile", f"torch.compile mode {mode}" if mode else "no (eager)"))
+    if (ac := plan["activation_checkpointing"])["mode"] != "none":
+        rows.append(("activation ckpt", f"{ac['mode']}: {ac['blocks']} blocks of the task"))
     every = (
         f"every {plan['eval_every']} steps and at the end" if plan["eval_every"] else "at the end"
     )

@@ -53,6 +53,7 @@ class RunFold:
     def __init__(self) -> None:
         self.state = "starting"  # the engine's newest word (status.json's is final)
         self.reason = ""
+        self.compiling_since: float | None = None  # train.compile: the first step's compile
         self.step = 0
         self.start_step = 0
         self.max_steps: int | None = None
@@ -137,6 +138,10 @@ class RunFold:
         elif kind == "status":
             self.state = e.get("state", self.state)
             self.reason = e.get("reason") or ""
+            since = e.get("since")
+            self.compiling_since = (
+                (since if type(since) in _NUM else t) if self.state == "compiling" else None
+            )
             self.step = true_step(e, self.step)
             if self.state == "stopped":
                 self.checkpointed = e.get("checkpointed", True) is not False
@@ -208,6 +213,8 @@ class RunFold:
     def to_status(self) -> dict[str, Any]:
         """The fields the supervisor keeps in status.json (``ls`` reads them alone)."""
         out: dict[str, Any] = {"state": self.state, "reason": self.reason}
+        # Always written (null once compiled): status.json is updated, not rewritten.
+        out["compiling_since"] = self.compiling_since
         if self.best_loss is not None:
             out["best_loss"] = self.best_loss
         if not self.events:

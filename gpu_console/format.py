@@ -62,3 +62,10 @@ def optimizer_line(o: dict[str, Any]) -> str:
         f"{len(groups)} group{'s' if len(groups) != 1 else ''}{lr}, "
         f"schedule {sched.get('kind', 'none')}{on}"
     )
+
+
+def compiling_text(since: float | None, now: float) -> str:
+    """``compiling 42 s``: train.compile's first step, with how long it has taken so far."""
+    if not isinstance(since, (int, float)):
+        return "compiling"
+    return f"compiling {max(0.0, now - since):.0f} s"

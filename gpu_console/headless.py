@@ -29,7 +29,15 @@ from rich.text import Text
 
 from .events import append_control
 from .exit_watch import ExitWatch
-from .format import eval_progress_text, fmt, human_bytes, human_duration, optimizer_line, uncut
+from .format import (
+    compiling_text,
+    eval_progress_text,
+    fmt,
+    human_bytes,
+    human_duration,
+    optimizer_line,
+    uncut,
+)
 from .resume_changes import line as change_line
 from .runs import EXIT_FAILED
 from .state import RunFollower, RunState, describe_stopped, read_heartbeats
@@ -302,6 +310,10 @@ def _notable(e: dict, console: Console) -> None:
         say(f"profile: steps {e.get('first_step')}-{e.get('last_step')} traced: {e.get('path')}")
     elif kind == "status" and e.get("state") == "restarting":
         say(f"a rank failed; torchrun restarts the ranks: {e.get('reason') or ''}", "yellow")
+    elif kind == "status" and e.get("state") == "compiling":
+        say(f"compiling the model ({e.get('reason')}): the first step waits for it")
+    elif kind == "status" and type(e.get("compiled_s")) in (int, float):
+        say(f"compiled in {e['compiled_s']:.1f} s")
     elif kind == "status" and e.get("state") in ("paused", "stopping", "failed"):
         say(f"state: {e.get('state')} {e.get('reason') or ''}".rstrip())
     elif kind == "log" and e.get("level") in ("warning", "error"):
@@ -341,6 +353,8 @@ def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watc
             ended = _tick(follower, supervisor, console, watch)
             st = follower.state
             shown = "stalled" if watch.stalls.said else st.state
+            if shown == "compiling":
+                shown = compiling_text(st.compiling_since, time.time())
             bar.update(
                 task, total=st.max_steps, completed=st.step, state=shown, info=_progress_text(st)
             )
@@ -349,6 +363,7 @@ def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watc
             watch.supervisor_exit.sleep(POLL_S)
 
 
+COMPILING_EVERY_S = 10.0  # plain lines while train.compile compiles the first step
 PLAIN_EVERY_S = 2.0  # a run of a few seconds gets several lines; a long one, one per beat
 MIN_BEAT_S = 0.1
 
@@ -389,10 +404,17 @@ def _follow_plain(
     follower: RunFollower, supervisor, console: Console, watch: Watch, every_s: float
 ) -> None:
     rhythm = Rhythm(every_s)
+    compiling = Rhythm(max(every_s, COMPILING_EVERY_S))
     while True:
         ended = _tick(follower, supervisor, console, watch)
         st = follower.state
         now = time.monotonic()
+        if st.state == "compiling" and not ended:
+            # No step for a minute is no stall here: say how long the compile has taken.
+            beat = int(time.time() - (st.compiling_since or time.time())) + 1
+            if compiling.due(now, beat, False):
+                console.print(Text(compiling_text(st.compiling_since, time.time())))
+                compiling.shown(now, beat)
         if rhythm.due(now, st.step, ended):
             eta = human_duration(st.eta_s())
             stalled = "  STALLED" if watch.stalls.said else ""

@@ -123,6 +123,16 @@ def check_user_task(
                 for e in answer["errors"]
             ]
         )
+    mode = profile.train.activation_checkpointing
+    if mode != "none" and answer.get("checkpoint_blocks") is False:
+        where = "--set" if "train.activation_checkpointing" in overridden else source
+        raise ProfileError(
+            [
+                f"{where}: train.activation_checkpointing: {profile.task_kind} has no "
+                f"checkpoint_blocks(model) naming its blocks (README: Activation "
+                f"checkpointing) (got {mode!r})"
+            ]
+        )
     profile.task = answer["task"]
     return profile
 
@@ -250,7 +260,15 @@ def worker_env(placement: Placement) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = ""
         # A thread count the user set stands; torchrun would otherwise set 1.
         env.setdefault("OMP_NUM_THREADS", str(placement.cpu_threads_per_rank()))
+    # train.compile's kernels outlive the run, so a restart or --resume reuses them; never
+    # /tmp (torch's default, which a reboot or a tmp cleaner empties). A user's own stands.
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     return env
+
+
+def inductor_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/gpu-console/inductor`` (default ``~/.cache/gpu-console/inductor``)."""
+    return torchrun.cache_dir() / "inductor"
 
 
 def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int]:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from . import schema
 from .schema import opt
-from .tasks import BUILTIN, is_import_path
+from .tasks import BUILTIN, WITH_BLOCKS, is_import_path
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -157,6 +157,17 @@ class TrainConfig:
         False,
         "reproducible GPU runs: deterministic kernels, CUBLAS_WORKSPACE_CONFIG, no cuDNN "
         "autotuning, no TF32 (slower; README: Reproducibility)",
+    )
+    compile: (
+        bool | Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+    ) = opt(
+        False,
+        "torch.compile the model in place: false, true (mode default) or a mode (README: Compile)",
+    )
+    activation_checkpointing: Literal["none", "blocks", "selective"] = opt(
+        "none",
+        "recompute activations in backward: none, blocks (each block's), selective (keeps "
+        "matmul outputs); needs the task's checkpoint_blocks() (README: Activation checkpointing)",
     )
 
 
@@ -368,6 +379,7 @@ def resolve(
     errors += _determinism_conflicts(built, data.get("hardware"))
     errors += _best_mode_conflicts(built, overridden)
     errors += _optimizer_conflicts(built.get("train"))
+    errors += _blocks_conflicts(built.get("train"), kind)
     if errors:
         raise ProfileError([_blame(e, source, overridden) for e in errors])
     profile = Profile(task_kind=kind, task=task_cfg, **built)
@@ -411,6 +423,19 @@ def _optimizer_conflicts(train: TrainConfig | None) -> list[str]:
     if train.min_lr > train.lr:
         errors.append(f"train.min_lr: must not exceed train.lr={train.lr:g} (got {train.min_lr:g})")
     return errors
+
+
+def _blocks_conflicts(train: TrainConfig | None, kind: Any) -> list[str]:
+    """Activation checkpointing needs a task that names its blocks (a user task's
+    ``checkpoint_blocks`` is looked for where its class is loaded: launch.py)."""
+    if train is None or train.activation_checkpointing == "none" or kind not in BUILTIN:
+        return []
+    if kind in WITH_BLOCKS:
+        return []
+    return [
+        f"train.activation_checkpointing: task {kind!r} has no blocks to checkpoint (built-ins "
+        f"with blocks: {', '.join(sorted(WITH_BLOCKS))}) (got {train.activation_checkpointing!r})"
+    ]
 
 
 # What ``train.deterministic`` turns off: each is a source of run-to-run differences on GPUs.

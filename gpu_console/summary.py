@@ -80,6 +80,8 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "precision": first(st.precision, known["precision"]),
         "auto_batch": st.start.get("auto_batch"),  # data.batch_size = "auto": how it was chosen
         "peak_memory": [{"rank": r, "peak": p} for r, p in sorted(st.peak_memory.items())],
+        "compile": _compile_fields(st),
+        "activation_checkpointing": _held_fields(st),
         "gpus": st.gpus,
         "wall_s": st.elapsed_s(),
         "restarts": st.restarts,
@@ -95,6 +97,42 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
             for e in st.profiles
         ],
     }
+
+
+def _compile_fields(st: RunState) -> dict[str, Any] | None:
+    """train.compile as the run did it: mode, the first step's seconds, recompiles."""
+    mode = st.start.get("compile")
+    if not mode:
+        return None
+    return {
+        "mode": mode,
+        "seconds": st.last_step.get("compile_s"),
+        "recompiles": st.last_step.get("recompiles"),
+    }
+
+
+def _held_fields(st: RunState) -> dict[str, Any] | None:
+    """train.activation_checkpointing and the bytes one micro-batch holds without and with."""
+    held = st.start.get("activation_checkpointing")
+    return held if isinstance(held, dict) else None
+
+
+def compile_text(c: dict[str, Any]) -> str:
+    took = f", first step {c['seconds']:.1f} s" if isinstance(c["seconds"], (int, float)) else ""
+    again = f", {c['recompiles']} recompiles" if c["recompiles"] is not None else ""
+    return f"{c['mode']}{took}{again}"
+
+
+def held_text(h: dict[str, Any]) -> str:
+    """``blocks: 1.1 MiB → 394.0 KiB held for backward per micro-batch (-65%)``."""
+    without, with_ = h.get("held_without"), h.get("held_with")
+    if not isinstance(without, int) or not isinstance(with_, int):
+        return f"{h.get('mode')}: not measured ({h.get('not_measured') or 'another rank'})"
+    saved = f" ({with_ / without - 1:+.0%})" if without else ""
+    return (
+        f"{h.get('mode')}: {human_bytes(without)} → {human_bytes(with_)} held for backward "
+        f"per micro-batch{saved}"
+    )
 
 
 def mfu_text(f: dict[str, Any]) -> str:
@@ -130,6 +168,10 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
     if ab := f.get("auto_batch"):
         out.append(("batch size", f"{ab['chosen']} per rank (auto, {len(ab['tried'])} tried)"))
     out += [(f"peak memory rank {m['rank']}", human_bytes(m["peak"])) for m in f["peak_memory"]]
+    if f["activation_checkpointing"]:
+        out.append(("activation checkpointing", held_text(f["activation_checkpointing"])))
+    if f["compile"]:
+        out.append(("compile", compile_text(f["compile"])))
     out += gpu_rows(f["gpus"])
     out.append(("wall time", human_duration(f["wall_s"])))
     if f["restarts"]:

@@ -45,12 +45,23 @@ from ..profile import Profile
 from ..runs import latest_checkpoint, write_nodes
 from ..tasks.base import Task
 from ..timings import Stopwatch
-from . import auto_batch, checkpoint, determinism, flops, precision, profiling, signals, task_step
+from . import (
+    activation_checkpoint,
+    auto_batch,
+    checkpoint,
+    determinism,
+    flops,
+    precision,
+    profiling,
+    signals,
+    task_step,
+)
 from . import context as contexts
 from . import distributed as distmod
 from . import resume as resuming
 from .best import resumed as best_so_far
 from .checkpoint_writer import Writer
+from .compile import Compiled, mode_of
 from .control import Control
 from .data import Batches, DataPosition, make_loader
 from .evaluate import at_start as eval_at_start
@@ -289,6 +300,17 @@ def _train(
     # MFU: FLOPs per sample (the task's count, else measured once on the bare model by the
     # rank that writes events) against the GPUs' peak (peaks.py).
     mfu = flops.setup(task, model, train_loader, prec, d.world_size, autocast, move, out.active)
+    # Activation checkpointing wraps the task's blocks in place; measured off and on by the
+    # same rank on one micro-batch (activation_checkpoint.py).
+    held = activation_checkpoint.setup(
+        task, model, p.train.activation_checkpointing,
+        lambda m: activation_checkpoint.held_bytes(
+            task, m, move(flops.sample_batch(train_loader), d.device), autocast
+        ) if out.active else None,
+    )  # fmt: skip
+    # Compiled in place before DDP wraps it: the names and checkpoints stay (compile.py).
+    compiled = Compiled(mode_of(p.train.compile))
+    compiled.apply(model)
 
     ddp = distmod.wrap(model, p.distributed, d)
     shared, why_not = None, "distributed.cpu_reduce = gloo"
@@ -393,12 +415,14 @@ def _train(
         deterministic=determinism.in_effect(p.train.deterministic),
         versions={"torch": torch.__version__, "cuda": torch.version.cuda},
         **mfu.start_fields(),
+        **compiled.start_fields(),
+        activation_checkpointing=held or p.train.activation_checkpointing,
         **watch.start_fields(),  # where the start-up time went (timings.py)
         memory_snapshot_on_oom=oom_snapshot,  # on, off, or why it has no effect
     )
     if oom_snapshot not in ("on", "off"):
         out.log("warning", f"hardware.memory_snapshot_on_oom = true: {oom_snapshot}")
-    out.status("running")
+    compiled.begin(out.status)  # "compiling" until the first step completes, else "running"
 
     window = Window(loss_sum=torch.zeros((), device=d.device))
     grad_norm = torch.zeros((), device=d.device)
@@ -428,7 +452,8 @@ def _train(
         nonlocal evaluated_at
         evaluated_at = step
         beat.set(step, "eval")
-        metrics = evaluate(out, d, task, ddp, eval_loader, autocast, step, move, beat)
+        with compiled.eager():
+            metrics = evaluate(out, d, task, ddp, eval_loader, autocast, step, move, beat)
         opts.after_eval(metrics)
         hooks.eval_end(model, metrics)
         return best.observe(step, metrics, lambda m: out.log("warning", m))
@@ -503,6 +528,7 @@ def _train(
             opts.zero_grad()
             step += 1
             watch.step_done()
+            compiled.first_step_done(out.status, out.log)
             window.loss_sum += last_loss
             window.steps += 1
             if guard.deferred and boundary(step):
@@ -522,6 +548,7 @@ def _train(
             if logging:
                 beat.set(step, "sync")
                 rows = exchange.gather()
+                compiled.check(out.log)
                 try:
                     _log_step(
                         out,
@@ -537,6 +564,7 @@ def _train(
                         mfu,
                         watch,
                         train_metrics,
+                        compiled,
                     )
                 except NonFiniteLoss as e:
                     _fail_non_finite(out, d, p, step, save, model, e)
@@ -736,6 +764,7 @@ def _log_step(
     mfu,
     watch,
     train_metrics,
+    compiled,
 ) -> None:
     """A step event from every rank's numbers, which came with the step's exchange."""
     loss = sum(r.last_loss for r in rows) / d.world_size
@@ -775,6 +804,7 @@ def _log_step(
         fields["skipped"] = window.skipped
     if metrics := train_metrics.reduced([r.extra for r in rows]):
         fields["metrics"] = metrics  # the task's, reduced as it declares (train_metrics.py)
+    fields.update(compiled.step_fields())
     out.event("step", **fields, **watch.first_step_fields())  # the first one: its timings
 
 

@@ -17,7 +17,8 @@ import torch
 
 from ..profile import Profile, resolve, with_task_config
 from ..tasks.loader import TaskLoadError, load_task_class
-from . import precision, train_metrics
+from . import activation_checkpoint, precision, train_metrics
+from .compile import mode_of
 from .context import planning
 from .data import make_loader
 from .evaluate import splits as eval_splits
@@ -77,6 +78,15 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
     )  # fmt: skip
     scheduler = opts.entries[0].scheduler
 
+    # The blocks activation checkpointing would wrap (the task's checkpoint_blocks()).
+    mode = p.train.activation_checkpointing
+    blocks = 0
+    if mode != "none":
+        try:
+            blocks = len(activation_checkpoint.blocks_of(task, model))
+        except activation_checkpoint.NoBlocks as e:
+            raise TaskBuildError(f"task {kind}: {e}") from None
+
     train_set, eval_set = _call(kind, "build_datasets()", task.build_datasets)
     # Rank 0's loader: every rank's has the same number of batches (ShardSampler). With
     # data.batch_size = "auto" the size is searched at the run's start: not known here.
@@ -128,6 +138,8 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
             else scheduler.get_last_lr()[0],
             "last_lr": lr * lr_factor(p.train.max_steps - 1, p.train),
         },
+        "compile": mode_of(p.train.compile) or False,
+        "activation_checkpointing": {"mode": mode, "blocks": blocks},
         "versions": {"torch": torch.__version__},
     }
 

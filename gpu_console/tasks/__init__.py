@@ -14,6 +14,9 @@ BUILTIN: dict[str, tuple[str, type]] = {
     "transformer": ("gpu_console.tasks.transformer:TransformerTask", TransformerConfig),
 }
 
+# Built-in tasks that name their blocks (``checkpoint_blocks``) for activation checkpointing.
+WITH_BLOCKS = frozenset({"transformer"})
+
 
 def is_import_path(kind: str) -> bool:
     module, sep, attr = kind.partition(":")

@@ -23,7 +23,12 @@ def check(kind: str, table: dict) -> dict:
         cfg = schema.build(cls.Config, table, "task", errors)
     except (TypeError, ValueError) as e:
         return {"errors": [str(e)], "task": None}
-    return {"errors": errors, "task": None if errors else schema.to_dict(cfg)}
+    return {
+        "errors": errors,
+        "task": None if errors else schema.to_dict(cfg),
+        # Activation checkpointing needs it (launch.py checks it against the profile).
+        "checkpoint_blocks": callable(getattr(cls, "checkpoint_blocks", None)),
+    }
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from . import reader
 from .devices import DeviceFeed, DeviceView
 from .series import Point, Series
 
-LIVE_STATES = ("starting", "running", "paused", "stopping", "stalled", "restarting")
+LIVE_STATES = ("starting", "compiling", "running", "paused", "stopping", "stalled", "restarting")
 LOG_LINES = 500
 CHECKPOINT_ROWS = 50  # the newest checkpoints on disk the panel lists
 _META_KEYS = ("v", "t", "kind", "step")
@@ -86,6 +86,7 @@ class RunSnapshot:
     metric_series: dict[str, Series] = field(default_factory=dict)
     train_metrics: dict[str, float] = field(default_factory=dict)  # the newest of each
     eval_progress: dict[str, Any] | None = None  # the eval in progress: step, done, total
+    compiling_since: float | None = None  # train.compile: when the first step's compile began
 
     @property
     def ended(self) -> bool:
@@ -416,6 +417,7 @@ class RunFeed:
             mfu_not_shown=m.mfu_not_shown,
             metric_series={k: _frozen(v) for k, v in sorted(m.metric_series.items())},
             train_metrics=dict(m.train_metrics),
+            compiling_since=m.compiling_since if state == "compiling" else None,
         )
 
 

@@ -85,7 +85,7 @@ Anywhere
 
 Every command goes through the run's control.jsonl; its acknowledgement
 (received, done or rejected) shows in the header and the log.
-States: starting running paused stopping finished stopped failed,
+States: starting compiling running paused stopping finished stopped failed,
 interrupted and killed (ended at once, no checkpoint),
 and two a reader derives: stalled (no step for long) and lost (no supervisor)."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from ...format import eval_progress_text
+from ...format import compiling_text, eval_progress_text
 from ..feed import RunSnapshot
 from .panel import TextPanel
 from .text import STATE_STYLE, human_duration, num
@@ -15,6 +15,8 @@ def header_text(s: RunSnapshot, command: Text | None = None, readonly: bool = Fa
     t.append(s.name, style="bold")
     t.append("  ")
     t.append(f" {s.state} ", style=STATE_STYLE.get(s.state, "bold") + " reverse")
+    if s.state == "compiling":  # train.compile's first step: how long so far
+        t.append(" " + compiling_text(s.compiling_since, s.now).removeprefix("compiling "))
     if s.state in ("stalled", "lost", "stopping", "restarting") and s.reason:
         t.append(f" {s.reason}", style=STATE_STYLE.get(s.state, ""))
     if readonly:

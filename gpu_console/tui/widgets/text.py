@@ -16,6 +16,7 @@ SPARK = "▁▂▃▄▅▆▇█"
 STATE_STYLE = {
     "starting": "bold #5fd7ff",
     "running": "bold #5fd75f",
+    "compiling": "bold #5fd7ff",
     "paused": "bold #ffd75f",
     "stopping": "bold #ffaf5f",
     "finished": "bold #87afff",

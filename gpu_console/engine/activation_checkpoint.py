@@ -1,0 +1,166 @@
+"""``train.activation_checkpointing``: recompute activations in the backward to save memory.
+
+- ``blocks``: each of the task's blocks runs under non-reentrant ``torch.utils.checkpoint``:
+  only a block's input is kept for the backward, the rest is recomputed there.
+- ``selective``: the same wrapping with PyTorch's selective activation checkpointing
+  (``create_selective_checkpoint_contexts``): matmul and attention outputs are kept (the
+  expensive ops), the cheap ones (norms, activations, dropout) recomputed, as torchtitan's
+  op-level policy does.
+
+The task names its blocks with ``checkpoint_blocks(model) -> list[nn.Module]`` (the built-in
+transformer: its encoder blocks). Each block's ``forward`` is wrapped in place, so parameter
+names, ``state_dict`` keys, checkpoints and ``export`` are the same with and without. The RNG
+state is replayed in the recomputation (dropout draws the same masks): losses are the same.
+
+Memory, measured: before training, the rank that writes events runs one forward of one
+micro-batch with checkpointing off, then on, and counts the bytes of the tensors that forward
+leaves alive for the backward (activations; parameters and the batch not counted), through a
+dispatch mode that follows every tensor the forward creates. Device-independent: the same
+figure on CPU and GPU. Like the FLOPs probe (flops.py), it leaves no trace: RNG forked,
+buffers put back, no gradient kept, the batch read from the data set, not the loader.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+HOOK = "checkpoint_blocks"
+
+
+class NoBlocks(ValueError):
+    """``blocks``/``selective`` asked for a task that does not name its blocks."""
+
+
+def _saved_ops() -> frozenset:
+    """The ops whose outputs ``selective`` keeps: matmuls and attention (what this torch has)."""
+    aten = torch.ops.aten
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def _policy(saved: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def blocks_of(task: Any, model: nn.Module) -> list[nn.Module]:
+    hook = getattr(task, HOOK, None)
+    if not callable(hook):
+        raise NoBlocks(
+            f"train.activation_checkpointing needs the task to name its blocks: "
+            f"{type(task).__name__} has no {HOOK}(model) (README: Activation checkpointing)"
+        )
+    blocks = list(hook(model))
+    if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
+        raise NoBlocks(f"{type(task).__name__}.{HOOK}(model) must return a list of nn.Module")
+    return blocks
+
+
+def apply(task: Any, model: nn.Module, mode: str) -> int:
+    """Wrap the task's blocks in place for ``mode``; the number of blocks wrapped."""
+    if mode == "none":
+        return 0
+    blocks = blocks_of(task, model)
+    context_fn = None
+    if mode == "selective":
+        policy = functools.partial(_policy, _saved_ops())
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    for block in blocks:
+        _wrap(block, context_fn)
+    return len(blocks)
+
+
+def _wrap(block: nn.Module, context_fn) -> None:
+    inner = block.forward
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+    block.forward = forward  # an instance attribute: names and state_dict keys unchanged
+
+
+class _Held(TorchDispatchMode):
+    """Every storage the ops create, weakly: what is still alive after the forward is what
+    autograd (or a checkpoint) keeps for the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # By address: a view shares its base's storage. An address freed and reused by a
+        # later tensor is that tensor's (the allocator recycles memory within the forward).
+        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                s = t.untyped_storage()
+                known = self.made.get(s.data_ptr())
+                if known is None or known[0].expired():
+                    self.made[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        return out
+
+    def alive(self, skip: set[int]) -> int:
+        return sum(n for k, (ref, n) in self.made.items() if k not in skip and not ref.expired())
+
+
+def held_bytes(task: Any, model: nn.Module, batch: Any, autocast) -> int:
+    """Bytes one forward of ``batch`` leaves alive for its backward (activations)."""
+    device = next(model.parameters()).device
+    kept = {name: b.detach().clone() for name, b in model.named_buffers()}
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    own |= {t.untyped_storage().data_ptr() for t in tree_leaves(batch) if torch.is_tensor(t)}
+    forked = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=forked, device_type=device.type):
+        held = _Held()
+        with held, autocast:
+            result = task.compute(model, batch)
+        size = held.alive(own)
+        del result
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(kept[name])
+    return size
+
+
+def setup(task: Any, model: nn.Module, mode: str, measure) -> dict[str, Any] | None:
+    """Apply ``mode``; with it on, the start event's figures: bytes held for the backward by
+    one micro-batch without and with (``measure(model) -> bytes``, None on ranks that do not
+    measure)."""
+    if mode == "none":
+        return None
+    fields: dict[str, Any] = {"mode": mode}
+    try:
+        without = measure(model)
+    except Exception as e:  # a probe that cannot follow the task is no reason to fail
+        without, fields["not_measured"] = None, f"{type(e).__name__}: {e}"[:300]
+    fields["blocks"] = apply(task, model, mode)
+    with_ = None
+    if without is not None:
+        try:
+            with_ = measure(model)
+        except Exception as e:
+            fields["not_measured"] = f"{type(e).__name__}: {e}"[:300]
+    fields.update(held_without=without, held_with=with_)
+    return fields
