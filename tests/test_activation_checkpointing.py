@@ -84,3 +84,20 @@ def test_a_task_without_blocks_is_refused_at_launch(procs, runs_dir, tmp_path):
     assert "train.activation_checkpointing: mine:Mine has no checkpoint_blocks(model)" in line
     assert "Traceback" not in user.stderr
     assert run_dirs(runs_dir) == []  # nothing written
+
+
+def test_an_auto_batch_size_is_searched_on_the_checkpointed_model(procs, runs_dir, tmp_path):
+    # The search must measure the model as it will train: its blocks checkpointed first.
+    profile = write_profile(tmp_path / "tiny.toml", TINY)
+    done = procs.cli(
+        "run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+        "--set", "train.activation_checkpointing='blocks'", "--set", "data.batch_size='auto'",
+        cwd=tmp_path, env={"GPU_CONSOLE_FAKE_OOM_ABOVE": "24"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (run,) = run_dirs(runs_dir)
+    start = events_of(run, "start")[0]
+    assert start["batch_size"] == 24 and start["auto_batch"]["chosen"] == 24
+    held = start["activation_checkpointing"]
+    assert held["mode"] == "blocks" and held["blocks"] == 2
+    assert held["held_without"] is None and "before the search" in held["not_measured"]

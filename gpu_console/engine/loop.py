@@ -259,8 +259,15 @@ def _train(
     train_set, eval_set = task.build_datasets()
     cuda = d.device.type == "cuda"
     collate = getattr(task, "collate", None)  # the task's own, else data.collate_of's rule
-    batch_search = None
+    batch_search, held = None, None
     if p.data.batch_size == "auto":  # searched on real steps, agreed by every rank
+        # The search measures the model as it trains: its blocks checkpointed already (the
+        # bytes held without and with are then not measured: no micro-batch size yet).
+        held = activation_checkpoint.setup(
+            task, model, p.train.activation_checkpointing, lambda m: None
+        )
+        if held is not None:
+            held["not_measured"] = "data.batch_size = auto: checkpointed before the search"
         data = (train_set, collate)
         batch_search = auto_batch_size(
             run_dir, p, task, model, opts, owned, d, prec, out, ctx, data
@@ -302,7 +309,7 @@ def _train(
     mfu = flops.setup(task, model, train_loader, prec, d.world_size, autocast, move, out.active)
     # Activation checkpointing wraps the task's blocks in place; measured off and on by the
     # same rank on one micro-batch (activation_checkpoint.py).
-    held = activation_checkpoint.setup(
+    held = held if batch_search is not None else activation_checkpoint.setup(
         task, model, p.train.activation_checkpointing,
         lambda m: activation_checkpoint.held_bytes(
             task, m, move(flops.sample_batch(train_loader), d.device), autocast
