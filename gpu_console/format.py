@@ -62,3 +62,15 @@ def optimizer_line(o: dict[str, Any]) -> str:
         f"{len(groups)} group{'s' if len(groups) != 1 else ''}{lr}, "
         f"schedule {sched.get('kind', 'none')}{on}"
     )
+
+
+def strategy_text(start: dict[str, Any]) -> str:
+    """How the model is spread over the ranks, from the start event: ``ddp``, or ``fsdp (2
+    blocks + root)`` / ``fsdp (root only)`` with its offload (engine/fsdp.py)."""
+    if start.get("strategy") != "fsdp":
+        return start.get("strategy") or "ddp"
+    f = start.get("fsdp") or {}
+    n = f.get("sharded_blocks") or 0
+    units = f"{n} block{'s' if n != 1 else ''} + root" if n else "root only"
+    offload = ", cpu offload" if f.get("cpu_offload") else ""
+    return f"fsdp ({units}{offload})"

@@ -29,7 +29,15 @@ from rich.text import Text
 
 from .events import append_control
 from .exit_watch import ExitWatch
-from .format import eval_progress_text, fmt, human_bytes, human_duration, optimizer_line, uncut
+from .format import (
+    eval_progress_text,
+    fmt,
+    human_bytes,
+    human_duration,
+    optimizer_line,
+    strategy_text,
+    uncut,
+)
 from .resume_changes import line as change_line
 from .runs import EXIT_FAILED
 from .state import RunFollower, RunState, describe_stopped, read_heartbeats
@@ -270,7 +278,8 @@ def _notable(e: dict, console: Console) -> None:
     elif kind == "start":
         say(
             f"started: {e.get('world_size')} × {e.get('device_type')} ranks, "
-            f"{e.get('precision')}, task {e.get('task')}, {e.get('params'):,} parameters"
+            f"{e.get('precision')}, task {e.get('task')}, {e.get('params'):,} parameters, "
+            f"{strategy_text(e)}"
         )
         for o in e.get("optimizers") or []:
             say(f"  {optimizer_line(o)}")

@@ -152,6 +152,13 @@ class TrainConfig:
 @dataclass
 class DistributedConfig:
     backend: Literal["auto", "nccl", "gloo"] = opt("auto", "auto: nccl on GPUs, gloo on CPU")
+    strategy: Literal["ddp", "fsdp"] = opt(
+        "ddp", "ddp: every rank holds the whole model; fsdp: FSDP2 shards it over the ranks"
+    )
+    fsdp_reshard_after_forward: bool = opt(
+        True, "fsdp: free gathered parameters after forward (less memory, one more all-gather)"
+    )
+    fsdp_cpu_offload: bool = opt(False, "fsdp: keep sharded parameters and optimizer state on CPU")
     static_graph: bool = opt(False, "DDP static_graph: the graph never changes between steps")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB", gt=0.0)
     find_unused_parameters: bool = opt(False, "DDP: look for parameters without gradients")

@@ -73,6 +73,10 @@ class TransformerTask:
     def build_model(self) -> nn.Module:
         return Encoder(self.cfg)
 
+    def blocks(self, model: Encoder) -> list[nn.Module]:
+        """The model's repeated blocks: the unit of sharding (``distributed.strategy = "fsdp"``)."""
+        return list(model.blocks)
+
     def flops_per_sample(self) -> float:
         """Training FLOPs of one sequence, counted from the model above: 2 per multiply-add
         forward, 3× that with the backward (every matmul's input and weight gradients: the

@@ -1,0 +1,211 @@
+"""``distributed.strategy = "fsdp"``: FSDP2 on 2 CPU ranks (gloo) under the real torchrun.
+
+The installed torch runs ``fully_shard`` and ``torch.distributed.checkpoint`` on CPU with
+gloo, so these tests run the real thing: the transformer sharded per block and at the root,
+the MLP at the root only, fp32 losses against DDP's, a stop and resume continuing bit for bit,
+sharded checkpoints, their export, and a resume on one rank. The CUDA path with bf16 is
+tests/test_gpu.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Procs, events_of, only_run, read_status, wait_for
+from conftest import test_env as cli_env
+
+from gpu_console.events import append_control
+
+# fp32 on both: FSDP reduce-scatters where DDP all-reduces, so sums may round differently in
+# the last bits; over a few steps the losses agree to this relative tolerance (measured: equal
+# to every printed digit).
+REL = 1e-5
+
+SMALL = """
+[profile]
+name = "{name}"
+[task]
+kind = "{kind}"
+{task}
+[data]
+batch_size = 16
+[train]
+max_steps = {steps}
+lr = 1e-3
+log_every = 1
+precision = "fp32"
+eval_every = {steps}
+[checkpoint]
+keep_last = 0
+[hardware]
+devices = "cpu:2"
+[distributed]
+strategy = "{strategy}"
+"""
+
+TRANSFORMER = (
+    "d_model = 32\nn_heads = 2\nn_layers = 2\nseq_len = 16\ntrain_samples = 1024\n"
+    "eval_samples = 33\ndropout = 0.1"  # 33: 17 and 16 eval samples, 2 and 1 batches
+)
+
+
+def profile(tmp_path: Path, strategy: str, steps: int = 6, kind: str = "transformer") -> Path:
+    path = tmp_path / f"{kind}-{strategy}.toml"
+    task = TRANSFORMER if kind == "transformer" else "hidden_dim = 64\ntrain_samples = 4096"
+    path.write_text(
+        SMALL.format(name=f"{kind}-{strategy}", kind=kind, task=task, steps=steps,
+                     strategy=strategy)
+    )  # fmt: skip
+    return path
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in events_of(run, "step")}
+
+
+def close(a: dict[int, float], b: dict[int, float]) -> bool:
+    return a.keys() == b.keys() and all(math.isclose(a[k], b[k], rel_tol=REL) for k in a)
+
+
+@pytest.fixture(scope="module")
+def transformer_runs(tmp_path_factory):
+    """The transformer for 6 steps under fsdp and under ddp: (fsdp run, ddp run)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    procs = Procs(tmp / "runs")
+    try:
+        runs = {}
+        for strategy in ("fsdp", "ddp"):
+            result = procs.cli(
+                "run", str(profile(tmp, strategy)), "--headless", "--runs-dir",
+                str(tmp / strategy), cwd=tmp,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stdout + result.stderr
+            runs[strategy] = (only_run(tmp / strategy), result.stdout)
+        yield runs
+    finally:
+        procs.cleanup()
+
+
+def test_fsdp_shards_the_transformers_blocks_and_trains_as_ddp_does(transformer_runs):
+    (run, stdout), (ddp, _) = transformer_runs["fsdp"], transformer_runs["ddp"]
+    start = events_of(run, "start")[0]
+    assert start["strategy"] == "fsdp" and start["ddp"] is None
+    assert start["fsdp"]["sharded_blocks"] == 2 and not start["fsdp"]["root_only"]
+    assert start["fsdp"]["reshard_after_forward"] is True
+    assert events_of(ddp, "start")[0]["strategy"] == "ddp"
+    assert "fsdp (2 blocks + root)" in stdout
+    assert len(losses(run)) == 6 and close(losses(run), losses(ddp))
+    # The eval set splits 17/16 over the ranks: 2 eval batches on rank 0, 1 on rank 1, yet the
+    # eval ends (evaluate.py levels them) and agrees with DDP's.
+    (ev,), (ev_ddp,) = events_of(run, "eval"), events_of(ddp, "eval")
+    assert math.isclose(ev["loss"], ev_ddp["loss"], rel_tol=REL)
+    assert ev["accuracy"] == ev_ddp["accuracy"]
+
+
+def test_an_fsdp_checkpoint_is_sharded_and_named_only_when_complete(transformer_runs):
+    run, _ = transformer_runs["fsdp"]
+    ckpts = run / "checkpoints"
+    (ckpt,) = [p for p in ckpts.iterdir() if p.name.startswith("step-")]
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json", "state.pt"]
+    assert json.loads((ckpt / "meta.json").read_text())["strategy"] == "fsdp"
+    assert (ckpts / "LATEST").read_text().strip() == ckpt.name == "step-00000006"
+    assert not [p for p in ckpts.iterdir() if p.name.startswith(".")]  # no temporary left
+    (event,) = events_of(run, "checkpoint")
+    assert event["sharded"] is True and event["bytes"] > 0
+
+
+def test_an_fsdp_checkpoint_exports_to_a_plain_state_dict(transformer_runs, tmp_path):
+    run, _ = transformer_runs["fsdp"]
+    out = tmp_path / "weights.pt"
+    procs = Procs(tmp_path / "runs")
+    try:
+        result = procs.cli("export", str(run), "--out", str(out), cwd=tmp_path)
+    finally:
+        procs.cleanup()
+    assert result.returncode == 0, result.stdout + result.stderr
+    # Plain torch, no gpu-console: the file loads into the bare model, strictly.
+    code = (
+        "import sys, torch\n"
+        "from gpu_console.tasks.configs import TransformerConfig\n"
+        "from gpu_console.tasks.transformer import Encoder\n"
+        "m = Encoder(TransformerConfig(d_model=32, n_heads=2, n_layers=2, seq_len=16))\n"
+        "sd = torch.load(sys.argv[1], weights_only=True)\n"
+        "m.load_state_dict(sd, strict=True)\n"
+        "print(sorted(sd)[0], float(sum(v.float().abs().sum() for v in sd.values())))\n"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=cli_env()
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    weights = torch.load(out, weights_only=True)
+    assert all(type(v) is torch.Tensor for v in weights.values())  # no DTensor left
+    assert "blocks.0.qkv.weight" in weights and "head.weight" in weights
+
+
+PACED = """
+import os
+import time
+from gpu_console.tasks.transformer import TransformerTask
+
+
+class Paced(TransformerTask):
+    def compute(self, model, batch):
+        time.sleep(float(os.environ.get("PACE_S", "0")))
+        return super().compute(model, batch)
+"""
+
+
+def test_fsdp_stop_and_resume_continue_bit_for_bit_and_resume_on_one_rank(procs, tmp_path):
+    steps = 30
+    (tmp_path / "paced_tf.py").write_text(PACED)
+    prof = profile(tmp_path, "fsdp", steps)
+    prof.write_text(prof.read_text().replace('kind = "transformer"', 'kind = "paced_tf:Paced"'))
+    whole = procs.cli("run", str(prof), "--headless", "--runs-dir", str(tmp_path / "w"),
+                      cwd=tmp_path)  # fmt: skip
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    expected = losses(only_run(tmp_path / "w"))
+    assert len(expected) == steps
+
+    runs = tmp_path / "s"
+    console = procs.start(
+        "run", str(prof), "--headless", "--runs-dir", str(runs), cwd=tmp_path,
+        env=cli_env(PACE_S="0.1"),
+    )  # fmt: skip
+    run = wait_for(lambda: runs.is_dir() and only_run(runs), what="the run directory")
+    wait_for(lambda: any(e["step"] >= 4 for e in events_of(run, "step")), what="step 4")
+    append_control(run, "stop")
+    out, err = console.communicate(timeout=120)
+    assert console.returncode == 0, out + err
+    stopped_at = events_of(run, "checkpoint")[-1]["step"]
+    assert 4 <= stopped_at < steps
+
+    resumed = procs.cli("run", "--resume", str(run), "--headless", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert read_status(run)["state"] == "finished"
+    assert losses(run) == expected  # every step, bit for bit the uninterrupted run's
+
+
+def test_bad_fsdp_values_are_one_line_exit_2(procs, tmp_path):
+    prof = profile(tmp_path, "fsdp")
+    for key, value in (("strategy", "zero3"), ("fsdp_cpu_offload", "maybe")):
+        result = procs.cli(
+            "run", str(prof), "--headless", "--runs-dir", str(tmp_path / "r"),
+            "--set", f"distributed.{key}={value}",
+        )  # fmt: skip
+        assert result.returncode == 2, result.stdout + result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert f"distributed.{key}" in line and "Traceback" not in result.stderr
+        assert not (tmp_path / "r").exists()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(prof.read_text().replace('strategy = "fsdp"', 'strategy = "zero"'))
+    result = procs.cli("run", str(bad), "--headless", "--runs-dir", str(tmp_path / "r"))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "bad.toml" in line and "distributed.strategy" in line
