@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -163,20 +164,25 @@ class Paced(TransformerTask):
 
 
 def test_fsdp_stop_and_resume_continue_bit_for_bit_and_resume_on_one_rank(procs, tmp_path):
-    steps = 30
+    steps = 16
     (tmp_path / "paced_tf.py").write_text(PACED)
     prof = profile(tmp_path, "fsdp", steps)
-    prof.write_text(prof.read_text().replace('kind = "transformer"', 'kind = "paced_tf:Paced"'))
+    prof.write_text(
+        prof.read_text()
+        .replace('kind = "transformer"', 'kind = "paced_tf:Paced"')
+        .replace(f"eval_every = {steps}", "eval_every = 1")  # evals draw no random numbers
+    )
     whole = procs.cli("run", str(prof), "--headless", "--runs-dir", str(tmp_path / "w"),
                       cwd=tmp_path)  # fmt: skip
     assert whole.returncode == 0, whole.stdout + whole.stderr
     expected = losses(only_run(tmp_path / "w"))
-    assert len(expected) == steps
+    evals = {e["step"]: e["loss"] for e in events_of(only_run(tmp_path / "w"), "eval")}
+    assert len(expected) == steps and len(evals) == steps
 
     runs = tmp_path / "s"
     console = procs.start(
-        "run", str(prof), "--headless", "--runs-dir", str(runs), cwd=tmp_path,
-        env=cli_env(PACE_S="0.1"),
+        "run", str(prof), "--headless", "--runs-dir", str(runs), "--set", "train.eval_every=0",
+        cwd=tmp_path, env=cli_env(PACE_S="0.1"),
     )  # fmt: skip
     run = wait_for(lambda: runs.is_dir() and only_run(runs), what="the run directory")
     wait_for(lambda: any(e["step"] >= 4 for e in events_of(run, "step")), what="step 4")
@@ -185,11 +191,28 @@ def test_fsdp_stop_and_resume_continue_bit_for_bit_and_resume_on_one_rank(procs,
     assert console.returncode == 0, out + err
     stopped_at = events_of(run, "checkpoint")[-1]["step"]
     assert 4 <= stopped_at < steps
+    one_rank = tmp_path / "one" / run.name
+    shutil.copytree(run, one_rank)
 
     resumed = procs.cli("run", "--resume", str(run), "--headless", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert read_status(run)["state"] == "finished"
     assert losses(run) == expected  # every step, bit for bit the uninterrupted run's
+
+    # The 2 ranks' shards, loaded on 1 rank (DCP reshards): its eval at the resumed step is
+    # the uninterrupted run's there (one rank sums the same samples in another order).
+    alone = procs.cli(
+        "run", "--resume", str(one_rank), "--headless", "--devices", "cpu:1",
+        "--set", "train.eval_at_start=true", cwd=tmp_path,
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    assert "resumed on 1 ranks from 2: RNG reseeded" in alone.stdout
+    (start,) = events_of(one_rank, "start")[-1:]
+    assert start["world_size"] == 1 and start["start_step"] == stopped_at
+    first = next(e for e in events_of(one_rank, "eval") if e["t"] >= start["t"])
+    assert first["step"] == stopped_at
+    assert math.isclose(first["loss"], evals[stopped_at], rel_tol=REL)
+    assert read_status(one_rank)["state"] == "finished"
 
 
 def test_bad_fsdp_values_are_one_line_exit_2(procs, tmp_path):
