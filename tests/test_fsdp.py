@@ -76,25 +76,28 @@ def close(a: dict[int, float], b: dict[int, float]) -> bool:
 
 @pytest.fixture(scope="module")
 def transformer_runs(tmp_path_factory):
-    """The transformer for 6 steps under fsdp and under ddp: (fsdp run, ddp run)."""
+    """The transformer and the MLP for 6 steps under fsdp and under ddp: by "transformer-fsdp"
+    and so on, (run directory, headless output)."""
     tmp = tmp_path_factory.mktemp("fsdp")
     procs = Procs(tmp / "runs")
     try:
         runs = {}
-        for strategy in ("fsdp", "ddp"):
-            result = procs.cli(
-                "run", str(profile(tmp, strategy)), "--headless", "--runs-dir",
-                str(tmp / strategy), cwd=tmp,
-            )  # fmt: skip
-            assert result.returncode == 0, result.stdout + result.stderr
-            runs[strategy] = (only_run(tmp / strategy), result.stdout)
+        for kind in ("transformer", "mlp"):
+            for strategy in ("fsdp", "ddp"):
+                name = f"{kind}-{strategy}"
+                result = procs.cli(
+                    "run", str(profile(tmp, strategy, kind=kind)), "--headless", "--runs-dir",
+                    str(tmp / name), cwd=tmp,
+                )  # fmt: skip
+                assert result.returncode == 0, result.stdout + result.stderr
+                runs[name] = (only_run(tmp / name), result.stdout)
         yield runs
     finally:
         procs.cleanup()
 
 
 def test_fsdp_shards_the_transformers_blocks_and_trains_as_ddp_does(transformer_runs):
-    (run, stdout), (ddp, _) = transformer_runs["fsdp"], transformer_runs["ddp"]
+    (run, stdout), (ddp, _) = (transformer_runs[f"transformer-{s}"] for s in ("fsdp", "ddp"))
     start = events_of(run, "start")[0]
     assert start["strategy"] == "fsdp" and start["ddp"] is None
     assert start["fsdp"]["sharded_blocks"] == 2 and not start["fsdp"]["root_only"]
@@ -109,8 +112,28 @@ def test_fsdp_shards_the_transformers_blocks_and_trains_as_ddp_does(transformer_
     assert ev["accuracy"] == ev_ddp["accuracy"]
 
 
+def test_the_mlp_without_a_blocks_hook_is_sharded_at_its_root_and_trains_as_ddp_does(
+    transformer_runs,
+):
+    (run, stdout), (ddp, _) = (transformer_runs[f"mlp-{s}"] for s in ("fsdp", "ddp"))
+    fsdp = events_of(run, "start")[0]["fsdp"]
+    assert fsdp["root_only"] and fsdp["sharded_blocks"] == 0
+    assert "fsdp (root only)" in stdout
+    assert len(losses(run)) == 6 and close(losses(run), losses(ddp))
+
+
+def test_the_dry_run_says_what_fsdp_would_shard(procs, tmp_path):
+    result = procs.cli(
+        "run", str(profile(tmp_path, "fsdp")), "--dry-run",
+        "--set", "distributed.fsdp_cpu_offload=true", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = [line.split(None, 1) for line in result.stdout.splitlines()]
+    assert ["strategy", "fsdp (2 blocks + root, cpu offload)"] in rows
+
+
 def test_an_fsdp_checkpoint_is_sharded_and_named_only_when_complete(transformer_runs):
-    run, _ = transformer_runs["fsdp"]
+    run, _ = transformer_runs["transformer-fsdp"]
     ckpts = run / "checkpoints"
     (ckpt,) = [p for p in ckpts.iterdir() if p.name.startswith("step-")]
     names = sorted(p.name for p in ckpt.iterdir())
@@ -123,7 +146,7 @@ def test_an_fsdp_checkpoint_is_sharded_and_named_only_when_complete(transformer_
 
 
 def test_an_fsdp_checkpoint_exports_to_a_plain_state_dict(transformer_runs, tmp_path):
-    run, _ = transformer_runs["fsdp"]
+    run, _ = transformer_runs["transformer-fsdp"]
     out = tmp_path / "weights.pt"
     procs = Procs(tmp_path / "runs")
     try:

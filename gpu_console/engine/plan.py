@@ -17,7 +17,7 @@ import torch
 
 from ..profile import Profile, resolve, with_task_config
 from ..tasks.loader import TaskLoadError, load_task_class
-from . import precision, train_metrics
+from . import fsdp, precision, train_metrics
 from .context import planning
 from .data import make_loader
 from .evaluate import splits as eval_splits
@@ -121,6 +121,24 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
             "last_lr": lr * lr_factor(p.train.max_steps - 1, p.train),
         },
         "versions": {"torch": torch.__version__},
+        "strategy": _strategy(p, task, model, kind),
+    }
+
+
+def _strategy(p: Profile, task, model, kind: str) -> dict[str, Any]:
+    """``distributed.strategy`` and, under fsdp, what would be sharded (fsdp.py)."""
+    d = p.distributed
+    if d.strategy != "fsdp":
+        return {"strategy": d.strategy}
+    blocks = _call(kind, "blocks()", fsdp.blocks_of, task, model)
+    return {
+        "strategy": "fsdp",
+        "fsdp": {
+            "sharded_blocks": len(blocks),
+            "root_only": not blocks,
+            "reshard_after_forward": d.fsdp_reshard_after_forward,
+            "cpu_offload": d.fsdp_cpu_offload,
+        },
     }
 
 
