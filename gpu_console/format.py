@@ -73,4 +73,5 @@ def strategy_text(start: dict[str, Any]) -> str:
     n = f.get("sharded_blocks") or 0
     units = f"{n} block{'s' if n != 1 else ''} + root" if n else "root only"
     offload = ", cpu offload" if f.get("cpu_offload") else ""
-    return f"fsdp ({units}{offload})"
+    kept = ", kept gathered after forward" if f.get("reshard_after_forward") is False else ""
+    return f"fsdp ({units}{offload}{kept})"

@@ -125,11 +125,11 @@ def test_the_mlp_without_a_blocks_hook_is_sharded_at_its_root_and_trains_as_ddp_
 def test_the_dry_run_says_what_fsdp_would_shard(procs, tmp_path):
     result = procs.cli(
         "run", str(profile(tmp_path, "fsdp")), "--dry-run",
-        "--set", "distributed.fsdp_cpu_offload=true", cwd=tmp_path,
+        "--set", "distributed.fsdp_reshard_after_forward=false", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     rows = [line.split(None, 1) for line in result.stdout.splitlines()]
-    assert ["strategy", "fsdp (2 blocks + root, cpu offload)"] in rows
+    assert ["strategy", "fsdp (2 blocks + root, kept gathered after forward)"] in rows
 
 
 def test_an_fsdp_checkpoint_is_sharded_and_named_only_when_complete(transformer_runs):

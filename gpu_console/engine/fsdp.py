@@ -63,12 +63,12 @@ class Sharded:
 
     same_forwards = True  # each forward all-gathers: every rank must run as many (evaluate.py)
 
-    def __init__(self, module: nn.Module, blocks: int, cfg, precision: str):
+    def __init__(self, module: nn.Module, blocks: int, reshard: bool, offload: bool, prec: str):
         self.module = module
         self.blocks = blocks
-        self.reshard_after_forward = cfg.fsdp_reshard_after_forward
-        self.cpu_offload = cfg.fsdp_cpu_offload
-        self.precision = precision
+        self.reshard_after_forward = reshard
+        self.cpu_offload = offload  # as applied (not on CPU ranks)
+        self.precision = prec
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -96,21 +96,27 @@ class Sharded:
             "root_only": self.blocks == 0,
             "reshard_after_forward": self.reshard_after_forward,
             "cpu_offload": self.cpu_offload,
-            "param_dtype": self.precision if self.precision != "fp32" else "fp32",
+            "param_dtype": self.precision,
             "reduce_dtype": "fp32",
         }
 
 
-def shard(model: nn.Module, task, cfg, precision: str, optimizers) -> Sharded:
+def shard(model: nn.Module, task, cfg, precision: str, optimizers, warn) -> Sharded:
     """``fully_shard`` each block, then the root; the optimizers then hold the shards."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     names = {id(q): name for name, q in model.named_parameters()}
     blocks = blocks_of(task, model)
+    offload = cfg.fsdp_cpu_offload
+    if offload and next(model.parameters()).device.type == "cpu":
+        # FSDP's offload copies to an accelerator for compute: CPU ranks have none, and
+        # their shards are in host memory already.
+        warn("distributed.fsdp_cpu_offload: CPU ranks keep their shards on the CPU anyway: ignored")
+        offload = False
     kwargs = {
         "reshard_after_forward": cfg.fsdp_reshard_after_forward,
         "mp_policy": policy(precision),
-        "offload_policy": CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy(),
+        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
     }
     for block in blocks:
         fully_shard(block, **kwargs)
@@ -118,7 +124,7 @@ def shard(model: nn.Module, task, cfg, precision: str, optimizers) -> Sharded:
     now = dict(model.named_parameters())
     for entry in optimizers.entries:
         _repoint(entry, names, now)
-    return Sharded(model, len(blocks), cfg, precision)
+    return Sharded(model, len(blocks), cfg.fsdp_reshard_after_forward, offload, precision)
 
 
 def _repoint(entry, names: dict[int, str], now: dict[str, nn.Parameter]) -> None:

@@ -274,7 +274,7 @@ def _train(
     mfu = flops.setup(task, model, train_loader, prec, d.world_size, autocast, move, out.active)
 
     if sharded:
-        ddp = fsdp.shard(model, task, p.distributed, prec, opts)  # the optimizers follow
+        ddp = fsdp.shard(model, task, p.distributed, prec, opts, lambda m: out.log("warning", m))
         autocast = contextlib.nullcontext()  # FSDP's mixed precision casts instead (fsdp.py)
         if owned is not None:
             owned.sharded = True

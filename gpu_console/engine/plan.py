@@ -121,23 +121,24 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
             "last_lr": lr * lr_factor(p.train.max_steps - 1, p.train),
         },
         "versions": {"torch": torch.__version__},
-        "strategy": _strategy(p, task, model, kind),
+        "strategy": _strategy(p, task, model, kind, device_type),
     }
 
 
-def _strategy(p: Profile, task, model, kind: str) -> dict[str, Any]:
+def _strategy(p: Profile, task, model, kind: str, device_type: str) -> dict[str, Any]:
     """``distributed.strategy`` and, under fsdp, what would be sharded (fsdp.py)."""
     d = p.distributed
     if d.strategy != "fsdp":
         return {"strategy": d.strategy}
     blocks = _call(kind, "blocks()", fsdp.blocks_of, task, model)
+    on_gpu = device_type == "cuda"  # CPU ranks ignore the offload, saying so (fsdp.py)
     return {
         "strategy": "fsdp",
         "fsdp": {
             "sharded_blocks": len(blocks),
             "root_only": not blocks,
             "reshard_after_forward": d.fsdp_reshard_after_forward,
-            "cpu_offload": d.fsdp_cpu_offload,
+            "cpu_offload": d.fsdp_cpu_offload and on_gpu,
         },
     }
 
