@@ -238,6 +238,53 @@ def test_fsdp_stop_and_resume_continue_bit_for_bit_and_resume_on_one_rank(procs,
     assert read_status(one_rank)["state"] == "finished"
 
 
+SHARDED_GAN = """
+import torch
+import torch.distributed as dist
+
+import gan_task
+from gan_task import GanStepTask
+
+
+def same_on_every_rank(model):
+    flat = torch.cat([q.detach().full_tensor().reshape(-1) for q in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, flat)
+    if not all(torch.equal(every[0], other) for other in every[1:]):
+        raise AssertionError("the ranks' weights differ")
+
+
+gan_task._same_on_every_rank = same_on_every_rank  # the gathered weights: shards differ
+
+
+class ShardedGan(GanStepTask):
+    def blocks(self, model):
+        return [model.g, model.d]
+"""
+
+
+def test_a_tasks_own_gan_step_runs_on_the_sharded_model(procs, tmp_path):
+    # train_step calls the generator and the discriminator directly, not the root's forward.
+    (tmp_path / "gan_task.py").write_text((Path(__file__).parent / "gan_task.py").read_text())
+    (tmp_path / "sharded_gan.py").write_text(SHARDED_GAN)
+    prof = profile(tmp_path, "fsdp", steps=4)
+    prof.write_text(
+        prof.read_text()
+        .replace('kind = "transformer"', 'kind = "sharded_gan:ShardedGan"')
+        .replace(TRANSFORMER, "")
+        .replace("max_steps = 4", "max_steps = 4\ngrad_accum = 2")
+    )
+    result = procs.cli("run", str(prof), "--headless", "--runs-dir", str(tmp_path / "r"),
+                       cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run(tmp_path / "r")
+    assert events_of(run, "start")[0]["train_step"] == "task"
+    steps = events_of(run, "step")
+    assert len(steps) == 4 and set(steps[-1]["grad_norms"]) == {"d", "g"}
+    assert all(math.isfinite(s["grad_norms"]["d"]) and s["grad_norms"]["d"] > 0 for s in steps)
+    assert events_of(run, "eval")  # the root's forward, after the blocks ran on their own
+
+
 def test_bad_fsdp_values_are_one_line_exit_2(procs, tmp_path):
     prof = profile(tmp_path, "fsdp")
     for key, value in (("strategy", "zero3"), ("fsdp_cpu_offload", "maybe")):

@@ -121,6 +121,10 @@ def shard(model: nn.Module, task, cfg, precision: str, optimizers, warn) -> Shar
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    # FSDP takes the first module to run forward for its root. A task's own train_step may
+    # call blocks directly (a GAN's generator, then its discriminator): the root is made the
+    # root now, before any of them runs.
+    model._get_fsdp_state()._lazy_init()
     now = dict(model.named_parameters())
     for entry in optimizers.entries:
         _repoint(entry, names, now)

@@ -432,8 +432,8 @@ def _train(
                 batch = move(batches.next(), d.device)
                 beat.set(step + 1, "compute")
                 final = micro == accum - 1
-                # A task's own step averages at its end; FSDP's reduce waits for it too.
-                unsynced = not final and (owned is None or sharded)
+                # A task's own step averages at its end (under FSDP: reduces every backward).
+                unsynced = not final and owned is None
                 with ddp.no_sync() if unsynced else contextlib.nullcontext():
                     with autocast:
                         result = (

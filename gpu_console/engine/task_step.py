@@ -85,7 +85,23 @@ class StepOptimizers(Mapping):
         if self.scalers is not None:
             loss = self.scalers[name].scale(loss)
         with torch.autocast(self.device.type, enabled=False):
-            loss.backward(inputs=params)
+            if self.sharded:
+                self._sharded_backward(loss, name)
+            else:
+                loss.backward(inputs=params)
+
+    def _sharded_backward(self, loss: torch.Tensor, name: str) -> None:
+        """FSDP: gradients reach the shards through its reduce-scatter after the gathered
+        parameters' backward, which ``backward(inputs=shards)`` would never run. So a whole
+        backward, and the other optimizers' gradients are put back as they were (the loop
+        reduces every micro-batch for a task's own step, so none wait unreduced)."""
+        others = [q for e in self._opts.values() if e.name != name for q in e.params]
+        kept = [q.grad for q in others]
+        for q in others:
+            q.grad = None
+        loss.backward()
+        for q, g in zip(others, kept, strict=True):
+            q.grad = g
 
     def step(self, name: str) -> None:
         """At the step's last micro-batch: average, unscale, clip, check, step, zero."""
