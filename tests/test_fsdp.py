@@ -112,6 +112,19 @@ def test_fsdp_shards_the_transformers_blocks_and_trains_as_ddp_does(transformer_
     assert ev["accuracy"] == ev_ddp["accuracy"]
 
 
+def test_a_resume_cannot_change_the_strategy(transformer_runs, procs, tmp_path):
+    run, _ = transformer_runs["transformer-fsdp"]
+    before = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*"))
+    result = procs.cli(
+        "run", "--resume", str(run), "--headless", "--set", "train.max_steps=8",
+        "--set", "distributed.strategy=ddp", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "distributed.strategy" in line and "start a new run" in line
+    assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+
+
 def test_the_mlp_without_a_blocks_hook_is_sharded_at_its_root_and_trains_as_ddp_does(
     transformer_runs,
 ):
@@ -302,3 +315,30 @@ def test_bad_fsdp_values_are_one_line_exit_2(procs, tmp_path):
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert "bad.toml" in line and "distributed.strategy" in line
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fsdp_on_gpu_0_trains_in_mixed_precision_and_resumes(procs, tmp_path, precision):
+    """The CUDA path: FSDP's mixed-precision policy (and fp16's sharded GradScaler), NCCL,
+    sharded checkpoints written from GPU memory, and a resume."""
+    few = ["--set", "train.max_steps=20", "--set", "train.warmup_steps=5"]
+    result = procs.cli(
+        "run", "transformer", "--headless", "--devices", "0", "--runs-dir", str(tmp_path / "r"),
+        "--precision", precision, "--set", "distributed.strategy=fsdp", *few, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run(tmp_path / "r")
+    start = events_of(run, "start")[0]
+    assert start["device_type"] == "cuda" and start["precision"] == precision
+    assert start["fsdp"]["param_dtype"] == precision and start["fsdp"]["sharded_blocks"] == 2
+    steps = events_of(run, "step")
+    assert all(math.isfinite(s["loss"]) for s in steps) and steps[-1]["step"] == 20
+    ckpt = run / "checkpoints" / "step-00000020"
+    assert (ckpt / ".metadata").is_file() and (ckpt / "__0_0.distcp").is_file()
+    again = procs.cli(
+        "run", "--resume", str(run), "--headless", "--set", "train.max_steps=30", cwd=tmp_path
+    )
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert events_of(run, "step")[-1]["step"] == 30

@@ -155,7 +155,7 @@ def total_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
     grads = [q.grad for q in params if q.grad is not None]
     if not grads:
-        return torch.zeros(())
+        return torch.zeros((), device=params[0].device if params else None)
     norm = torch.nn.utils.get_total_norm(grads, 2.0)
     if isinstance(norm, DTensor):  # a partial norm per rank: its reduction is the global one
         norm = norm.full_tensor()

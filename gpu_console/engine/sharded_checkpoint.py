@@ -94,10 +94,15 @@ def save(
         return _failed(run_dir, where[0]["error"])
     tmp = Path(where[0]["tmp"])
     error = None
+    # Before the first update DCP gives an optimizer state by stepping it with zero
+    # gradients at lr 0 (Adam's step count becomes 1): the run itself goes on without it.
+    fresh = [e.optimizer for e in optimizers.entries if not e.optimizer.state]
     try:  # DCP gathers every rank's failure: all ranks see one if any rank's write failed
         dcp.save(_sharded_state(model, optimizers), checkpoint_id=tmp, process_group=group)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"[:500]
+    for optimizer in fresh:
+        optimizer.state.clear()
     gathered: list[Any] | None = [None] * dist.get_world_size() if is_main else None
     dist.gather_object(rank_state, gathered, dst=0, group=group)
     outcome: list[dict[str, Any] | None] = [None]
