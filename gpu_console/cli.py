@@ -357,6 +357,21 @@ def checkpoint_cmd(
     typer.echo(f"{event['path']} (step {event['step']}, {size}, {event.get('reason')})")
 
 
+@app.command("profile")
+def profile_cmd(
+    run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),
+    steps: str = typer.Option(
+        "5", "--steps", metavar="K", help="Steps to trace (after one warmup step), 1-1000."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the answer as JSON."),
+    runs_dir: Path | None = RunsDirOpt,
+) -> None:
+    """Trace the next K steps on every rank (torch.profiler) and print the trace directory."""
+    from .commands import profile as command
+
+    raise typer.Exit(command.main(run, _runs_dir(runs_dir), steps, as_json))
+
+
 @app.command("export")
 def export_cmd(
     run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),

@@ -241,22 +241,35 @@ def text(plan: dict[str, Any]) -> str:
     rows.append(
         (
             "data",
-            f"{data['train_samples']:,} train samples{evals}; "
-            f"{data['batches_per_epoch']:,} batches per rank per epoch",
+            f"{data['train_samples']:,} train samples{evals}"
+            + (
+                f"; {data['batches_per_epoch']:,} batches per rank per epoch"
+                if data["batches_per_epoch"] is not None
+                else ""
+            ),
         )
     )
-    rows.append(
-        (
-            "batch",
+    if plan["global_batch"] is None:  # data.batch_size = "auto"
+        batch = (
+            f"auto per rank (the largest that fits, searched on every rank at the start) × "
+            f"{_ranks(d['world_size'])} × {plan['grad_accum']} grad_accum"
+        )
+    else:
+        batch = (
             f"{plan['batch_size']} per rank × {_ranks(d['world_size'])} × "
-            f"{plan['grad_accum']} grad_accum = {plan['global_batch']:,} global",
+            f"{plan['grad_accum']} grad_accum = {plan['global_batch']:,} global"
         )
-    )
+    rows.append(("batch", batch))
     left = ""
     if plan["resume"]:
         start = plan["resume"]["step"]
         left = f"{plan['max_steps'] - start:,} left after step {start}; "
-    rows.append(("steps", f"{plan['max_steps']:,} ({left}{data['epochs']:.3g} epochs)"))
+    epochs = (
+        f"{data['epochs']:.3g} epochs"
+        if data["epochs"] is not None
+        else "epochs follow the size chosen at start"
+    )
+    rows.append(("steps", f"{plan['max_steps']:,} ({left}{epochs})"))
     scaled = f", scaled {plan['lr_scaling']}" if plan["lr_scaling"] != "none" else ""
     if s is not None:  # the profile's optimizer
         rows.append(("optimizer", f"{plan['optimizer']}, lr {_n(plan['lr'])}{scaled}"))

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 VERSION = 1
-KINDS = {"start", "step", "eval", "progress", "checkpoint", "control", "status", "log"}
-CONTROL_COMMANDS = ("checkpoint", "stop", "pause", "resume")
+KINDS = {"start", "step", "eval", "progress", "checkpoint", "control", "status", "log", "profile"}
+CONTROL_COMMANDS = ("checkpoint", "stop", "pause", "resume", "profile")
 
 
 class EventWriter:
@@ -74,12 +74,14 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     return [e for e in JsonlTail(path).read() if e.get("kind") in KINDS]
 
 
-def append_control(run_dir: Path, cmd: str) -> str:
-    """Append one command to the run's control file (mode 0600); return its id."""
+def append_control(run_dir: Path, cmd: str, **args: Any) -> str:
+    """Append one command to the run's control file (mode 0600); return its id.
+
+    ``args`` ride in the same line (``profile``'s ``steps``)."""
     if cmd not in CONTROL_COMMANDS:
         raise ValueError(f"unknown control command {cmd!r}")
     cid = uuid.uuid4().hex[:12]
-    line = json.dumps({"id": cid, "cmd": cmd, "t": round(time.time(), 3)}) + "\n"
+    line = json.dumps({"id": cid, "cmd": cmd, "t": round(time.time(), 3), **args}) + "\n"
     fd = os.open(Path(run_dir) / "control.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         os.write(fd, line.encode())

@@ -283,6 +283,8 @@ def _notable(e: dict, console: Console) -> None:
         )
         for o in e.get("optimizers") or []:
             say(f"  {optimizer_line(o)}")
+        if e.get("auto_batch"):
+            say(f"  {auto_batch_line(e)}")
         for change in e.get("changes") or []:  # a resumed run's, against the run it resumes
             say(f"  {change_line(change)}", "yellow" if change.get("class") == "warning" else None)
         if (e.get("nodes") or 1) > 1:
@@ -304,6 +306,8 @@ def _notable(e: dict, console: Console) -> None:
             f"{human_bytes(e.get('bytes'))} in {e.get('seconds', 0):.2f}s"
             + (f", best {e.get('metric')} {fmt(e.get('value'))}" if e.get("best") else "")
         )
+    elif kind == "profile":  # the profile command's traces (engine/profiling.py)
+        say(f"profile: steps {e.get('first_step')}-{e.get('last_step')} traced: {e.get('path')}")
     elif kind == "status" and e.get("state") == "restarting":
         say(f"a rank failed; torchrun restarts the ranks: {e.get('reason') or ''}", "yellow")
     elif kind == "status" and e.get("state") in ("paused", "stopping", "failed"):
@@ -312,6 +316,16 @@ def _notable(e: dict, console: Console) -> None:
         say(f"{e.get('level')}: {e.get('message')}", "yellow")
     elif kind == "log" and e.get("source") == "task":  # the task's ctx.log, info included
         say(f"{e.get('level')}: {e.get('message')}")
+
+
+def auto_batch_line(start: dict) -> str:
+    """``batch size 24 per rank (auto: 9 sizes tried in 0.1 s, global 48)``."""
+    ab = start.get("auto_batch") or {}
+    return (
+        f"batch size {ab.get('chosen')} per rank (auto, by {ab.get('rule')}: "
+        f"{len(ab.get('tried') or [])} sizes tried in {ab.get('seconds', 0):.1f} s; "
+        f"global batch {start.get('global_batch')})"
+    )
 
 
 def _progress_text(st: RunState) -> str:

@@ -375,6 +375,7 @@ def prepare(
         profile.profile.name = name
     profile = check_user_task(profile, source, set_keys | set(flags), cwd=task_cwd)
     if resume_run is not None:
+        _keep_chosen_batch(profile, resume_run)
         no = refused(resume_changes(profile, resume_run, None))
         if no:
             more = f"; also {', '.join(c.key for c in no[1:])}" if no[1:] else ""
@@ -403,6 +404,23 @@ def prepare(
     if profile.train.precision == "bf16" and (why := bf16_refusal(placement)):
         raise bad("train.precision", f"{why}; use auto (fp16 there) or fp32", "bf16")
     return profile, placement, resume_from
+
+
+def _keep_chosen_batch(profile: Profile, run: Path) -> None:
+    """``data.batch_size = "auto"`` on a resume: the size the run chose at its start (its
+    run.toml holds the number), not a new search."""
+    from .profile import parse_toml
+
+    if profile.data.batch_size != "auto":
+        return
+    try:
+        data = parse_toml(run / "run.toml").get("data")
+    except ProfileError:
+        return
+    chosen = data.get("batch_size") if isinstance(data, dict) else None
+    if isinstance(chosen, int) and not isinstance(chosen, bool) and chosen > 0:
+        profile.data.batch_size = chosen
+        profile.notes.append(f"data.batch_size = auto: {chosen}, as {run.name} chose at its start")
 
 
 def _same_task_kind(run: Path, profile_arg: str, sets: list[str], bad) -> None:

@@ -67,7 +67,12 @@ class ProfileMeta:
 
 @dataclass
 class DataConfig:
-    batch_size: int = opt(64, "samples per rank per micro-step", min=1)
+    batch_size: int | Literal["auto"] = opt(
+        64,
+        "samples per rank per micro-batch (grad_accum micro-batches make a step), or auto: "
+        "the largest that fits, searched at start on every rank (README: Auto batch size)",
+        min=1,
+    )
     num_workers: int = opt(0, "DataLoader worker processes per rank", min=0)
     pin_memory: bool = opt(True, "page-locked host batches (CUDA only)")
     prefetch_factor: int = opt(2, "batches each worker loads ahead (num_workers > 0)", min=1)
@@ -83,6 +88,12 @@ class DataConfig:
         "(truncated BPTT), or random with replacement (README: Data order)",
     )
     eval_batch_size: int = opt(0, "samples per rank per eval batch (0 = data.batch_size)", min=0)
+    auto_batch_headroom: float = opt(
+        0.10,
+        "batch_size = auto on GPUs: the fraction of each GPU's memory a candidate must leave free",
+        min=0.0,
+        max=0.9,
+    )
 
 
 @dataclass
@@ -213,6 +224,11 @@ class HardwareConfig:
     memory_fraction: float = opt(1.0, "cap of each GPU's memory for this process", gt=0.0, max=1.0)
     cudnn_benchmark: bool = opt(True, "let cuDNN pick the fastest kernels")
     tf32: bool = opt(True, "TF32 matmuls on Ampere and newer")
+    memory_snapshot_on_oom: bool = opt(
+        False,
+        "on CUDA, record allocations and write a memory snapshot into the run directory when a "
+        "rank runs out of memory (no effect on CPU)",
+    )
 
 
 SECTIONS: dict[str, type] = {

@@ -95,6 +95,10 @@ TABLE: dict[str, tuple[str, str]] = {
         "matches its rows",
     ),
     "data.eval_batch_size": (APPLIED, "the eval's batches (its metrics are per sample)"),
+    "data.auto_batch_headroom": (
+        APPLIED,
+        "used only by a search at the start; a resume keeps the size the run chose",
+    ),
     "data.pin_memory": (APPLIED, "how batches reach the GPU"),
     "data.prefetch_factor": (APPLIED, "how far workers load ahead"),
     "data.persistent_workers": (APPLIED, "whether workers live between epochs"),

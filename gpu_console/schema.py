@@ -41,10 +41,14 @@ def show(value: Any) -> str:
 
 
 def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal and len(get_args(tp)) == 1:
+        return show(get_args(tp)[0])
     if get_origin(tp) is Literal:
         return "one of " + ", ".join(show(a) for a in get_args(tp))
     if get_origin(tp) in (list, typing.List):  # noqa: UP006
         return "a list of " + _type_name(get_args(tp)[0]) + "s"
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         tp, str(tp)
     )

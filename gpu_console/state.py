@@ -100,6 +100,7 @@ class RunState(RunFold):
         self.peak_memory: dict[int, int] = {}
         self.logs: list[dict[str, Any]] = []
         self.controls: list[dict[str, Any]] = []
+        self.profiles: list[dict[str, Any]] = []  # the profile command's traces
         self.status: dict[str, Any] = {}
         self.gpus: list[dict[str, Any]] = []  # per GPU: TelemetryFold.gpus()
         self.session_started: float | None = None  # meta.json's, for a resumed run
@@ -119,6 +120,8 @@ class RunState(RunFold):
             self.logs.append(e)
         elif kind == "control":
             self.controls.append(e)
+        elif kind == "profile":
+            self.profiles.append(e)
 
     def apply_status(self, status: dict[str, Any]) -> None:
         """The supervisor's word is final once the run has ended, and stands for a resumed

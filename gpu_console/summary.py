@@ -21,7 +21,7 @@ from .runs import current_session, read_json
 from .state import RunState
 
 # Rows whose value is a path: printed outside the table on a terminal, so none is ever folded.
-PATH_ROWS = ("checkpoint", "best checkpoint", "run dir")
+PATH_ROWS = ("checkpoint", "best checkpoint", "profile", "run dir")
 TRACEBACK_LINES = 6
 
 
@@ -78,6 +78,7 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "world_size": first(st.world_size, st.status.get("world_size"), known["world_size"]),
         "device_type": first(st.device_type, known["device_type"]),
         "precision": first(st.precision, known["precision"]),
+        "auto_batch": st.start.get("auto_batch"),  # data.batch_size = "auto": how it was chosen
         "peak_memory": [{"rank": r, "peak": p} for r, p in sorted(st.peak_memory.items())],
         "gpus": st.gpus,
         "wall_s": st.elapsed_s(),
@@ -89,6 +90,10 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "best_checkpoint": st.best_checkpoint,
         "checkpoint_failed": st.status.get("checkpoint_failed"),
         "failure": failure if isinstance(failure, dict) else None,
+        "profiles": [  # the profile command's traces, oldest first
+            {k: e.get(k) for k in ("path", "first_step", "last_step", "ended_by")}
+            for e in st.profiles
+        ],
     }
 
 
@@ -122,6 +127,8 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
     out.append(("MFU", mfu_text(f)))
     devices = f"{f['world_size'] or '-'} × {f['device_type'] or '-'}, {f['precision'] or '-'}"
     out.append(("devices", devices))
+    if ab := f.get("auto_batch"):
+        out.append(("batch size", f"{ab['chosen']} per rank (auto, {len(ab['tried'])} tried)"))
     out += [(f"peak memory rank {m['rank']}", human_bytes(m["peak"])) for m in f["peak_memory"]]
     out += gpu_rows(f["gpus"])
     out.append(("wall time", human_duration(f["wall_s"])))
@@ -141,6 +148,11 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
                 f"{failed.get('error')}; LATEST is {failed.get('latest') or 'none'}",
             )
         )
+    if profiles := f["profiles"]:
+        newest = profiles[-1]
+        more = f"; {len(profiles)} captures in all" if len(profiles) > 1 else ""
+        steps = f"steps {newest['first_step']}-{newest['last_step']}"
+        out.append(("profile", f"{newest['path']} ({steps}{more})"))
     if failure := f["failure"]:
         out.append(("failure", failure.get("summary", "")))
         tb = (failure.get("traceback") or "").strip().splitlines()

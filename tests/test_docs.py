@@ -42,3 +42,34 @@ def test_help_imports_no_torch():
     ).stderr
     assert not re.search(r"\|\s+torch$", out, re.M)
     assert "gpu_console.cli" in out
+
+
+def task_attributes_the_engine_reads() -> set[str]:
+    """Every task method or attribute the engine's code looks up, calls or sets."""
+    names: set[str] = set()
+    sources = [
+        *(REPO / "gpu_console" / "engine").glob("*.py"),
+        REPO / "gpu_console/tasks/loader.py",
+    ]
+    for path in sources:
+        src = path.read_text()
+        names.update(re.findall(r'(?:getattr|hasattr)\((?:task|task_cls|cls), "(\w+)"', src))
+        names.update(re.findall(r"\btask\.(\w+)\s*(?:\(|=[^=])", src))
+    return names
+
+
+def test_the_readme_documents_everything_the_engine_reads_from_a_task():
+    import dataclasses
+
+    from gpu_console.engine.context import TaskContext
+    from gpu_console.tasks.base import TaskOutput
+
+    text = (REPO / "README.md").read_text()
+    section = text.split("### Your own task", 1)[1].split("### Key reference", 1)[0]
+    read = task_attributes_the_engine_reads()
+    assert {"compute", "configure_optimizers", "state_dict", "ctx", "Config"} <= read
+    fields = {f.name for f in dataclasses.fields(TaskOutput)}
+    context = {f.name for f in dataclasses.fields(TaskContext) if not f.name.startswith("_")}
+    context |= {"task_dir", "is_main", "log"}
+    missing = sorted(n for n in read | fields | context if f"`{n}" not in section)
+    assert not missing, f"README's 'Your own task' does not document {missing}"

@@ -36,17 +36,18 @@ def _table(world: int, rank: int, floats: list[float], ints: list[int]) -> torch
 
 def test_rows_survive_the_sum_exactly():
     """Summing every rank's table (what the all-reduce does) gathers the rows, big ints exact."""
-    big = [2**45 + 12345, 2**40 + 1, 3 * 2**33 + 7, 0, 1, 4, 1, 2**31 + 5]
+    big = [2**45 + 12345, 2**40 + 1, 3 * 2**33 + 7, 0, 1, 4, 1, 2**31 + 5, 1000]
     rows_in = [
         ([0.1234567, 12.5], big),
-        ([float("nan"), 3.0], [1, 2, 3, 4, 5, 0, 0, 0]),
-        ([2.5, float("inf")], [10**12, 0, 7, 7, 7, 2, 0, 123456789]),
+        ([float("nan"), 3.0], [1, 2, 3, 4, 5, 0, 0, 0, 0]),
+        ([2.5, float("inf")], [10**12, 0, 7, 7, 7, 2, 0, 123456789, 3]),
     ]
     total = sum(_table(3, r, f, i) for r, (f, i) in enumerate(rows_in))
     rows = decode(total)
     assert rows[0] == Row(torch.tensor(0.1234567).item(), 12.5, *big)
     assert rows[1].samples == 1 and rows[1].peak == 5 and rows[1].last_loss != rows[1].last_loss
     assert rows[2].samples == 10**12 and rows[2].next_check == 123456789
+    assert rows[2].cmd_arg == 3
     assert rows[2].loss_sum == float("inf")
 
 
@@ -77,7 +78,7 @@ for dtype, name in ((torch.float32, "f32"), (torch.float64, "f64")):
     # A step with a table: gradients still right, and every rank's row arrives.
     ref = grads(plain, 2, dtype)
     ex.prepare([torch.tensor(0.5 + rank), torch.tensor(10.0 * rank)],
-               [100 + rank, 2**40 + rank, rank, 2 * rank, 3 * rank, rank % 2, 0, 0])
+               [100 + rank, 2**40 + rank, rank, 2 * rank, 3 * rank, rank % 2, 0, 0, 0])
     got = grads(hooked, 2, dtype)
     rows = ex.gather()
     out[name] = {

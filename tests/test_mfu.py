@@ -87,6 +87,26 @@ def test_measuring_leaves_rng_buffers_gradients_and_data_untouched():
     assert all(q.grad is None for q in model.parameters())
 
 
+def test_measuring_gives_a_stateful_task_its_state_back():
+    class Carrying(MLPTask):  # state changed by compute, like an RNN's carried hidden state
+        seen = 0
+
+        def compute(self, model, batch):
+            self.seen += len(batch[0])
+            return super().compute(model, batch)
+
+        def state_dict(self):
+            return {"seen": self.seen}
+
+        def load_state_dict(self, state):
+            self.seen = state["seen"]
+
+    task = Carrying(MLPConfig(train_samples=64))
+    task.seen = 5
+    assert _measured(task) > 0
+    assert task.seen == 5
+
+
 def test_a_declared_count_wins_and_a_failed_measurement_says_why():
     class Declares:
         def flops_per_sample(self):

@@ -8,7 +8,8 @@ Every log step is a check, for free: its exchange rides with the gradients' all-
 When log steps are further apart than ``interval_s``, checks in between (spaced by the
 measured step time) make one small collective each. When readers on two nodes hold
 different commands at once, the higher code wins and the other command stays queued for
-the next check.
+the next check. A command's argument (``profile``'s steps) rides in the same row, beside
+its code: every rank reads the same number.
 
 A reader acts only on commands of its own session: those appended after its run was
 launched or resumed (meta.json's ``control_from``), and not already acknowledged in the
@@ -37,6 +38,7 @@ class Decision:
     cmd: str | None  # one of CONTROL_COMMANDS, or None
     cmd_id: str | None  # the id of the command, on the node whose file held it; else None
     signalled: bool
+    arg: int = 0  # the command's argument (profile: steps; 0: missing or not a valid one)
 
 
 class Control:
@@ -91,13 +93,14 @@ class Control:
         """Whether the step ``step`` (counted from 1) is a check: the same on every rank."""
         return step >= self.next_check
 
-    def proposal(self, step: int) -> tuple[int, int, int]:
-        """This rank's part of the check at ``step``: (command code, signalled, next check).
+    def proposal(self, step: int) -> tuple[int, int, int, int]:
+        """This rank's part of the check at ``step``: (command code, signalled, next check,
+        the command's argument).
 
         A reader takes its next command and proposes when to look again, from the measured
         step time; other ranks propose nothing (0).
         """
-        code = next_check = 0
+        code = next_check = arg = 0
         self._cmd = None
         if self.is_reader:
             self._read_commands()
@@ -108,10 +111,11 @@ class Control:
             ahead = 1 if self.pending else max(1, int(self.interval_s / max(per_step, 1e-6)))
             self._last_check_t, self._last_check_step = now, step
             code = CODES[self._cmd["cmd"]] if self._cmd else 0
+            arg = argument(self._cmd) if self._cmd else 0
             next_check = step + min(ahead, 10_000)
-        return code, int(self.signalled), next_check
+        return code, int(self.signalled), next_check, arg
 
-    def decide(self, step: int, proposals: list[tuple[int, int, int]]) -> Decision:
+    def decide(self, step: int, proposals: list[tuple[int, int, int, int]]) -> Decision:
         """Every rank's proposals → the decision, the same on every rank."""
         code = max(p[0] for p in proposals)
         signalled = any(p[1] for p in proposals)
@@ -122,7 +126,22 @@ class Control:
         mine = cmd is not None and CODES[cmd["cmd"]] == code
         if cmd is not None and not mine:
             self.pending.appendleft(cmd)  # another node's command won; ours goes next
-        return Decision(NAMES.get(code), cmd["id"] if mine else None, signalled)
+        arg = max((p[3] for p in proposals if code and p[0] == code), default=0)
+        return Decision(NAMES.get(code), cmd["id"] if mine else None, signalled, arg)
+
+
+# The most steps one profile capture may take: a trace grows with every step it holds.
+MAX_PROFILE_STEPS = 1000
+
+
+def argument(cmd: dict) -> int:
+    """A command's argument as the ranks carry it: ``profile``'s steps, 0 when it has none
+    or a wrong one (the engine then rejects the command, saying why)."""
+    if cmd.get("cmd") != "profile":
+        return 0
+    steps = cmd.get("steps")
+    ok = isinstance(steps, int) and not isinstance(steps, bool) and 0 < steps <= MAX_PROFILE_STEPS
+    return steps if ok else 0
 
 
 def _session(run_dir: Path) -> dict:

@@ -31,7 +31,18 @@ _SPLIT = 2**22  # low half < 2**22 and high half < 2**24 stay exact in float32: 
 
 # The row: floats first, then integers as (high, low) pairs.
 FLOATS = ("last_loss", "loss_sum")
-INTS = ("samples", "tokens", "allocated", "reserved", "peak", "cmd", "signalled", "next_check")
+INTS = (
+    "samples",
+    "tokens",
+    "allocated",
+    "reserved",
+    "peak",
+    "cmd",
+    "signalled",
+    "next_check",
+    "cmd_arg",
+)
+CONTROL = 4  # the last INTS: a control proposal (cmd, signalled, next_check, cmd_arg)
 WIDTH = len(FLOATS) + 2 * len(INTS)
 
 
@@ -49,6 +60,7 @@ class Row:
     cmd: int  # control code proposed by a control reader (0: none)
     signalled: int  # 1 if a stop signal reached this rank
     next_check: int  # the step a control reader proposes for the next check (0: none)
+    cmd_arg: int = 0  # the command's argument (profile: its steps), 0 without one
     extra: list[float] = field(default_factory=list)  # the run's extra columns (metrics)
 
 
@@ -155,10 +167,10 @@ class Exchange:
     def counts(self) -> dict[str, int]:
         return {"carried": self.carried, "separate": self.separate}
 
-    def control_only(self, proposal: tuple[int, int, int]) -> list[Row]:
+    def control_only(self, proposal: tuple[int, int, int, int]) -> list[Row]:
         """A control check outside a log step (paused, or between sparse log steps): one
         collective of its own, carrying only the control proposal (the rest zeros)."""
         zero = torch.zeros((), device=self.device)
-        ints = [0] * (len(INTS) - 3) + list(proposal)
+        ints = [0] * (len(INTS) - CONTROL) + list(proposal)
         self.prepare([zero] * len(FLOATS), ints, [zero] * self.extra)
         return self.gather()

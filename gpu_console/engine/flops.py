@@ -18,6 +18,7 @@ for, its formula for the CUDA kernels is used.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -66,16 +67,31 @@ def measure(task, model: torch.nn.Module, batch: Any, autocast) -> float:
     """Training FLOPs per sample of ``task.compute`` on ``batch`` (forward and backward)."""
     device = next(model.parameters()).device
     kept = {name: b.detach().clone() for name, b in model.named_buffers()}
+    # A stateful task (an RNN's carried hidden state) changes its state in compute: the
+    # measured call must leave no trace, also after a resume gave the state back.
+    task_state = _task_state(task)
     forked = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=forked, device_type=device.type), _counting() as counter:
-        with autocast:
-            result = task.compute(model, batch)
-        result.loss.backward()
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(kept[name])
+    try:
+        rng = torch.random.fork_rng(devices=forked, device_type=device.type)
+        with rng, _counting() as counter:
+            with autocast:
+                result = task.compute(model, batch)
+            result.loss.backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(kept[name])
+        if task_state is not None:
+            task.load_state_dict(task_state)
     return counter.get_total_flops() / max(int(result.samples), 1)
+
+
+def _task_state(task) -> Any:
+    """A copy of the task's own state (its ``state_dict``), or None where it has none."""
+    if getattr(task, "state_dict", None) is None or getattr(task, "load_state_dict", None) is None:
+        return None
+    return copy.deepcopy(task.state_dict())
 
 
 def per_sample(task, measure_now: Callable[[], float]) -> tuple[float | None, str]:

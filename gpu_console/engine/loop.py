@@ -17,7 +17,8 @@ What can go wrong, and what the loop does about it:
   naming the step. (With an fp16 GradScaler, inf/nan gradients are the scaler's business and
   the loss is checked at each log interval instead.) On GPUs the check gates the update on
   the device and the host reads it at the next step where it syncs anyway (nonfinite.py).
-- CUDA out of memory: the rank fails with its peak memory and what to change.
+- CUDA out of memory: the rank fails with its peak memory and what to change (and, with
+  ``hardware.memory_snapshot_on_oom``, a CUDA memory snapshot named in the failure).
 - A checkpoint that cannot be written (a full disk): the previous one stays complete and
   named in LATEST; an error event says so and the run goes on (a stop then ends without a
   checkpoint, which the supervisor records).
@@ -44,11 +45,13 @@ from ..runs import latest_checkpoint, write_nodes
 from ..tasks.base import Task
 from ..timings import Stopwatch
 from . import (
+    auto_batch,
     checkpoint,
     determinism,
     flops,
     fsdp,
     precision,
+    profiling,
     sharded_checkpoint,
     signals,
     task_step,
@@ -135,12 +138,16 @@ def train(
     watch.mark("process_group")
     out = Reporter(run_dir, d.local_rank == 0)
     beat = heartbeat or _NullHeartbeat()
+    oom_snapshot = profiling.record_memory_history(p.hardware.memory_snapshot_on_oom, d.device)
     try:
         try:
-            _train(run_dir, p, task, d, out, resume, beat, restart, changes or [], watch)
+            _train(
+                run_dir, p, task, d, out, resume, beat, restart, changes or [], watch, oom_snapshot
+            )
         except torch.OutOfMemoryError as e:  # torch.cuda.OutOfMemoryError is this class
+            snapshot = profiling.dump_memory_snapshot(run_dir, d.rank, oom_snapshot)
             # The step the loop was in (its heartbeat knows), counted from 1 like step events.
-            raise OutOfMemory(oom_message(e, d, p, beat.step)) from e
+            raise OutOfMemory(oom_message(e, d, p, beat.step, snapshot)) from e
     except NonFiniteLoss as e:
         # A policy decision every rank made at the same step, not a crash: a restart would
         # not help, so the ranks exit 0 and the status says failed (the supervisor records
@@ -158,6 +165,7 @@ def train(
             out.log("error", str(e))
         raise
     finally:
+        profiling.after_failure()  # a capture a failure cut short writes what it has
         close_task(task, out, d.rank)
         out.close()
         if dist.is_initialized():
@@ -216,6 +224,7 @@ def _train(
     restart: int,
     changes,
     watch: Stopwatch,
+    oom_snapshot: str = "off",
 ):
     out.status("starting")
     resume = resume_point(run_dir, resume, restart, d)
@@ -249,6 +258,12 @@ def _train(
     train_set, eval_set = task.build_datasets()
     cuda = d.device.type == "cuda"
     collate = getattr(task, "collate", None)  # the task's own, else data.collate_of's rule
+    batch_search = None
+    if p.data.batch_size == "auto":  # searched on real steps, agreed by every rank
+        data = (train_set, collate)
+        batch_search = auto_batch_size(
+            run_dir, p, task, model, opts, owned, d, prec, out, ctx, data
+        )
     train_loader = make_loader(train_set, p.data, d.rank, d.world_size, True, cuda, collate)
     eval_loader = {  # by split (evaluate.py); empty: no eval
         split: make_loader(
@@ -301,6 +316,7 @@ def _train(
     batches = Batches(train_loader, position)
     hooks.start(step, batches)
     control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
+    profiler = profiling.Profiler(run_dir, d, out)  # the profile command (profiling.py)
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
     newest = checkpoint.Newest()
     best = best_so_far(p.checkpoint.keep_best, p.checkpoint.best_direction(), resume, run_dir)
@@ -359,6 +375,8 @@ def _train(
         node=int(os.environ.get("GROUP_RANK", 0)),
         nodes=d.world_size // max(d.local_world_size, 1),
         rank_0=rank_0,
+        batch_size=p.data.batch_size,  # per rank per micro-batch
+        auto_batch=batch_search,  # how data.batch_size = "auto" was chosen, else None
         global_batch=p.data.batch_size * p.train.grad_accum * d.world_size,
         lr=lr,
         optimizer=opts.summary(),
@@ -375,7 +393,10 @@ def _train(
         versions={"torch": torch.__version__, "cuda": torch.version.cuda},
         **mfu.start_fields(),
         **watch.start_fields(),  # where the start-up time went (timings.py)
+        memory_snapshot_on_oom=oom_snapshot,  # on, off, or why it has no effect
     )
+    if oom_snapshot not in ("on", "off"):
+        out.log("warning", f"hardware.memory_snapshot_on_oom = true: {oom_snapshot}")
     out.status("running")
 
     window = Window(loss_sum=torch.zeros((), device=d.device))
@@ -498,6 +519,7 @@ def _train(
                     batches.position = DataPosition(*settled.trip.position)
                     _stop_non_finite(out, d, p, step, save, settled.trip.loss, settled.trip.norm)
             hooks.step_end(step, batches, model, result)
+            profiler.step_end(step)  # a capture in progress moves on, or ends and is written
 
             rows = None
             if logging:
@@ -536,11 +558,14 @@ def _train(
                 beat.set(step, "control")
                 rows = exchange.control_only(control.proposal(step))
 
-        decision = control.decide(step, [(r.cmd, r.signalled, r.next_check) for r in rows])
+        decision = control.decide(
+            step, [(r.cmd, r.signalled, r.next_check, r.cmd_arg) for r in rows]
+        )
         while control.warnings:
             out.log("warning", control.warnings.pop(0))
         if decision.signalled:
             out.log("warning", f"signal received: stopping at step {step}")
+            profiler.finish(step, "signal")
             return _stop(out, p, step, save, "signal", exchange.counts(), hooks, model)
         if decision.cmd is None:
             continue
@@ -553,6 +578,7 @@ def _train(
                 done["checkpoint"] = newest.at(step)
         elif decision.cmd == "pause":
             if not paused:
+                profiler.finish(step, "pause")  # a paused run makes no steps to trace
                 paused = True
                 out.status("paused", reason="requested")
         elif decision.cmd == "resume":
@@ -560,13 +586,20 @@ def _train(
                 paused = False
                 window = Window(loss_sum=torch.zeros((), device=d.device))
                 out.status("running", reason="resumed")
+        elif decision.cmd == "profile":  # acknowledged when the traces are written
+            profiler.request(
+                step, decision.arg, paused, lambda *a, c=decision, **f: _ack(out, c, *a, **f)
+            )
+            continue
         elif decision.cmd == "stop":
             control.stopping()
+            profiler.finish(step, "stop")
             _ack(out, decision, "done", step)
             return _stop(out, p, step, save, "stop", exchange.counts(), hooks, model)
         _ack(out, decision, "done", step, **done)
 
     # -- the end (skipping what the last step's boundaries already did) ----------------------
+    profiler.finish(step, "end")
     improved = False
     if eval_loader and not (p.train.eval_every and step % p.train.eval_every == 0):
         improved = run_eval()
@@ -593,6 +626,17 @@ def _resumed(back, resume: Path, d, p: Profile, changes, hooks: Hooks, out: Repo
         f"(epoch {position.epoch}, sample {position.samples} of its order)",
     )
     return back.step, back.evaluated_at, position
+
+
+def auto_batch_size(run_dir, p: Profile, task, model, opts, owned, d, prec, out, ctx, data):
+    """``data.batch_size = "auto"``: search (auto_batch.py), then record the number in this
+    node's run.toml (a restart or a resume reads it there) and say it."""
+    autocast = precision.autocast(prec, d.device.type)
+    report = auto_batch.choose(p, task, model, opts, owned, d, autocast, data, ctx)
+    if d.local_rank == 0:
+        auto_batch.write_run_toml(run_dir, p.data.batch_size)
+    out.log("info", auto_batch.describe(report))
+    return report
 
 
 def _ack(out: Reporter, decision, state: str, step: int, **fields) -> None:
@@ -665,7 +709,9 @@ ADVICE = (
 )
 
 
-def oom_message(e: BaseException, d, p: Profile, bad_step: int) -> str:
+def oom_message(
+    e: BaseException, d, p: Profile, bad_step: int, snapshot: Path | None = None
+) -> str:
     """What ran out, how much this rank had at its peak, and what to change."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
     peak = total = None
@@ -683,6 +729,8 @@ def oom_message(e: BaseException, d, p: Profile, bad_step: int) -> str:
     full = p.train.precision == "fp32" or (p.train.precision == "auto" and d.device.type == "cpu")
     lower = f"train.precision = bf16 (now {p.train.precision}); " if full else ""
     advice = ADVICE.format(bs=p.data.batch_size, ga=p.train.grad_accum, prec=lower)
+    if snapshot is not None:  # first: the status keeps a reason's first 500 characters
+        where += f" (CUDA memory snapshot: {snapshot}, open it in pytorch.org/memory_viz)"
     return f"{where} ({first}){sizes}. To fit: {advice}"
 
 

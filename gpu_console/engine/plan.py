@@ -78,12 +78,20 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
     scheduler = opts.entries[0].scheduler
 
     train_set, eval_set = _call(kind, "build_datasets()", task.build_datasets)
-    # Rank 0's loader: every rank's has the same number of batches (ShardSampler).
+    # Rank 0's loader: every rank's has the same number of batches (ShardSampler). With
+    # data.batch_size = "auto" the size is searched at the run's start: not known here.
+    auto = p.data.batch_size == "auto"
     try:
-        loader = make_loader(train_set, p.data, 0, world_size, True, device_type == "cuda")
+        if auto and len(train_set) < world_size:
+            raise ValueError(
+                f"data.batch_size: {len(train_set)} samples over {world_size} ranks is less "
+                "than one batch (got 'auto')"
+            )
+        cuda = device_type == "cuda"
+        loader = None if auto else make_loader(train_set, p.data, 0, world_size, True, cuda)
     except ValueError as e:  # names the key: data.batch_size against the data set's size
         raise TaskBuildError(str(e)) from None
-    per_epoch = len(loader)
+    per_epoch = len(loader) if loader is not None else None
     micro_steps = p.train.max_steps * p.train.grad_accum
     return {
         "task": kind,
@@ -95,8 +103,8 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
         "train_samples": len(train_set),
         "eval_samples": sum(len(s) for s in eval_splits(eval_set).values()) if eval_set else None,
         "batches_per_epoch": per_epoch,
-        "epochs": micro_steps / per_epoch,
-        "global_batch": p.data.batch_size * p.train.grad_accum * world_size,
+        "epochs": micro_steps / per_epoch if per_epoch else None,
+        "global_batch": None if auto else p.data.batch_size * p.train.grad_accum * world_size,
         "lr": lr,
         "optimizer": opts.summary(),
         "optimizers": opts.describe(),  # as the start event has them

@@ -16,6 +16,12 @@ on every rank; the datasets must be the same on every rank (the engine shards th
 batch, how many samples (and tokens, if any) it held, and optional metrics (batch means,
 e.g. accuracy) that eval averages over the whole eval set.
 
+The ``model`` ``compute`` gets: in training the DDP wrapper (call ``model(x)``: DDP's forward
+is what averages the gradients in backward), in eval (and the FLOPs measurement) the bare
+model: eval does not go through DDP, as ranks may hold different numbers of eval batches and
+DDP's forward may broadcast buffers. ``train_step``, the hooks and ``configure_optimizers``
+get the bare model. :func:`unwrap` reaches the model's own attributes in every case.
+
 Optional hooks (the engine looks them up; a task without them works the same):
 
         def flops_per_sample(self) -> float: ...   # training FLOPs of one sample, for MFU
@@ -98,6 +104,23 @@ class TaskOutput:
     samples: int
     tokens: int = 0
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare model under the engine's wrappers: DDP's (``.module``) and ``torch.compile``'s
+    (``_orig_mod``), in any order and any number deep. ``compute`` gets the DDP wrapper in
+    training: call ``model(x)`` there (its backward averages the gradients over the ranks) and
+    reach the model's own attributes and submodules through ``unwrap(model).encoder``."""
+    import torch
+
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    while True:
+        if isinstance(model, wrappers):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = model._orig_mod  # torch.compile's wrapper (torch._dynamo.eval_frame)
+        else:
+            return model
 
 
 def perplexity(metrics: dict[str, float]) -> float:

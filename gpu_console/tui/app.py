@@ -169,6 +169,8 @@ class ConsoleApp(App[int]):
                                 run.action_stop)  # fmt: skip
             yield SystemCommand("Kill the run", "Kill it now, no checkpoint; asks y/n (k)",
                                 run.action_kill)  # fmt: skip
+            yield SystemCommand("Profile", "Trace the next 5 steps with torch.profiler (t)",
+                                run.action_profile)  # fmt: skip
             yield SystemCommand("Detach", "Quit; the run keeps training (d)", run.action_detach)
         if run is not None:
             yield SystemCommand("Loss window", "Whole run / last 10k / 1k / 100 steps (w)",

@@ -50,7 +50,7 @@ async def test_a_recorded_quickstart_run(recorded_run):
         assert "interval" in text  # the checkpoints list
         assert "eval loss" in text and "2× cpu" in text
         # No control keys on an ended run: the footer leaves them out and they do nothing.
-        await pilot.press("c", "p", "s", "k")
+        await pilot.press("c", "p", "s", "k", "t")
         assert control_lines(recorded_run) == [] and isinstance(app.screen, RunScreen)
         await pilot.press("q")
     assert app.return_code == 0
@@ -109,6 +109,23 @@ async def test_checkpoint_pause_resume_and_their_acknowledgements(fake_live):
         await until(pilot, lambda: screen.snapshot.state == "running", 10, "resumed")
         cmds = [c["cmd"] for c in control_lines(fake_live.run_dir)]
         assert cmds == ["checkpoint", "pause", "resume"]
+
+
+async def test_t_asks_for_a_profile_and_shows_where_the_trace_went(fake_live):
+    app = app_on(fake_live.run_dir)
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await loaded(pilot, app)
+        assert "trace" in screen_text(app)  # the footer names the key
+        await pilot.press("t")
+        await until(pilot, lambda: control_lines(fake_live.run_dir), 5, "a control line")
+        (line,) = control_lines(fake_live.run_dir)
+        assert line["cmd"] == "profile" and line["steps"] == 5
+        await until(pilot, lambda: "profile ✓ done" in screen_text(app), 10, "the ack")
+        ack = next(e for e in read_events(fake_live.run_dir / "events.jsonl")
+                   if e.get("id") == line["id"] and e["state"] == "done")  # fmt: skip
+        log = "\n".join(strip.text for strip in screen.query_one("#log").lines)
+        assert f"profile ✓ done @ step {ack['step']}: {ack['path']}" in log
+        assert any(ack["path"] in str(n.message) for n in app._notifications)
 
 
 async def test_s_asks_and_y_stops_the_run(fake_live):
@@ -172,7 +189,7 @@ async def test_a_read_only_viewer_cannot_control_the_run(fake_live):
     async with app.run_test(size=(80, 24)) as pilot:
         screen = await loaded(pilot, app)
         assert "read-only" in screen_text(app)
-        await pilot.press("c", "p", "s", "k")
+        await pilot.press("c", "p", "s", "k", "t")
         assert app.screen is screen and control_lines(fake_live.run_dir) == []
         await pilot.press("q")  # a viewer quits without asking
     assert app.return_code == 0

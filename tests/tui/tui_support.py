@@ -131,6 +131,13 @@ class FakeRun:
         elif name == "resume" and self.state == "paused":
             self.state = "running"
             out.emit("status", state="running", reason="resumed")
+        elif name == "profile":  # the engine's ack once every rank wrote its trace
+            first = self.step + 2  # after the warmup step
+            out.emit("control", id=cid, cmd=name, state="done", step=self.step + 1 + cmd["steps"],
+                     path=str(self.run_dir / "profiles" / f"step-{first:08d}"),
+                     first_step=first, last_step=first + cmd["steps"] - 1, steps=cmd["steps"],
+                     ranks=2, ended_by="complete")  # fmt: skip
+            return
         elif name == "stop":
             out.emit("control", id=cid, cmd=name, state="done", step=self.step)
             out.emit("status", state="stopping", reason="stop")

@@ -70,6 +70,7 @@ Run screen
   p   pause / resume
   s   stop gracefully: checkpoint, then exit (asks y/n)
   k   kill the run now, no checkpoint (asks y/n)
+  t   trace the next 5 steps (torch.profiler): RUN/profiles/step-N/
   d   detach: quit the console, the run keeps training
   w   loss window: whole run / last 10k / 1k / 100 steps
   m   main chart: the loss, then each train metric the task reports

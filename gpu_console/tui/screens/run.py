@@ -50,7 +50,9 @@ LOG_STYLE = {
     "command": "bold #5fd787",
     "info": "",
 }
-CONTROL_ACTIONS = ("checkpoint", "pause", "stop", "kill")
+CONTROL_ACTIONS = ("checkpoint", "pause", "stop", "kill", "profile")
+# ``t``: the steps a profile capture traces (``gpu-console profile --steps`` chooses others).
+PROFILE_STEPS = 5
 # Charts are the costliest redraw: at most twice a second (numbers in the header: 5 Hz).
 CHART_EVERY_S = 0.5
 
@@ -73,6 +75,7 @@ class RunScreen(Screen):
         Binding("p", "pause", "pause"),
         Binding("s", "stop", "stop"),
         Binding("k", "kill", "kill"),
+        Binding("t", "profile", "trace"),
         Binding("d", "detach", "detach"),
         Binding("w", "window", "window"),
         Binding("m", "series", "chart"),  # the main chart: loss, then each task metric
@@ -268,19 +271,25 @@ class RunScreen(Screen):
             held = e.get("checkpoint")  # a request answered by the step's earlier checkpoint
             if isinstance(held, dict) and held.get("reason") != "request":
                 text += f" (its {held.get('reason')} checkpoint)"
+            if p["cmd"] == "profile" and p["state"] == "done" and e.get("path"):
+                text += f": {e['path']}"  # the trace directory
+                self.notify(f"trace of steps {e.get('first_step')}-{e.get('last_step')}: "
+                            f"{e['path']}", title="profile", timeout=10)  # fmt: skip
+            elif p["state"] == "rejected" and e.get("reason"):
+                text += f": {e['reason']}"
             style = "#ff5f5f" if p["state"] == "rejected" else "#5fd787"
             self.last_command = Text(text, style=style)
             log.write(Text(f"← {text}", style=LOG_STYLE["command"]))
 
-    def send(self, cmd: str) -> None:
+    def send(self, cmd: str, **args: Any) -> None:
         """Append ``cmd`` to control.jsonl (in a thread); its acks show as they arrive."""
         self.last_command = Text(f"{cmd} sent…", style="#ffd75f")
-        self._append(cmd)
+        self._append(cmd, args)
 
     @work(thread=True, group="control", exit_on_error=False)
-    def _append(self, cmd: str) -> None:
+    def _append(self, cmd: str, args: dict[str, Any]) -> None:
         try:
-            cid = append_control(self.run_dir, cmd)
+            cid = append_control(self.run_dir, cmd, **args)
         except OSError as e:
             self.post_message(ControlSent(cmd, None, f"{e.strerror or e}"))
             return
@@ -301,6 +310,9 @@ class RunScreen(Screen):
 
     def action_checkpoint(self) -> None:
         self.send("checkpoint")
+
+    def action_profile(self) -> None:
+        self.send("profile", steps=PROFILE_STEPS)
 
     def action_pause(self) -> None:
         paused = self.snapshot is not None and self.snapshot.state == "paused"
