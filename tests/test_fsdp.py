@@ -18,9 +18,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Procs, events_of, only_run, read_status, wait_for
+from conftest import (
+    POISONED_TASK,
+    Procs,
+    events_of,
+    only_run,
+    read_status,
+    task_profile,
+    wait_for,
+)
 from conftest import test_env as cli_env
 
+from gpu_console.engine.nonfinite import ENV
 from gpu_console.events import append_control
 
 # fp32 on both: FSDP reduce-scatters where DDP all-reduces, so sums may round differently in
@@ -296,6 +305,31 @@ def test_a_tasks_own_gan_step_runs_on_the_sharded_model(procs, tmp_path):
     assert len(steps) == 4 and set(steps[-1]["grad_norms"]) == {"d", "g"}
     assert all(math.isfinite(s["grad_norms"]["d"]) and s["grad_norms"]["d"] > 0 for s in steps)
     assert events_of(run, "eval")  # the root's forward, after the blocks ran on their own
+
+
+def test_a_non_finite_loss_stops_an_fsdp_run_at_its_last_finite_state(procs, tmp_path):
+    # The deferred check: the verdict gates the fused optimizer's update on the device,
+    # sharded parameters and all; the loop rewinds to step 4 and checkpoints it, sharded.
+    prof = task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12)
+    prof.write_text(prof.read_text() + '[distributed]\nstrategy = "fsdp"\n')
+    result = procs.cli(
+        "run", str(prof), "--headless", "--runs-dir", str(tmp_path / "r"),
+        "--set", "train.log_every=3", cwd=tmp_path, env=cli_env(**{ENV: "deferred"}),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    run = only_run(tmp_path / "r")
+    summary = read_status(run)["failure"]["summary"]
+    assert "loss is nan in step 5 (train.nan_policy = 'stop')" in summary
+    assert "checkpoint step-00000004 holds the last finite state" in summary
+    ckpt = run / "checkpoints" / "step-00000004"
+    assert (ckpt / ".metadata").is_file()
+    weights = subprocess.run(
+        [sys.executable, "-m", "gpu_console", "export", str(run), "--out", str(tmp_path / "w.pt")],
+        capture_output=True, text=True, env=cli_env(), cwd=tmp_path,
+    )  # fmt: skip
+    assert weights.returncode == 0, weights.stderr
+    state = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert all(bool(torch.isfinite(v).all()) for v in state.values())
 
 
 def test_bad_fsdp_values_are_one_line_exit_2(procs, tmp_path):
