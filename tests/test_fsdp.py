@@ -31,6 +31,7 @@ from conftest import test_env as cli_env
 
 from gpu_console.engine.nonfinite import ENV
 from gpu_console.events import append_control
+from gpu_console.runs import list_checkpoints
 
 # fp32 on both: FSDP reduce-scatters where DDP all-reduces, so sums may round differently in
 # the last bits; over a few steps the losses agree to this relative tolerance (measured: equal
@@ -164,7 +165,9 @@ def test_an_fsdp_checkpoint_is_sharded_and_named_only_when_complete(transformer_
     assert (ckpts / "LATEST").read_text().strip() == ckpt.name == "step-00000006"
     assert not [p for p in ckpts.iterdir() if p.name.startswith(".")]  # no temporary left
     (event,) = events_of(run, "checkpoint")
-    assert event["sharded"] is True and event["bytes"] > 0
+    total = sum(p.stat().st_size for p in ckpt.iterdir())
+    assert event["sharded"] is True and event["bytes"] == total
+    assert [c["bytes"] for c in list_checkpoints(run)] == [total]  # the console's figure
 
 
 def test_an_fsdp_checkpoint_exports_to_a_plain_state_dict(transformer_runs, tmp_path):
