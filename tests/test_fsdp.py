@@ -335,6 +335,53 @@ def test_a_non_finite_loss_stops_an_fsdp_run_at_its_last_finite_state(procs, tmp
     assert all(bool(torch.isfinite(v).all()) for v in state.values())
 
 
+# Rank 1's shards stop fitting on its disk from the second checkpoint on.
+FULL_SHARD_DISK = """
+import errno
+import os
+
+from torch.distributed.checkpoint import FileSystemWriter
+from gpu_console.tasks.mlp import MLPTask
+
+_write = FileSystemWriter.write_data
+writes = 0
+
+
+def full(self, plan, planner):
+    global writes
+    writes += 1
+    if os.environ["RANK"] == "1" and writes > 1:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return _write(self, plan, planner)
+
+
+FileSystemWriter.write_data = full
+
+
+class FullShardDisk(MLPTask):
+    pass
+"""
+
+
+def test_one_ranks_failed_shard_write_leaves_latest_on_the_complete_checkpoint(procs, tmp_path):
+    prof = task_profile(tmp_path, "fullshard", FULL_SHARD_DISK, "FullShardDisk", max_steps=12)
+    prof.write_text(
+        prof.read_text() + '[checkpoint]\nevery_steps = 5\n[distributed]\nstrategy = "fsdp"\n'
+    )
+    result = procs.cli("run", str(prof), "--headless", "--runs-dir", str(tmp_path / "r"),
+                       cwd=tmp_path)  # fmt: skip
+    run = only_run(tmp_path / "r")
+    failed = [e["checkpoint_failed"] for e in events_of(run, "log") if e.get("checkpoint_failed")]
+    assert [(f["step"], f["latest"]) for f in failed] == [
+        (10, "step-00000005"),
+        (12, "step-00000005"),
+    ], result.stdout + result.stderr
+    assert "No space left on device" in failed[0]["error"]
+    ckpts = run / "checkpoints"
+    assert (ckpts / "LATEST").read_text().strip() == "step-00000005"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["LATEST", "step-00000005"]  # no debris
+
+
 def test_bad_fsdp_values_are_one_line_exit_2(procs, tmp_path):
     prof = profile(tmp_path, "fsdp")
     for key, value in (("strategy", "zero3"), ("fsdp_cpu_offload", "maybe")):

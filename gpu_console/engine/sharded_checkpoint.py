@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..runs import atomic_write_text, fsync_dir, latest_checkpoint
 from . import checkpoint as plain
@@ -99,8 +100,10 @@ def save(
     fresh = [e.optimizer for e in optimizers.entries if not e.optimizer.state]
     try:  # DCP gathers every rank's failure: all ranks see one if any rank's write failed
         dcp.save(_sharded_state(model, optimizers), checkpoint_id=tmp, process_group=group)
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"[:500]
+    except CheckpointException as e:  # a BaseException: never a bare Exception
+        error = _first_failure(e)
+    except OSError as e:
+        error = str(e)
     for optimizer in fresh:
         optimizer.state.clear()
     gathered: list[Any] | None = [None] * dist.get_world_size() if is_main else None
@@ -120,6 +123,14 @@ def save(
     dist.broadcast_object_list(outcome, src=0, group=group)
     assert outcome[0] is not None
     return outcome[0]
+
+
+def _first_failure(e: CheckpointException) -> str:
+    """The first failing rank's error in one line (``rank 1: [Errno 28] No space left on
+    device``), not DCP's tracebacks."""
+    for rank, (exc, _trace) in sorted(e.failures.items()):
+        return f"rank {rank}: {exc}"[:500]
+    return str(e).splitlines()[0][:500]
 
 
 def _failed(run_dir: Path, error: str) -> dict[str, Any]:
