@@ -212,7 +212,7 @@ class Paced(TransformerTask):
 
 
 def test_fsdp_stop_and_resume_continue_bit_for_bit_and_resume_on_one_rank(procs, tmp_path):
-    steps = 16
+    steps = 12
     (tmp_path / "paced_tf.py").write_text(PACED)
     prof = profile(tmp_path, "fsdp", steps)
     prof.write_text(
