@@ -171,7 +171,8 @@ def for_task(task, opts: Optimizers, train, d, scaler) -> StepOptimizers | None:
         return None
     scalers = None
     if scaler is not None:
-        scalers = {e.name: torch.amp.GradScaler(d.device.type) for e in opts.entries}
+        # The run's kind of scaler (FSDP's sharded one agrees on an overflow over the ranks).
+        scalers = {e.name: type(scaler)(d.device.type) for e in opts.entries}
     return StepOptimizers(
         opts,
         d.device,
