@@ -18,6 +18,7 @@ from typing import Any
 
 from . import launch, runs
 from .devices import Placement, parse_devices
+from .format import strategy_text
 from .profile import Profile, find_profile
 from .resume_changes import line as change_line
 
@@ -164,6 +165,7 @@ def build(
         "max_steps": t.max_steps,
         "lr": built["lr"],
         "lr_scaling": profile.distributed.lr_scaling,
+        **built["strategy"],  # "strategy", and under fsdp "fsdp": what would be sharded
         "optimizer": built["optimizer"],
         "optimizers": built["optimizers"],
         "weight_decay": built["weight_decay"],
@@ -230,6 +232,7 @@ def text(plan: dict[str, Any]) -> str:
     if d["why"]:
         rows.append(("", d["why"]))
     rows.append(("precision", f"{plan['precision']} ({plan['precision_why']})"))
+    rows.append(("strategy", strategy_text(plan)))
     rows.append(("task", f"{plan['task']} ({plan['task_class']})"))
     trainable = f"{plan['trainable']:,} trainable"
     if plan["trainable"] == plan["params"]:

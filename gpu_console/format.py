@@ -69,3 +69,16 @@ def compiling_text(since: float | None, now: float) -> str:
     if not isinstance(since, (int, float)):
         return "compiling"
     return f"compiling {max(0.0, now - since):.0f} s"
+
+
+def strategy_text(start: dict[str, Any]) -> str:
+    """How the model is spread over the ranks, from the start event: ``ddp``, or ``fsdp (2
+    blocks + root)`` / ``fsdp (root only)`` with its offload (engine/fsdp.py)."""
+    if start.get("strategy") != "fsdp":
+        return start.get("strategy") or "ddp"
+    f = start.get("fsdp") or {}
+    n = f.get("sharded_blocks") or 0
+    units = f"{n} block{'s' if n != 1 else ''} + root" if n else "root only"
+    offload = ", cpu offload" if f.get("cpu_offload") else ""
+    kept = ", kept gathered after forward" if f.get("reshard_after_forward") is False else ""
+    return f"fsdp ({units}{offload}{kept})"

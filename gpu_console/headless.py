@@ -36,6 +36,7 @@ from .format import (
     human_bytes,
     human_duration,
     optimizer_line,
+    strategy_text,
     uncut,
 )
 from .resume_changes import line as change_line
@@ -278,7 +279,8 @@ def _notable(e: dict, console: Console) -> None:
     elif kind == "start":
         say(
             f"started: {e.get('world_size')} × {e.get('device_type')} ranks, "
-            f"{e.get('precision')}, task {e.get('task')}, {e.get('params'):,} parameters"
+            f"{e.get('precision')}, task {e.get('task')}, {e.get('params'):,} parameters, "
+            f"{strategy_text(e)}"
         )
         for o in e.get("optimizers") or []:
             say(f"  {optimizer_line(o)}")

@@ -124,12 +124,12 @@ def check_user_task(
             ]
         )
     mode = profile.train.activation_checkpointing
-    if mode != "none" and answer.get("checkpoint_blocks") is False:
+    if mode != "none" and answer.get("blocks") is False:
         where = "--set" if "train.activation_checkpointing" in overridden else source
         raise ProfileError(
             [
                 f"{where}: train.activation_checkpointing: {profile.task_kind} has no "
-                f"checkpoint_blocks(model) naming its blocks (README: Activation "
+                f"blocks(model) naming its blocks (README: Activation "
                 f"checkpointing) (got {mode!r})"
             ]
         )

@@ -167,13 +167,20 @@ class TrainConfig:
     activation_checkpointing: Literal["none", "blocks", "selective"] = opt(
         "none",
         "recompute activations in backward: none, blocks (each block's), selective (keeps "
-        "matmul outputs); needs the task's checkpoint_blocks() (README: Activation checkpointing)",
+        "matmul outputs); needs the task's blocks() (README: Activation checkpointing)",
     )
 
 
 @dataclass
 class DistributedConfig:
     backend: Literal["auto", "nccl", "gloo"] = opt("auto", "auto: nccl on GPUs, gloo on CPU")
+    strategy: Literal["ddp", "fsdp"] = opt(
+        "ddp", "ddp: every rank holds the whole model; fsdp: FSDP2 shards it over the ranks"
+    )
+    fsdp_reshard_after_forward: bool = opt(
+        True, "fsdp: free gathered parameters after forward (less memory, one more all-gather)"
+    )
+    fsdp_cpu_offload: bool = opt(False, "fsdp: keep sharded parameters and optimizer state on CPU")
     static_graph: bool = opt(False, "DDP static_graph: the graph never changes between steps")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB", gt=0.0)
     find_unused_parameters: bool = opt(False, "DDP: look for parameters without gradients")
@@ -427,7 +434,7 @@ def _optimizer_conflicts(train: TrainConfig | None) -> list[str]:
 
 def _blocks_conflicts(train: TrainConfig | None, kind: Any) -> list[str]:
     """Activation checkpointing needs a task that names its blocks (a user task's
-    ``checkpoint_blocks`` is looked for where its class is loaded: launch.py)."""
+    ``blocks`` is looked for where its class is loaded: launch.py)."""
     if train is None or train.activation_checkpointing == "none" or kind not in BUILTIN:
         return []
     if kind in WITH_BLOCKS:

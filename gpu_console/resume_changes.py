@@ -103,6 +103,11 @@ TABLE: dict[str, tuple[str, str]] = {
     "data.prefetch_factor": (APPLIED, "how far workers load ahead"),
     "data.persistent_workers": (APPLIED, "whether workers live between epochs"),
     "distributed.lr_scaling": (APPLIED, f"{_OPTIMIZER}; {_SCHEDULE}"),
+    "distributed.strategy": (
+        REFUSED,
+        "the checkpoint is stored as its strategy keeps it (whole under ddp, sharded under "
+        "fsdp); start a new run to change it",
+    ),
     "distributed.*": (APPLIED, "how this session's ranks are set up"),
     "checkpoint.keep_best": (
         WARNING,

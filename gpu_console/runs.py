@@ -183,14 +183,25 @@ def named_checkpoint(run_dir: Path, which: str) -> Path | None:
     return path if (path / "meta.json").is_file() else None
 
 
+def _checkpoint_bytes(entry: Path) -> int | None:
+    """A checkpoint's size: its state.pt, or every file of an FSDP run's sharded one (its
+    ``.metadata`` and each rank's shards beside state.pt)."""
+    try:
+        if (entry / ".metadata").is_file():
+            return sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+        return (entry / "state.pt").stat().st_size
+    except OSError:  # unreadable, or pruned while read
+        return None
+
+
 def list_checkpoints(run_dir: Path, newest: int | None = None) -> list[dict[str, Any]]:
     """The complete checkpoints on disk, oldest first: what pruning (``keep_last``) left; only
     the ``newest`` N directories are read when given (``keep_last = 0`` may keep thousands),
     and the best one (``checkpoint.keep_best``) however old.
 
     Each: ``step``, ``reason`` and ``t`` from its meta.json (written last, so a directory
-    without one is incomplete), ``bytes`` of its state.pt, ``path``, ``latest`` for the
-    one ``checkpoints/LATEST`` names and ``best`` for the one ``checkpoints/BEST`` names.
+    without one is incomplete), ``bytes`` (:func:`_checkpoint_bytes`), ``path``, ``latest``
+    for the one ``checkpoints/LATEST`` names and ``best`` for the one ``checkpoints/BEST`` names.
     """
     ckpts = Path(run_dir) / "checkpoints"
     latest = latest_checkpoint(run_dir)
@@ -211,10 +222,7 @@ def list_checkpoints(run_dir: Path, newest: int | None = None) -> list[dict[str,
             continue
         if not isinstance(meta, dict):
             continue
-        try:
-            size: int | None = (entry / "state.pt").stat().st_size
-        except OSError:
-            size = None
+        size = _checkpoint_bytes(entry)
         step = meta.get("step")
         found.append(
             {

@@ -7,7 +7,7 @@
   expensive ops), the cheap ones (norms, activations, dropout) recomputed, as torchtitan's
   op-level policy does.
 
-The task names its blocks with ``checkpoint_blocks(model) -> list[nn.Module]`` (the built-in
+The task names its blocks with ``blocks(model) -> list[nn.Module]`` (the built-in
 transformer: its encoder blocks). Each block's ``forward`` is wrapped in place, so parameter
 names, ``state_dict`` keys, checkpoints and ``export`` are the same with and without. The RNG
 state is replayed in the recomputation (dropout draws the same masks): losses are the same.
@@ -36,7 +36,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-HOOK = "checkpoint_blocks"
+HOOK = "blocks"
 
 
 class NoBlocks(ValueError):

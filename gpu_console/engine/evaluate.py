@@ -70,6 +70,7 @@ def _evaluate_split(
     total = len(loader)
     said = 0.0
     where = {"split": split} if split else {}
+    extra = _shortfall(d, total) if getattr(ddp, "same_forwards", False) else 0
     for i, batch in enumerate(loader):
         # A stuck eval names its batch, and for how long.
         beat.set(step, "eval", f"{split + ' ' if split else ''}{i}/{total}")
@@ -85,6 +86,8 @@ def _evaluate_split(
         totals["loss"] = totals.get("loss", 0.0) + float(result.loss) * n
         for name, value in result.metrics.items():
             totals[name] = totals.get(name, 0.0) + float(value) * n
+    if extra:
+        _pad(d, task, ddp, loader, autocast, move, extra)
     ddp.train()
     # A rank with no eval batch (fewer samples than ranks) knows no metric names: agree on
     # them first, so every rank's buffer has the same shape. Eval is rare; this is cheap.
@@ -97,6 +100,26 @@ def _evaluate_split(
     values = buf.tolist()
     n = max(values[-1], 1)
     return {k: v / n for k, v in zip(names, values[:-1], strict=True)}
+
+
+def _shortfall(d, batches: int) -> int:
+    """FSDP: every forward all-gathers, so every rank runs as many as the rank with the most
+    eval batches (a split's samples need not divide by the ranks): how many this one lacks.
+    Agreed before the first batch, while no rank is in a forward."""
+    most = torch.tensor([batches], dtype=torch.int64, device=d.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item()) - batches
+
+
+def _pad(d, task, ddp, loader, autocast, move, extra: int) -> None:
+    """The forwards this rank lacks (:func:`_shortfall`), on a batch read from the dataset
+    directly, their results dropped."""
+    from .flops import sample_batch
+
+    batch = move(sample_batch(loader), d.device)
+    for _ in range(extra):
+        with autocast:
+            task.compute(ddp.module, batch)
 
 
 def at_start(enabled: bool, step: int, evaluated_at: int | None, eval_every: int) -> bool:

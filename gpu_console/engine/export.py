@@ -128,8 +128,11 @@ def export(checkpoint: Path, out: Path, run_dir: Path) -> dict[str, Any]:
         modules = task_modules(run_dir)
     except (ProfileError, TaskLoadError) as e:
         raise ExportInputError(f"{run_dir / 'run.toml'}: {e}") from None
+    from .sharded_checkpoint import is_sharded, model_state
+
     state = load(checkpoint)
-    weights = plain_state(state["model"])
+    # An FSDP run's model is in its DCP shards, read whole here without a process group.
+    weights = plain_state(model_state(checkpoint) if is_sharded(checkpoint) else state["model"])
     step = int(state["step"])
     del state
     content: Any = weights if modules is None else split(weights, modules)

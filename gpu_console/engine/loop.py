@@ -51,8 +51,10 @@ from . import (
     checkpoint,
     determinism,
     flops,
+    fsdp,
     precision,
     profiling,
+    sharded_checkpoint,
     signals,
     task_step,
 )
@@ -240,6 +242,7 @@ def _train(
         with contextlib.suppress(OSError):  # only the other nodes' telemetry depends on it
             write_nodes(run_dir, nodes)
     prec = precision.resolve(p.train.precision, d.device.type, distmod.cuda_capability())
+    sharded = p.distributed.strategy == "fsdp"  # FSDP2 in place of DDP (fsdp.py)
 
     # -- model, optimizer, schedule ---------------------------------------------------------
     ctx = contexts.make(d, run_dir, p, resume is not None, checkpoint.step_of(resume), out)
@@ -250,7 +253,7 @@ def _train(
     lr = scaled_lr(p.train.lr, d.world_size, p.distributed.lr_scaling)
     # The task's configure_optimizers(), else train.optimizer: every one by name.
     opts = Optimizers.build(task, model, p, d.world_size, d.device.type, ctx)
-    scaler = precision.make_scaler(prec, d.device.type)
+    scaler = (fsdp if sharded else precision).make_scaler(prec, d.device.type)
     # A task's own train_step makes its updates through this (task_step.py), else None.
     owned = task_step.for_task(task, opts, p.train, d, scaler)
     scalers = owned.scalers if owned is not None and owned.scalers else scaler
@@ -285,22 +288,10 @@ def _train(
     evaluated_at: int | None = None  # the step of the newest eval (saved for eval_at_start)
     random.seed(p.train.seed + d.rank)
     torch.manual_seed(p.train.seed + 1_000_003 * (d.rank + 1))  # per-rank dropout streams
-    if resume is not None:
+    if resume is not None and not sharded:  # an FSDP run's once sharded, below
         # The optimizers keep this profile's settings over the saved ones (optimizers.py).
         back = checkpoint.resume(resume, model, opts, scalers, d.rank, d.world_size)
-        step, evaluated_at = back.step, back.evaluated_at
-        position = resuming.position_of(back.data, back.world_size, changes, p.data.batch_size)
-        hooks.restore(back.task, d.world_size, lambda m: out.log("warning", m))
-        if back.rng is not None:
-            checkpoint.restore_rng(back.rng, d.device)
-        else:
-            out.log("warning", f"resumed on {d.world_size} ranks from {back.ranks}: RNG reseeded")
-        del back
-        out.log(
-            "info",
-            f"resumed from {resume} at step {step} "
-            f"(epoch {position.epoch}, sample {position.samples} of its order)",
-        )
+        step, evaluated_at, position = _resumed(back, resume, d, p, changes, hooks, out)
 
     watch.mark("built")
     autocast = precision.autocast(prec, d.device.type)
@@ -319,9 +310,21 @@ def _train(
     compiled = Compiled(mode_of(p.train.compile))
     compiled.apply(model)
 
-    ddp = distmod.wrap(model, p.distributed, d)
+    if sharded:
+        ddp = fsdp.shard(model, task, p.distributed, prec, opts, lambda m: out.log("warning", m))
+        autocast = contextlib.nullcontext()  # FSDP's mixed precision casts instead (fsdp.py)
+        if owned is not None:
+            owned.sharded = True
+        if resume is not None:
+            back = sharded_checkpoint.resume(resume, model, opts, scalers, d.rank, d.world_size)
+            step, evaluated_at, position = _resumed(back, resume, d, p, changes, hooks, out)
+    else:
+        ddp = distmod.wrap(model, p.distributed, d)
+    net = ddp.module if sharded else ddp  # what the task's compute is handed
     shared, why_not = None, "distributed.cpu_reduce = gloo"
-    if p.distributed.cpu_reduce == "shared-memory":
+    if sharded:
+        why_not = "distributed.strategy = fsdp: gradients are reduce-scattered by FSDP"
+    elif p.distributed.cpu_reduce == "shared-memory":
         shared, why_not = SharedReduce.create(
             d, p.distributed.collective_timeout_s, os.path.basename(run_dir)
         )
@@ -330,7 +333,8 @@ def _train(
     train_metrics = TrainMetrics(
         task, d.rank, d.world_size, d.device, lambda m: out.log("warning", m)
     )
-    ddp.register_comm_hook(None, exchange.hook)
+    if not sharded:  # under FSDP a log step's table takes a collective of its own
+        ddp.register_comm_hook(None, exchange.hook)
     batches = Batches(train_loader, position)
     hooks.start(step, batches)
     control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
@@ -367,6 +371,14 @@ def _train(
             "evaluated_at": evaluated_at,
         }
         rank_state = {"rng": checkpoint.capture_rng(d.device), **hooks.state()}
+        if sharded:  # every rank writes its shards through DCP, synchronously
+            outcome = sharded_checkpoint.save(
+                run_dir, step, reason, model, opts, state, rank_state, p.checkpoint.keep_last,
+                d.is_main, writes, best.for_save(step),
+            )  # fmt: skip
+            if outcome["ok"]:
+                outcome["event"].setdefault("blocked_s", outcome["event"].get("seconds"))
+            return settle({**outcome, "step": step, "reason": reason})
         outcome = writer.start(
             step, reason, state, rank_state, best.for_save(step), requested, waited
         )
@@ -415,7 +427,9 @@ def _train(
         optimizers=opts.describe(),  # what was built: classes, groups, schedules
         train_step="task" if owned is not None else "engine",  # who runs backward and step
         weight_decay=opts.decay.fields() if opts.decay else None,
-        ddp=_ddp_settings(ddp),
+        strategy=p.distributed.strategy,
+        ddp=None if sharded else _ddp_settings(ddp),
+        fsdp=ddp.settings() if sharded else None,
         # How gradients are summed: what a CPU run's speed depends on most.
         reduce="shared memory" if shared else f"{d.backend} ({why_not})",
         threads=torch.get_num_threads(),
@@ -487,12 +501,14 @@ def _train(
                 batch = move(batches.next(), d.device)
                 beat.set(step + 1, "compute")
                 final = micro == accum - 1
-                with contextlib.nullcontext() if final or owned else ddp.no_sync():
+                # A task's own step averages at its end (under FSDP: reduces every backward).
+                unsynced = not final and owned is None
+                with ddp.no_sync() if unsynced else contextlib.nullcontext():
                     with autocast:
                         result = (
                             owned.run(task, ddp.module, batch, final, ctx, step)
                             if owned is not None  # its backward and updates happen in it
-                            else task.compute(ddp, batch)
+                            else task.compute(net, batch)
                         )
                     loss = result.loss if accum == 1 else result.loss / accum
                     part = loss.detach()
@@ -517,7 +533,10 @@ def _train(
                 if scaler is not None:
                     opts.unscale(scaler)
                 if max_norm < math.inf or logging or skip_bad or stop_bad:
-                    grad_norm, grad_norms = opts.clip(max_norm)  # each optimizer's on its own
+                    # Each optimizer's on its own; FSDP's gradients are shards (fsdp.py).
+                    grad_norm, grad_norms = (
+                        fsdp.clip(opts, max_norm) if sharded else opts.clip(max_norm)
+                    )
                 # The norm is of the all-reduced gradients, the same on every rank, so every
                 # rank skips (or stops before) the same update with no collective of its own.
                 # On GPUs the verdict gates the update on the device, read at the next boundary.
@@ -645,6 +664,23 @@ def _train(
     out.status("finished", reason="max_steps reached", step=step, exchanges=exchange.counts())
 
 
+def _resumed(back, resume: Path, d, p: Profile, changes, hooks: Hooks, out: Reporter):
+    """A loaded checkpoint's step, newest eval and data position; its task state and RNG
+    restored."""
+    position = resuming.position_of(back.data, back.world_size, changes, p.data.batch_size)
+    hooks.restore(back.task, d.world_size, lambda m: out.log("warning", m))
+    if back.rng is not None:
+        checkpoint.restore_rng(back.rng, d.device)
+    else:
+        out.log("warning", f"resumed on {d.world_size} ranks from {back.ranks}: RNG reseeded")
+    out.log(
+        "info",
+        f"resumed from {resume} at step {back.step} "
+        f"(epoch {position.epoch}, sample {position.samples} of its order)",
+    )
+    return back.step, back.evaluated_at, position
+
+
 def auto_batch_size(run_dir, p: Profile, task, model, opts, owned, d, prec, out, ctx, data):
     """``data.batch_size = "auto"``: search (auto_batch.py), then record the number in this
     node's run.toml (a restart or a resume reads it there) and say it."""
@@ -706,7 +742,7 @@ def _stop_non_finite(out, d, p: Profile, step: int, save, last_loss, grad_norm) 
 def _fail_non_finite(out, d, p: Profile, step: int, save, model, error: NonFiniteLoss) -> None:
     """A non-finite loss seen at a log step: keep the weights if they are still finite."""
     finite = torch.tensor(
-        [float(all(bool(torch.isfinite(q).all()) for q in model.parameters()))],
+        [float(all(bool(torch.isfinite(fsdp.local(q)).all()) for q in model.parameters()))],
         device=d.device,
     )
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)

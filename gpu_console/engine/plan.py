@@ -17,7 +17,7 @@ import torch
 
 from ..profile import Profile, resolve, with_task_config
 from ..tasks.loader import TaskLoadError, load_task_class
-from . import activation_checkpoint, precision, train_metrics
+from . import activation_checkpoint, fsdp, precision, train_metrics
 from .compile import mode_of
 from .context import planning
 from .data import make_loader
@@ -78,7 +78,7 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
     )  # fmt: skip
     scheduler = opts.entries[0].scheduler
 
-    # The blocks activation checkpointing would wrap (the task's checkpoint_blocks()).
+    # The blocks activation checkpointing would wrap (the task's blocks()).
     mode = p.train.activation_checkpointing
     blocks = 0
     if mode != "none":
@@ -141,6 +141,25 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
         "compile": mode_of(p.train.compile) or False,
         "activation_checkpointing": {"mode": mode, "blocks": blocks},
         "versions": {"torch": torch.__version__},
+        "strategy": _strategy(p, task, model, kind, device_type),
+    }
+
+
+def _strategy(p: Profile, task, model, kind: str, device_type: str) -> dict[str, Any]:
+    """``distributed.strategy`` and, under fsdp, what would be sharded (fsdp.py)."""
+    d = p.distributed
+    if d.strategy != "fsdp":
+        return {"strategy": d.strategy}
+    blocks = _call(kind, "blocks()", fsdp.blocks_of, task, model)
+    on_gpu = device_type == "cuda"  # CPU ranks ignore the offload, saying so (fsdp.py)
+    return {
+        "strategy": "fsdp",
+        "fsdp": {
+            "sharded_blocks": len(blocks),
+            "root_only": not blocks,
+            "reshard_after_forward": d.fsdp_reshard_after_forward,
+            "cpu_offload": d.fsdp_cpu_offload and on_gpu,
+        },
     }
 
 

@@ -53,6 +53,7 @@ class StepOptimizers(Mapping):
         self.final = True  # whether this micro-batch ends the step (step() acts)
         self._norms: dict[str, torch.Tensor] = {}
         self.skipped = 0
+        self.sharded = False  # FSDP: gradients arrive averaged, as shards (fsdp.py)
 
     # -- the mapping: name → optimizer ----------------------------------------------------
     def __getitem__(self, name: str) -> torch.optim.Optimizer:
@@ -84,7 +85,23 @@ class StepOptimizers(Mapping):
         if self.scalers is not None:
             loss = self.scalers[name].scale(loss)
         with torch.autocast(self.device.type, enabled=False):
-            loss.backward(inputs=params)
+            if self.sharded:
+                self._sharded_backward(loss, name)
+            else:
+                loss.backward(inputs=params)
+
+    def _sharded_backward(self, loss: torch.Tensor, name: str) -> None:
+        """FSDP: gradients reach the shards through its reduce-scatter after the gathered
+        parameters' backward, which ``backward(inputs=shards)`` would never run. So a whole
+        backward, and the other optimizers' gradients are put back as they were (the loop
+        reduces every micro-batch for a task's own step, so none wait unreduced)."""
+        others = [q for e in self._opts.values() if e.name != name for q in e.params]
+        kept = [q.grad for q in others]
+        for q in others:
+            q.grad = None
+        loss.backward()
+        for q, g in zip(others, kept, strict=True):
+            q.grad = g
 
     def step(self, name: str) -> None:
         """At the step's last micro-batch: average, unscale, clip, check, step, zero."""
@@ -92,11 +109,12 @@ class StepOptimizers(Mapping):
             return
         entry = self._entry(name)
         params = [q for q in entry.params if q.requires_grad]
-        average(params, self.world_size)
+        if not self.sharded:
+            average(params, self.world_size)
         scaler = self.scalers[name] if self.scalers is not None else None
         if scaler is not None:
             scaler.unscale_(entry.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm)
+        norm = self._clip(params, self.max_norm)
         self._norms[name] = norm
         if scaler is not None:  # an overflow is the scaler's to skip
             scaler.step(entry.optimizer)
@@ -110,7 +128,14 @@ class StepOptimizers(Mapping):
     def clip(self, name: str, max_norm: float) -> torch.Tensor:
         """Clip optimizer ``name``'s gradients to ``max_norm`` now (after :meth:`step`
         averaged them the engine clips to ``train.clip_grad_norm`` anyway)."""
-        return torch.nn.utils.clip_grad_norm_(self._entry(name).params, max_norm)
+        return self._clip(self._entry(name).params, max_norm)
+
+    def _clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        if self.sharded:
+            from .fsdp import total_norm
+
+            return total_norm(params, max_norm)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def finish(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
         """After the step's last micro-batch: the norm over all, each one's, and skips."""
@@ -146,7 +171,8 @@ def for_task(task, opts: Optimizers, train, d, scaler) -> StepOptimizers | None:
         return None
     scalers = None
     if scaler is not None:
-        scalers = {e.name: torch.amp.GradScaler(d.device.type) for e in opts.entries}
+        # The run's kind of scaler (FSDP's sharded one agrees on an overflow over the ranks).
+        scalers = {e.name: type(scaler)(d.device.type) for e in opts.entries}
     return StepOptimizers(
         opts,
         d.device,

@@ -14,7 +14,7 @@ BUILTIN: dict[str, tuple[str, type]] = {
     "transformer": ("gpu_console.tasks.transformer:TransformerTask", TransformerConfig),
 }
 
-# Built-in tasks that name their blocks (``checkpoint_blocks``) for activation checkpointing.
+# Built-in tasks that name their blocks (``blocks``) for activation checkpointing.
 WITH_BLOCKS = frozenset({"transformer"})
 
 

@@ -27,7 +27,7 @@ def check(kind: str, table: dict) -> dict:
         "errors": errors,
         "task": None if errors else schema.to_dict(cfg),
         # Activation checkpointing needs it (launch.py checks it against the profile).
-        "checkpoint_blocks": callable(getattr(cls, "checkpoint_blocks", None)),
+        "blocks": callable(getattr(cls, "blocks", None)),
     }
 
 

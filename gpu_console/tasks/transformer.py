@@ -73,8 +73,9 @@ class TransformerTask:
     def build_model(self) -> nn.Module:
         return Encoder(self.cfg)
 
-    def checkpoint_blocks(self, model: Encoder) -> list[nn.Module]:
-        """The blocks ``train.activation_checkpointing`` recomputes: the encoder layers."""
+    def blocks(self, model: Encoder) -> list[nn.Module]:
+        """The model's repeated blocks, the encoder layers: the unit of sharding
+        (``distributed.strategy = "fsdp"``) and of ``train.activation_checkpointing``."""
         return list(model.blocks)
 
     def flops_per_sample(self) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..events import JsonlTail
 from ..fold import RunFold, shown_state
-from ..format import optimizer_line
+from ..format import optimizer_line, strategy_text
 from ..runs import FINAL_STATES, current_session, list_checkpoints, read_json, read_status
 from . import reader
 from .devices import DeviceFeed, DeviceView
@@ -87,6 +87,7 @@ class RunSnapshot:
     train_metrics: dict[str, float] = field(default_factory=dict)  # the newest of each
     eval_progress: dict[str, Any] | None = None  # the eval in progress: step, done, total
     compiling_since: float | None = None  # train.compile: when the first step's compile began
+    strategy: str | None = None  # "fsdp (2 blocks + root)"; None under DDP (format.py)
 
     @property
     def ended(self) -> bool:
@@ -389,6 +390,7 @@ class RunFeed:
             world_size=m.start.get("world_size") or st.get("world_size"),
             device_type=device_type or (self.session.get("placement") or {}).get("device_type"),
             precision=m.start.get("precision"),
+            strategy=strategy_text(m.start) if m.start.get("strategy") == "fsdp" else None,
             task=m.start.get("task"),
             params=m.start.get("params"),
             elapsed_s=((ended or now) - started) if started else None,

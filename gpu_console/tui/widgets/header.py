@@ -35,6 +35,8 @@ def header_text(s: RunSnapshot, command: Text | None = None, readonly: bool = Fa
     t.append("\n")
     where = f"{s.world_size or '-'}× {s.device_type or '-'}"
     t.append(f"{s.precision or '-'} · {where}", style="dim")
+    if s.strategy:
+        t.append(f" · {s.strategy}", style="dim")
     if s.task:
         t.append(f" · {s.task}", style="dim")
     t.append("  loss ")
