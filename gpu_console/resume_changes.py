@@ -70,6 +70,8 @@ TABLE: dict[str, tuple[str, str]] = {
         "match them (the ranks say so in one line when they do not)",
     ),
     "train.deterministic": (APPLIED, "set in every rank before CUDA starts"),
+    "train.compile": (APPLIED, "compiled or not, the checkpoint's names are the same"),
+    "train.activation_checkpointing": (APPLIED, "what is recomputed, not what is computed"),
     "train.precision": (APPLIED, "the weights are kept in fp32: autocast changes, they do not"),
     "train.grad_accum": (WARNING, f"the global batch changes; {_SPLIT}"),
     "train.seed": (

@@ -91,15 +91,18 @@ class RankOneKilledOnce(MLPTask):
 
 
 def test_max_restarts_restarts_the_group_and_resumes_from_latest(procs, runs_dir, tmp_path):
-    # The rank kills itself in step 8, past the (synchronous) checkpoint of step 5, so the
-    # test does not race a run that on a fast machine can end before an outside kill lands.
+    # The rank kills itself in step 8, past the checkpoint of step 5, so the test does not
+    # race a run that on a fast machine can end before an outside kill lands. The write is
+    # synchronous, so step 5 is on disk by then (a crash during a background write loses
+    # that write: test_checkpoint_async's kill -9).
     profile = task_profile(
         tmp_path,
         "killed",
         RANK_1_KILLED_ONCE,
         "RankOneKilledOnce",
         max_steps=40,
-        extra="[distributed]\nmax_restarts = 1\n[checkpoint]\nevery_steps = 5\nkeep_last = 0\n",
+        extra="[distributed]\nmax_restarts = 1\n[checkpoint]\nevery_steps = 5\nkeep_last = 0\n"
+        "async_write = false\n",
     )
     console = procs.start(
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path

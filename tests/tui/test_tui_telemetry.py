@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import REPO, Procs, fast_profile, only_run
+from conftest import REPO, Procs, only_run, paced_profile
 from conftest import test_env as cli_env
 from test_telemetry_fake import FakeNvml, install
 from tui_support import screen_text, until
@@ -28,10 +28,12 @@ def headless_run(tmp_path_factory):
     path = os.pathsep.join(p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p)
     env = cli_env(GPU_CONSOLE_FAKE_NVML="nvml_run_fake:two_gpus", PYTHONPATH=path)
     try:
-        profile = fast_profile(tmp, max_steps=60)
+        # Paced (3 s at least): the ranks live for several of the supervisor's ticks, so each
+        # rank's history has two samples or more however fast the machine and the start-up.
+        profile = paced_profile(tmp, max_steps=60)
         done = procs.cli(
             "run", str(profile), "--headless", "--devices", "cpu:2", "--runs-dir", str(runs),
-            env=env,
+            cwd=tmp, env={**env, "PACE_S": "0.05"},
         )  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         yield only_run(runs)
