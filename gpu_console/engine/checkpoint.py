@@ -316,6 +316,12 @@ def resume(path: Path, model, optimizers, scaler, rank: int, world_size: int) ->
     loaded = _tensors(state.get("optimizers") or state["optimizer"])
     for entry in optimizers.entries:
         _own_optimizer_state(entry.optimizer, loaded)
+    return resumed_rest(state, scaler, rank, world_size)
+
+
+def resumed_rest(state: dict[str, Any], scaler, rank: int, world_size: int) -> Resumed:
+    """What every checkpoint layout keeps in its state dict (sharded ones too): the scaler(s)
+    loaded, and the step, data position, this rank's RNG and the task states read."""
     if isinstance(scaler, dict):  # a task's own step: one per optimizer, by name
         for name, one in scaler.items():
             if (state.get("scaler") or {}).get(name):

@@ -222,20 +222,7 @@ def resume(path: Path, model, optimizers, scaler, rank: int, world_size: int) ->
             e.scheduler.load_state_dict(scheds[e.name])
         if settings is not None:
             settings.restore(e.optimizer, e.scheduler)
-    if isinstance(scaler, dict):
-        for name, one in scaler.items():
-            if (state.get("scaler") or {}).get(name):
-                one.load_state_dict(state["scaler"][name])
-    elif scaler is not None and state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
-    ranks = state.get("ranks") or []
-    rng = ranks[rank]["rng"] if len(ranks) == world_size else None
-    world = int(state.get("world_size") or len(ranks) or 1)
-    task = [r.get("task") for r in ranks] if any("task" in r for r in ranks) else None
-    return Resumed(
-        int(state["step"]), dict(state["data"]), rng, len(ranks), world, task,
-        state.get("evaluated_at"),
-    )  # fmt: skip
+    return plain.resumed_rest(state, scaler, rank, world_size)
 
 
 def model_state(path: Path) -> dict[str, Any]:
