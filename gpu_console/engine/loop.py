@@ -376,8 +376,6 @@ def _train(
                 run_dir, step, reason, model, opts, state, rank_state, p.checkpoint.keep_last,
                 d.is_main, writes, best.for_save(step),
             )  # fmt: skip
-            if outcome["ok"]:
-                outcome["event"].setdefault("blocked_s", outcome["event"].get("seconds"))
             return settle({**outcome, "step": step, "reason": reason})
         outcome = writer.start(
             step, reason, state, rank_state, best.for_save(step), requested, waited

@@ -116,7 +116,9 @@ def save(
         else:
             try:
                 event = _finish(ckpts, tmp, step, reason, state, gathered, keep_last, best)
-                event["seconds"] = round(time.perf_counter() - started, 4)
+                seconds = round(time.perf_counter() - started, 4)
+                # Synchronous: training was blocked for all of it (checkpoint.save's fields).
+                event.update(seconds=seconds, blocked_s=seconds, waited_s=0.0)
                 outcome[0] = {"ok": True, "event": event}
             except OSError as e:
                 outcome[0] = _failed(run_dir, str(e))
