@@ -18,6 +18,7 @@ from conftest import (
     only_run,
     read_events,
     read_status,
+    run_dirs,
     wait_for,
 )
 from conftest import test_env as cli_env
@@ -114,7 +115,7 @@ def test_a_stop_ends_the_run_through_on_train_end_on_every_rank(
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=REPO,
         env=cli_env(PACE_S="0.01"),
     )  # fmt: skip
-    run = wait_for(lambda: runs_dir.is_dir() and only_run(runs_dir), what="the run directory")
+    run = wait_for(lambda: run_dirs(runs_dir) and only_run(runs_dir), what="the run directory")
     wait_for(lambda: any(e["step"] >= 12 for e in events_of(run, "step")), what="step 12")
     if how == "control":
         append_control(run, "stop")
@@ -146,7 +147,7 @@ def test_task_state_resumes_exactly_per_rank(procs, runs_dir, tmp_path):
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=REPO,
         env=cli_env(PACE_S="0.05"),  # slow enough to be stopped well before the end
     )  # fmt: skip
-    run = wait_for(lambda: runs_dir.is_dir() and only_run(runs_dir), what="the run directory")
+    run = wait_for(lambda: run_dirs(runs_dir) and only_run(runs_dir), what="the run directory")
     wait_for(lambda: any(e["step"] >= 7 for e in events_of(run, "step")), what="step 7")
     append_control(run, "stop")
     out, err = console.communicate(timeout=120)
