@@ -21,7 +21,7 @@ from typing import Any
 
 from ..events import JsonlTail
 from ..fold import RunFold, shown_state
-from ..format import optimizer_line, strategy_text
+from ..format import human_bytes, optimizer_line, strategy_text
 from ..runs import FINAL_STATES, current_session, list_checkpoints, read_json, read_status
 from . import reader
 from .devices import DeviceFeed, DeviceView
@@ -147,7 +147,7 @@ class RunModel(RunFold):
             self._add_eval(e)
         elif kind == "checkpoint":
             size = e.get("bytes")
-            size_text = f", {size / 2**20:.1f} MiB" if isinstance(size, (int, float)) else ""
+            size_text = f", {human_bytes(size)}" if isinstance(size, (int, float)) else ""
             self._log(
                 LogLine("checkpoint", f"checkpoint @ step {e.get('step')} ({e.get('reason')}"
                         f"{size_text})", e.get("t"))

@@ -215,3 +215,17 @@ def test_the_log_pane_says_which_optimizers_were_built():
         "optimizer d: Adam (foreach), 1 group, lr 0.003, schedule none",
         "optimizer g: SGD (foreach), 2 groups, lr 0.003, schedule plateau on eval val/loss",
     ]
+
+
+def test_the_log_pane_gives_a_small_checkpoint_its_own_unit():
+    # A 50 KiB checkpoint (a small model) once read "0.0 MiB".
+    model = RunModel()
+    model.apply({"kind": "checkpoint", "t": 1.0, "step": 10, "reason": "interval",
+                 "bytes": 50 * 1024})  # fmt: skip
+    model.apply({"kind": "checkpoint", "t": 2.0, "step": 20, "reason": "stop",
+                 "bytes": 3 * 2**30})  # fmt: skip
+    texts = [line.text for line in model.logs]
+    assert texts == [
+        "checkpoint @ step 10 (interval, 50.0 KiB)",
+        "checkpoint @ step 20 (stop, 3.0 GiB)",
+    ]
