@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ...headless import human_bytes, human_duration
+from ...format import human_bytes, human_duration
 
 __all__ = ["human_bytes", "human_duration", "spark", "bar", "ago", "STATE_STYLE", "num"]
 
