@@ -199,9 +199,12 @@ class Procs:
         env: dict | None = None,
         timeout: float = DEADLINE_S,
         input: str | None = None,
+        prefix: list[str] | None = None,
     ) -> subprocess.CompletedProcess:
-        """Run ``gpu-console ARGS`` to completion (as a user would, in a subprocess)."""
-        proc = self.start(*args, cwd=cwd, env=env, stdin=subprocess.PIPE if input else None)
+        """Run ``gpu-console ARGS`` to completion (as a user would, in a subprocess);
+        ``prefix``: a command it runs under (:func:`unprivileged`)."""
+        stdin = subprocess.PIPE if input else None
+        proc = self.start(*args, cwd=cwd, env=env, stdin=stdin, prefix=prefix)
         try:
             out, err = proc.communicate(input=input, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -218,10 +221,11 @@ class Procs:
         stdin=None,
         new_session: bool = True,
         stdout=subprocess.PIPE,
+        prefix: list[str] | None = None,
     ) -> subprocess.Popen:
         """Start ``gpu-console ARGS``; ``stdout`` may be an open file a test polls."""
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gpu_console", *args],
+            [*(prefix or []), sys.executable, "-m", "gpu_console", *args],
             cwd=cwd or self.runs_dir.parent,
             env=env or test_env(),
             stdin=stdin or subprocess.DEVNULL,
@@ -400,3 +404,20 @@ class Hanging(MLPTask):
             time.sleep(600)
         return super().compute(model, batch)
 """
+
+
+# -- permission faults that root writes through ---------------------------------------------
+
+
+def unprivileged() -> list[str]:
+    """A command prefix that runs a program without the power to ignore file permissions:
+    as root, ``setpriv`` drops CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH, so a chmod 0500
+    directory refuses it as it would refuse any user (the interpreter, perhaps under a /root
+    only root may enter, still runs). Not root: nothing to drop."""
+    if os.geteuid() != 0:
+        return []
+    import shutil
+
+    if shutil.which("setpriv") is None:
+        pytest.fail("setpriv (util-linux) is needed to test permission faults as root")
+    return ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]

@@ -6,10 +6,13 @@ import json
 import os
 import re
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import repo_pythonpath, unprivileged
 
 from gpu_console import devices, launch, runs
 from gpu_console.devices import DeviceSpec, DeviceSpecError, Placement, parse_devices, place
@@ -181,14 +184,25 @@ def test_create_run_dir_when_the_runs_dir_is_a_file(tmp_path):
     assert blocker.read_text() == "x"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through chmod 0500")
 def test_create_run_dir_when_the_runs_dir_is_read_only(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
+    # Root writes through chmod 0500: create it in a process without that power (conftest).
+    code = (
+        "import sys; from gpu_console import runs\n"
+        "try:\n    runs.create_run_dir(sys.argv[1], 'x')\n"
+        "except runs.RunDirError as e:\n    print(e); sys.exit(3)\n"
+    )
     try:
-        with pytest.raises(RunDirError, match="not writable"):
-            runs.create_run_dir(ro, "x")
+        env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
+        done = subprocess.run(
+            [*unprivileged(), sys.executable, "-c", code, str(ro)],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 3, done.stdout + done.stderr
+        assert done.stdout.strip() == f"{ro}: the runs directory is not writable", done.stdout
+        assert list(ro.iterdir()) == []
     finally:
         ro.chmod(0o700)
 
