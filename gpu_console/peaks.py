@@ -117,10 +117,6 @@ def normalise(name: str) -> str:
     return " ".join(n.split())
 
 
-def known_gpus() -> list[str]:
-    return [row[0] for row in _TABLE]
-
-
 def matmul_precision(precision: str, tf32: bool) -> str:
     """The precision the run's matmuls use: fp32 runs use TF32 where it is allowed."""
     return "tf32" if precision == "fp32" and tf32 else precision

@@ -19,7 +19,6 @@ from ..runs import FINAL_STATES, RunDirError, find_run, read_status
 from ..state import derived_state
 from .runs import ACK_TIMEOUT_S, _live
 
-DEFAULT_STEPS = 5
 MAX_STEPS = 1000  # engine/control.py's MAX_PROFILE_STEPS: the engine rejects more
 
 

@@ -31,8 +31,6 @@ import torch
 from .context import TaskContext
 from .data import Batches
 
-REASONS = ("finished", "stopped", "signal")
-
 
 def attach(task: Any, ctx: TaskContext) -> None:
     """Give the task its context (``task.ctx``) before the engine calls anything of it."""
