@@ -28,13 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
+
+from . import torch_private
 
 HOOK = "blocks"
 
@@ -100,28 +100,37 @@ def _wrap(block: nn.Module, context_fn) -> None:
     block.forward = forward  # an instance attribute: names and state_dict keys unchanged
 
 
-class _Held(TorchDispatchMode):
-    """Every storage the ops create, weakly: what is still alive after the forward is what
-    autograd (or a checkpoint) keeps for the backward."""
+@functools.cache
+def _held_mode() -> type:
+    """The dispatch mode that counts held storages, built on first use: its base class is a
+    private torch API (torch_private.py), which a run without this measurement never loads."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        # By address: a view shares its base's storage. An address freed and reused by a
-        # later tensor is that tensor's (the allocator recycles memory within the forward).
-        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
+    class Held(torch_private.dispatch_mode_base()):
+        """Every storage the ops create, weakly: what is still alive after the forward is
+        what autograd (or a checkpoint) keeps for the backward."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                s = t.untyped_storage()
-                known = self.made.get(s.data_ptr())
-                if known is None or known[0].expired():
-                    self.made[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
-        return out
+        def __init__(self) -> None:
+            super().__init__()
+            # By address: a view shares its base's storage. An address freed and reused by a
+            # later tensor is that tensor's (the allocator recycles memory in the forward).
+            self.made: dict[int, tuple[StorageWeakRef, int]] = {}
 
-    def alive(self, skip: set[int]) -> int:
-        return sum(n for k, (ref, n) in self.made.items() if k not in skip and not ref.expired())
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in torch_private.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    s = t.untyped_storage()
+                    known = self.made.get(s.data_ptr())
+                    if known is None or known[0].expired():
+                        self.made[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+            return out
+
+        def alive(self, skip: set[int]) -> int:
+            return sum(
+                n for k, (ref, n) in self.made.items() if k not in skip and not ref.expired()
+            )
+
+    return Held
 
 
 def held_bytes(task: Any, model: nn.Module, batch: Any, autocast) -> int:
@@ -129,10 +138,11 @@ def held_bytes(task: Any, model: nn.Module, batch: Any, autocast) -> int:
     device = next(model.parameters()).device
     kept = {name: b.detach().clone() for name, b in model.named_buffers()}
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    own |= {t.untyped_storage().data_ptr() for t in tree_leaves(batch) if torch.is_tensor(t)}
+    leaves = torch_private.tree_leaves(batch)
+    own |= {t.untyped_storage().data_ptr() for t in leaves if torch.is_tensor(t)}
     forked = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked, device_type=device.type):
-        held = _Held()
+        held = _held_mode()()
         with held, autocast:
             result = task.compute(model, batch)
         size = held.alive(own)

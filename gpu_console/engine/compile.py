@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import torch_private
+
 
 def mode_of(setting: bool | str) -> str | None:
     """``train.compile`` as a torch.compile mode; None: not compiled."""
@@ -40,10 +42,8 @@ def mode_of(setting: bool | str) -> str | None:
     return "default" if setting is True else str(setting)
 
 
-def _graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
+def _graphs() -> int | None:
+    return torch_private.unique_graphs()
 
 
 class Compiled:
@@ -64,9 +64,7 @@ class Compiled:
     def apply(self, model: nn.Module) -> None:
         if not self.on:
             return
-        import torch._dynamo
-
-        torch._dynamo.config.optimize_ddp = True  # DDPOptimizer (the default, said here)
+        torch_private.compile_for_ddp()
         model.compile(mode=self.mode)
 
     def begin(self, status) -> None:
@@ -82,14 +80,16 @@ class Compiled:
             return
         self.seconds = time.time() - (self.began or time.time())
         self.graphs = _graphs()
-        log("info", f"compiled ({self.mode}) in {self.seconds:.1f} s: {self.graphs} graph(s)")
+        graphs = f": {self.graphs} graph(s)" if self.graphs is not None else ""
+        log("info", f"compiled ({self.mode}) in {self.seconds:.1f} s{graphs}")
         status("running", reason="compiled", compiled_s=round(self.seconds, 3))
 
     def check(self, log) -> None:
         """At a log step: recompiles since the first step, warned about as they grow."""
-        if self.graphs is None:
+        now = _graphs()
+        if self.graphs is None or now is None:  # this torch does not count graphs
             return
-        self.recompiles = max(0, _graphs() - self.graphs)
+        self.recompiles = max(0, now - self.graphs)
         if self.recompiles > self._warned:
             self._warned = self.recompiles
             log(

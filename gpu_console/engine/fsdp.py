@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import torch_private
 from .precision import DTYPES
 
 
@@ -124,7 +125,7 @@ def shard(model: nn.Module, task, cfg, precision: str, optimizers, warn) -> Shar
     # FSDP takes the first module to run forward for its root. A task's own train_step may
     # call blocks directly (a GAN's generator, then its discriminator): the root is made the
     # root now, before any of them runs.
-    model._get_fsdp_state()._lazy_init()
+    torch_private.fsdp_make_root(model)
     now = dict(model.named_parameters())
     for entry in optimizers.entries:
         _repoint(entry, names, now)

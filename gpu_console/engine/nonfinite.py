@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import torch_private
+
 ENV = "GPU_CONSOLE_NONFINITE_CHECK"
 
 
@@ -119,11 +121,11 @@ class Guard:
 def rewind_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, steps: int) -> None:
     """Put a LambdaLR (and its optimizer's lrs) back ``steps`` steps, as if never taken."""
     scheduler.last_epoch -= steps
-    scheduler._step_count -= steps
+    torch_private.rewind_step_count(scheduler, steps)
     lrs = [
         base * fn(scheduler.last_epoch)
         for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)
     ]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
-    scheduler._last_lr = lrs
+    torch_private.set_last_lr(scheduler, lrs)

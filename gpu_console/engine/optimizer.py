@@ -24,25 +24,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import torch_private
+
 # Modules whose parameters never decay under "matrices", whatever their shape.
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
-_NORMS = tuple(
-    getattr(nn, name)
-    for name in ("LayerNorm", "GroupNorm", "RMSNorm", "LocalResponseNorm")
-    if hasattr(nn, name)
-) + (nn.modules.batchnorm._NormBase,)  # BatchNorm*, SyncBatchNorm, InstanceNorm*
+_NORMS = torch_private.norm_layer_types()
 
 
 def resolve_impl(requested: str, device_type: str) -> str:
     """``auto`` → ``fused`` where this torch has a fused AdamW for the device, else foreach."""
     if requested != "auto":
         return requested
-    try:  # private, but the list AdamW itself checks ``fused=True`` against
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-        fused = device_type in _get_fused_kernels_supported_devices()
-    except ImportError:
-        fused = device_type == "cuda"
+    fused = device_type in torch_private.fused_kernel_devices()
     return "fused" if fused else "foreach"
 
 

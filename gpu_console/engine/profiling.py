@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import torch_private
 from .control import MAX_PROFILE_STEPS
 
 WARMUP_STEPS = 1
@@ -202,8 +203,7 @@ def record_memory_history(enabled: bool, device: torch.device) -> str:
         return "off"
     if device.type != "cuda":
         return "no effect without CUDA"
-    torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
-    return "on"
+    return torch_private.record_memory_history(MEMORY_HISTORY_ENTRIES)
 
 
 def dump_memory_snapshot(run_dir: Path, rank: int, recording: str) -> Path | None:
@@ -213,7 +213,7 @@ def dump_memory_snapshot(run_dir: Path, rank: int, recording: str) -> Path | Non
         return None
     path = Path(run_dir) / f"oom-memory-rank{rank}.pickle"
     try:
-        torch.cuda.memory._dump_snapshot(str(path))
+        torch_private.dump_memory_snapshot(str(path))
     except Exception:
         return None
     return path if path.is_file() else None

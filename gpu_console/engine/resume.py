@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import torch_private
 from .data import DataPosition
 
 
@@ -55,7 +56,7 @@ class Settings:
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         # What get_last_lr() (the step events' lr) reads; the scheduler sets it the same way.
-        scheduler._last_lr = list(lrs)
+        torch_private.set_last_lr(scheduler, lrs)
 
 
 def _steps_to_device(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:

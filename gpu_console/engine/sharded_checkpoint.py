@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..runs import atomic_write_text, fsync_dir, latest_checkpoint
 from . import checkpoint as plain
+from . import torch_private
 from .checkpoint import BEST, STATE, TMP, Resumed, _fsync_file, step_dir_name
 from .optimizer import ParamGroupError
 
@@ -230,6 +231,4 @@ def resume(path: Path, model, optimizers, scaler, rank: int, world_size: int) ->
 def model_state(path: Path) -> dict[str, Any]:
     """The whole model's state_dict from a sharded checkpoint, in this process (no process
     group: what ``gpu-console export`` runs)."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-    return _load_state_dict_from_keys({"model"}, checkpoint_id=str(path))["model"]
+    return torch_private.load_state_dict_from_keys({"model"}, str(path))["model"]

@@ -1,0 +1,123 @@
+"""Private torch APIs are reached through one door (engine/torch_private.py), and each of
+its functions works on the installed torch."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gpu_console.engine import torch_private
+
+PACKAGE = Path(__file__).resolve().parent.parent / "gpu_console"
+DOOR = PACKAGE / "engine" / "torch_private.py"
+# Private names of torch objects that are not reached through ``torch.``/``nn.`` spelled out.
+KNOWN_PRIVATE = {
+    "_last_lr", "_step_count", "_get_fsdp_state", "_lazy_init", "_NormBase",
+    "_record_memory_history", "_dump_snapshot", "_load_state_dict_from_keys",
+}  # fmt: skip
+TORCH_ROOTS = {"torch", "nn", "dist", "F"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def private_uses(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        where = f"{path.name}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            parts = node.module.split(".") + [a.name for a in node.names]
+            if any(_private(p) for p in parts):
+                found.append(f"{where}: from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("torch") and any(_private(p) for p in a.name.split(".")):
+                    found.append(f"{where}: import {a.name}")
+        elif (
+            isinstance(node, ast.Attribute)
+            and _private(node.attr)
+            and (node.attr in KNOWN_PRIVATE or _root(node) in TORCH_ROOTS)
+        ):
+            found.append(f"{where}: .{node.attr}")
+    return found
+
+
+def test_no_module_but_the_door_reaches_a_private_torch_api():
+    uses = [u for p in sorted(PACKAGE.rglob("*.py")) if p != DOOR for u in private_uses(p)]
+    assert not uses, "private torch APIs outside engine/torch_private.py:\n" + "\n".join(uses)
+
+
+def test_the_check_sees_a_private_use(tmp_path):
+    # The scan above must be able to fail: each spelling it looks for is caught.
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import torch._dynamo\n"
+        "from torch.utils._pytree import tree_leaves\n"
+        "x = torch.cuda.memory._record_memory_history\n"
+        "def f(s):\n    s._last_lr = [1.0]\n"
+    )
+    assert len(private_uses(probe)) == 4, private_uses(probe)
+
+
+def test_norm_layers_cover_batch_and_instance_norms():
+    kinds = torch_private.norm_layer_types()
+    for layer in (nn.BatchNorm1d(3), nn.BatchNorm2d(3), nn.InstanceNorm2d(3), nn.LayerNorm(3)):
+        assert isinstance(layer, kinds), type(layer)
+    assert not isinstance(nn.Linear(2, 2), kinds)
+
+
+def test_fused_kernel_devices_is_a_list_of_device_types():
+    devices = torch_private.fused_kernel_devices()
+    assert isinstance(devices, list) and "cuda" in devices
+
+
+def test_tree_leaves_and_its_fallback_agree():
+    tree = {"a": [1, (2, torch.ones(1))], "b": 3}
+    leaves = torch_private.tree_leaves(tree)
+    assert [x for x in leaves if not torch.is_tensor(x)] == [1, 2, 3]
+    assert len(leaves) == 4
+    assert len(torch_private._leaves(tree)) == 4
+
+
+def test_a_dispatch_mode_sees_the_ops_of_a_forward():
+    seen = []
+
+    class Spy(torch_private.dispatch_mode_base()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        torch.ones(2) @ torch.ones(2)
+    assert any("dot" in s or "mm" in s or "matmul" in s for s in seen), seen
+
+
+def test_scheduler_lr_and_step_count_are_set_where_torch_reads_them():
+    opt = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    opt.step(), sched.step(), opt.step(), sched.step()
+    torch_private.set_last_lr(sched, [0.125])
+    assert sched.get_last_lr() == [0.125]
+    before = sched._step_count
+    torch_private.rewind_step_count(sched, 2)
+    assert sched._step_count == before - 2
+
+
+def test_compile_counters_are_readable():
+    assert isinstance(torch_private.unique_graphs(), int)
+
+
+def test_memory_snapshot_functions_exist_on_this_torch():
+    # Recording needs CUDA; on this torch the functions must at least be there to call.
+    assert callable(getattr(torch.cuda.memory, "_record_memory_history", None))
+    assert callable(getattr(torch.cuda.memory, "_dump_snapshot", None))
