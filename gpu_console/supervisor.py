@@ -687,7 +687,7 @@ def write_status_on_full_disk(run_dir: Path, status: dict[str, Any], last: bool 
     ``last``: the run's end, the one write that must land: the supervisor's reserve is
     freed for it. Only for it: a status.json late by a tick while running costs nothing, a
     final one lost leaves the run ``running`` forever."""
-    for attempt in range(2 if last else 1):
+    for attempt in range(2):
         try:
             runs.write_status(run_dir, status)
             return True
@@ -697,7 +697,7 @@ def write_status_on_full_disk(run_dir: Path, status: dict[str, Any], last: bool 
                 raise
             status["disk_full"] = f"status.json not written at {time.strftime('%H:%M:%S')}: {full}"
             _log_line(status["disk_full"])
-            if attempt or not diskfull.free_reserve(run_dir, "supervisor"):
+            if not last or attempt or not diskfull.free_reserve(run_dir, "supervisor"):
                 return False
     return False
 
