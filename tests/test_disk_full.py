@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Procs, events_of, only_run, read_status
+from conftest import Procs, events_of, only_run, read_status, run_dirs, test_env, wait_for
 
 from gpu_console import diskfull
 from gpu_console.engine import checkpoint
@@ -33,7 +33,8 @@ class Disk:
         _mount("-o", f"remount,size={size}", str(self.path))
 
     def fill(self, name: str = "ballast") -> Path:
-        """Take every free byte: writes of a page, then of a byte, until ENOSPC."""
+        """Take every free byte: writes of a page, then of a byte, until ENOSPC (what a
+        process then frees is free again: a test asserts what it needs)."""
         path = self.path / name
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         try:
@@ -45,7 +46,6 @@ class Disk:
                     assert e.errno == errno.ENOSPC
         finally:
             os.close(fd)
-        assert diskfull.free_bytes(self.path) == 0
         return path
 
 
@@ -123,6 +123,7 @@ def test_events_on_a_full_disk_wait_and_never_tear_a_line(small_disk):
     w.emit("status", state="running")
     size = path.stat().st_size  # its page has room for a few KiB more: a short write
     ballast = small_disk.fill()
+    assert diskfull.free_bytes(small_disk.path) == 0
     w.emit("log", level="info", message="x" * 20_000)  # fills the page's rest, then ENOSPC
     w.emit("step", step=1, loss=0.5)
     assert path.stat().st_size == size  # the half line was cut back off
@@ -225,5 +226,36 @@ def test_a_run_on_a_full_disk_goes_on_and_resumes_exactly(small_disk, tmp_path):
         got = _losses(run)
         after = [s for s in range(resumed_from + 1, 61)]
         assert [got[s] for s in after] == [expected[s] for s in after]  # bit for bit
+    finally:
+        procs.cleanup()
+
+
+def test_a_run_whose_events_cannot_be_written_ends_failed_in_one_line(small_disk):
+    # The disk fills up for good: no event gets out, so the run stops, every rank at once,
+    # exit 1, and the reason lands in events.jsonl and status.json through the reserves.
+    runs = small_disk.path / "runs"
+    procs = Procs(runs)
+    try:
+        console = procs.start(
+            "run", "quickstart", "--headless", "--runs-dir", str(runs), "--devices", "cpu:2",
+            "--set", "train.max_steps=1000000", "--set", "checkpoint.every_steps=0",
+            env=test_env(GPU_CONSOLE_EVENTS_GIVE_UP_S="3"),
+        )  # fmt: skip
+        run = wait_for(lambda: run_dirs(runs) and only_run(runs), what="the run directory")
+        wait_for(lambda: len(events_of(run, "step")) >= 2, what="training")
+        small_disk.fill()
+        out, err = console.communicate(timeout=120)
+        assert console.returncode == 1, out + err
+        reason = rf"events.jsonl not written for \d+ s: no space left on {small_disk.path} \("
+        assert re.search(rf"^state: failed \({reason}.*\)$", out, re.M), out
+        status = read_status(run)
+        row = _ls_row(procs, runs)
+        for view in (status, row):
+            assert (view["state"], view["step"], view["exit_code"]) == (
+                "failed",
+                events_of(run, "status")[-1]["step"],
+                1,
+            ), view
+            assert re.match(reason, view["reason"]) and "\n" not in view["reason"]
     finally:
         procs.cleanup()
