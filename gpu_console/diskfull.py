@@ -109,6 +109,19 @@ def classify(exc: BaseException, where: Path | str, need: int | None = None) -> 
     return None
 
 
+def short_of_room(where: Path | str, need: int) -> DiskFull | None:
+    """A :class:`DiskFull` when less than ``need`` bytes are free on ``where``'s disk."""
+    free = free_bytes(where)
+    if free is not None and free < need:
+        return DiskFull(errno.ENOSPC, mount_of(where), free)
+    return None
+
+
+# What a session writes before its first checkpoint, the reserves above all: a resume
+# refused up front leaves nothing half-done (run.toml rewritten, meta.json not).
+SESSION_ROOM = 2 * RESERVE_BYTES + LOW_SPACE
+
+
 def reserve_path(run_dir: Path, writer: str) -> Path:
     return Path(run_dir) / f".reserve-{writer}"
 

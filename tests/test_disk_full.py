@@ -210,6 +210,17 @@ def test_a_run_on_a_full_disk_goes_on_and_resumes_exactly(small_disk, tmp_path):
         leftovers = [p.name for p in run.rglob("*") if ".tmp" in p.name]
         assert leftovers == [], leftovers
 
+        # Without room, a resume is refused before it writes anything.
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        refused = procs.cli(
+            "run", "quickstart", "--headless", "--runs-dir", str(runs),
+            "--resume", str(run), *FULL_RUN,
+        )  # fmt: skip
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        (line,) = refused.stderr.strip().splitlines()
+        assert re.search(rf"cannot continue the run: no space left on {small_disk.path} \(", line)
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
         # Room again: the resume continues from LATEST as if the disk had never filled up.
         small_disk.resize("64m")
         again = procs.cli(
