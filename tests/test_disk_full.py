@@ -10,12 +10,14 @@ import re
 import subprocess
 from pathlib import Path
 
+import conftest
 import pytest
 import torch
-from conftest import Procs, events_of, only_run, read_status, run_dirs, test_env, wait_for
+from conftest import Procs, events_of, only_run, read_status, run_dirs, wait_for
 
-from gpu_console import diskfull
+from gpu_console import diskfull, events
 from gpu_console.engine import checkpoint
+from gpu_console.engine.reporter import Reporter
 from gpu_console.events import EventWriter
 from gpu_console.supervisor import write_status_on_full_disk
 
@@ -137,6 +139,29 @@ def test_events_on_a_full_disk_wait_and_never_tear_a_line(small_disk):
     w.close()
 
 
+def test_a_long_full_disk_loses_old_step_events_first_and_says_so(small_disk, monkeypatch):
+    monkeypatch.setattr(events, "MAX_PENDING", 3)
+    out = Reporter(small_disk.path, active=True)
+    out.status("running")
+    ballast = small_disk.fill()
+    for step in range(1, 6):  # each larger than its page's rest: no room at all
+        out.event("step", step=step, pad="x" * 5000)
+    out.log("error", "checkpoint @ step 5 (interval) not written")
+    ballast.unlink()
+    out.event("step", step=6)
+    out.close()
+    lines = [json.loads(line) for line in (small_disk.path / "events.jsonl").open()]
+    assert [(e["kind"], e.get("step"), e.get("level")) for e in lines] == [
+        ("status", None, None),
+        ("step", 4, None),  # 1 to 3 gave way (3 kept at most, the log kept over steps)
+        ("step", 5, None),
+        ("log", None, "error"),
+        ("step", 6, None),
+        ("log", None, "warning"),
+    ]
+    assert lines[-1]["message"] == "3 step events were lost while the disk was full"
+
+
 def test_the_final_status_lands_on_a_full_disk_through_the_reserve(small_disk):
     run = small_disk.path
     write_status_on_full_disk(run, {"state": "running"})
@@ -250,7 +275,7 @@ def test_a_run_whose_events_cannot_be_written_ends_failed_in_one_line(small_disk
         console = procs.start(
             "run", "quickstart", "--headless", "--runs-dir", str(runs), "--devices", "cpu:2",
             "--set", "train.max_steps=1000000", "--set", "checkpoint.every_steps=0",
-            env=test_env(GPU_CONSOLE_EVENTS_GIVE_UP_S="3"),
+            env=conftest.test_env(GPU_CONSOLE_EVENTS_GIVE_UP_S="3"),
         )  # fmt: skip
         run = wait_for(lambda: run_dirs(runs) and only_run(runs), what="the run directory")
         wait_for(lambda: len(events_of(run, "step")) >= 2, what="training")

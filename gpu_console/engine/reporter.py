@@ -43,6 +43,7 @@ def end_torn_line(path: Path) -> None:
 class Reporter:
     def __init__(self, run_dir: Path, active: bool):
         self._w = None
+        self._dropped_said = 0
         self.run_dir = Path(run_dir)
         if active:
             path = Path(run_dir) / "events.jsonl"
@@ -57,6 +58,16 @@ class Reporter:
     def event(self, kind: str, **fields: Any) -> None:
         if self._w is not None:
             self._w.emit(kind, **fields)
+            self._say_dropped()
+
+    def _say_dropped(self) -> None:
+        """Once events are written again, a warning for the step events a full disk lost."""
+        assert self._w is not None
+        lost = self._w.dropped - self._dropped_said
+        if lost and not self._w.pending:
+            self._dropped_said = self._w.dropped
+            message = f"{lost} step events were lost while the disk was full"
+            self._w.emit("log", level="warning", message=message)
 
     def start(self, **fields: Any) -> None:
         self.event("start", **fields)
