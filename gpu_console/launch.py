@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from . import runs, torchrun
+from . import diskfull, runs, torchrun
 from .devices import DeviceSpecError, Placement, bf16_native, parse_devices, place, read_grant
 from .profile import Profile, ProfileError, find_profile, load_profile
 from .resume_changes import refused
@@ -634,12 +634,14 @@ def continue_run(
         }]  # fmt: skip
     n = len(sessions)  # the session that ended
     changes = resume_changes(profile, run_dir, placement.nproc)  # before run.toml is rewritten
+    if full := diskfull.short_of_room(run_dir, diskfull.SESSION_ROOM):
+        raise runs.RunDirError(f"{run_dir}: cannot continue the run: {full}; free some first")
     try:
         history = run_dir / "history"
         history.mkdir(mode=0o700, exist_ok=True)
-        shutil.copy2(run_dir / "run.toml", history / f"run-{n}.toml")
+        _keep(run_dir / "run.toml", history / f"run-{n}.toml")
         if (run_dir / runs.STATUS).exists():
-            shutil.copy2(run_dir / runs.STATUS, history / f"status-{n}.json")
+            _keep(run_dir / runs.STATUS, history / f"status-{n}.json")
         logs = run_dir / "logs"
         logs.mkdir(exist_ok=True)
         old_logs = logs / f"session-{n}"
@@ -662,8 +664,14 @@ def continue_run(
             os.unlink(run_dir / runs.STATUS)
         proc = spawn_supervisor(run_dir, placement)
     except OSError as e:
-        raise runs.RunDirError(f"{run_dir}: cannot continue the run ({e})") from None
+        why = diskfull.classify(e, run_dir) or e
+        raise runs.RunDirError(f"{run_dir}: cannot continue the run ({why})") from None
     return Launched(run_dir, proc, placement)
+
+
+def _keep(src: Path, dst: Path) -> None:
+    """A copy into history/ that is whole or absent (a full disk cuts a plain copy short)."""
+    runs.atomic_write_text(dst, src.read_text(encoding="utf-8"))
 
 
 def spawn_supervisor(run_dir: Path, placement: Placement) -> subprocess.Popen:

@@ -64,7 +64,7 @@ from . import resume as resuming
 from .best import resumed as best_so_far
 from .checkpoint_writer import Writer
 from .compile import Compiled, mode_of
-from .control import Control
+from .control import GIVE_UP, Control
 from .data import Batches, DataPosition, make_loader
 from .evaluate import at_start as eval_at_start
 from .evaluate import evaluate
@@ -81,6 +81,10 @@ from .shared_reduce import SharedReduce
 from .train_metrics import TrainMetrics
 
 CONTROL_INTERVAL_S = 0.25
+
+
+class DiskFullStop(RuntimeError):
+    """The run ends because its events cannot be written (a full disk, for long)."""
 
 
 class NonFiniteLoss(RuntimeError):
@@ -152,11 +156,12 @@ def train(
             snapshot = profiling.dump_memory_snapshot(run_dir, d.rank, oom_snapshot)
             # The step the loop was in (its heartbeat knows), counted from 1 like step events.
             raise OutOfMemory(oom_message(e, d, p, beat.step, snapshot)) from e
-    except NonFiniteLoss as e:
+    except (NonFiniteLoss, DiskFullStop) as e:
         # A policy decision every rank made at the same step, not a crash: a restart would
         # not help, so the ranks exit 0 and the status says failed (the supervisor records
         # the engine's reason as the failure).
-        out.status("failed", reason=f"NonFiniteLoss: {e}"[:500], step=_done_step(beat))
+        why = f"NonFiniteLoss: {e}" if isinstance(e, NonFiniteLoss) else str(e)
+        out.status("failed", reason=why[:500], step=_done_step(beat))
     except BaseException as e:
         # With restarts left, torchrun starts the group again (from LATEST): not the end.
         again = restart < p.distributed.max_restarts
@@ -337,7 +342,7 @@ def _train(
         ddp.register_comm_hook(None, exchange.hook)
     batches = Batches(train_loader, position)
     hooks.start(step, batches)
-    control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
+    control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S, out.unwritable)
     profiler = profiling.Profiler(run_dir, d, out)  # the profile command (profiling.py)
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
     # checkpoint.async_write: training waits for a copy of the state, a thread writes it.
@@ -618,6 +623,9 @@ def _train(
             return _stop(out, p, step, save, "signal", exchange.counts(), hooks, model)
         if decision.cmd is None:
             continue
+        if decision.cmd == GIVE_UP:  # every rank, at this step
+            save(None)  # a write in flight ends first (its outcome unreported: no room)
+            raise DiskFullStop(decision.why or "a node's events.jsonl cannot be written")
         _ack(out, decision, "received", step)
         done = {}
         if decision.cmd == "checkpoint":
