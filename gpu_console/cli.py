@@ -186,6 +186,7 @@ def run(
         resume=resume,
         runs_dir=folder,
         name=name,
+        nodes=nodes,
     )
     for note in [*prof.notes, placement.note]:
         if note:
