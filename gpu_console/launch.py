@@ -365,6 +365,7 @@ def prepare(
     """Everything that can be wrong with a launch, checked before anything is written: the
     one list of checks ``--dry-run`` makes too (``nodes``: the world is every node's ranks)."""
     resume_from = resume_run = None
+    resume_note = ""
     resume_step = 0
     if resume is not None:
         resume_run, resume_from, resume_step, resume_note = resume_target(resume, runs_dir)
