@@ -187,6 +187,7 @@ def run(
         runs_dir=folder,
         name=name,
         nodes=nodes,
+        build_data=not dry_run,  # the plan builds them, and judges them by the same rule
     )
     for note in [*prof.notes, placement.note]:
         if note:

@@ -361,9 +361,13 @@ def prepare(
     runs_dir: Path,
     name: str | None = None,
     nodes: Nodes | None = None,
+    build_data: bool = True,
 ) -> tuple[Profile, Placement, Path | None]:
     """Everything that can be wrong with a launch, checked before anything is written: the
-    one list of checks ``--dry-run`` makes too (``nodes``: the world is every node's ranks)."""
+    one list of checks ``--dry-run`` makes too (``nodes``: the world is every node's ranks).
+
+    ``build_data=False``: a user task's data sets are not built here, because the caller
+    builds them next and applies the same rule (``--dry-run``'s plan: engine/plan.py)."""
     resume_from = resume_run = None
     resume_note = ""
     resume_step = 0
@@ -439,16 +443,21 @@ def prepare(
     if profile.train.precision == "bf16" and (why := bf16_refusal(placement)):
         raise bad("train.precision", f"{why}; use auto (fp16 there) or fp32", "bf16")
     world = placement.nproc * (nodes.max_nodes if nodes else 1)
-    check_data(profile, placement, world, task_cwd or os.getcwd(), bad)
+    check_data(profile, placement, world, task_cwd or os.getcwd(), bad, build_data)
     return profile, placement, resume_from
 
 
-def check_data(profile: Profile, placement: Placement, world: int, cwd: str, bad) -> None:
+def check_data(
+    profile: Profile, placement: Placement, world: int, cwd: str, bad, build: bool = True
+) -> None:
     """``data.batch_size`` against the training set (batching.py), as the ranks would judge it
     after launch. A built-in task's size is a key of its own; a user task's data sets are
-    built once by the engine's own code in a subprocess (the console never imports torch)."""
+    built once by the engine's own code in a subprocess (the console never imports torch),
+    unless ``build`` is False."""
     samples = getattr(profile.task, "train_samples", None)
     if profile.task_kind not in BUILTIN or not isinstance(samples, int):
+        if not build:
+            return
         from .dry_run import engine_plan
 
         answer = engine_plan(profile, placement, world, cwd, only="data")
