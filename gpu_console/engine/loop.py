@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..profile import Profile
-from ..runs import latest_checkpoint, write_nodes
+from ..runs import resume_checkpoint, write_nodes
 from ..tasks.base import Task
 from ..timings import Stopwatch
 from . import (
@@ -156,11 +156,11 @@ def train(
             snapshot = profiling.dump_memory_snapshot(run_dir, d.rank, oom_snapshot)
             # The step the loop was in (its heartbeat knows), counted from 1 like step events.
             raise OutOfMemory(oom_message(e, d, p, beat.step, snapshot)) from e
-    except (NonFiniteLoss, DiskFullStop) as e:
+    except (NonFiniteLoss, DiskFullStop, resuming.ResumeFailed) as e:
         # A policy decision every rank made at the same step, not a crash: a restart would
         # not help, so the ranks exit 0 and the status says failed (the supervisor records
         # the engine's reason as the failure).
-        why = f"NonFiniteLoss: {e}" if isinstance(e, NonFiniteLoss) else str(e)
+        why = str(e) if isinstance(e, DiskFullStop) else f"{type(e).__name__}: {e}"
         out.status("failed", reason=why[:500], step=_done_step(beat))
     except BaseException as e:
         # With restarts left, torchrun starts the group again (from LATEST): not the end.
@@ -197,18 +197,24 @@ def close_task(task: Task, out: Reporter, rank: int) -> None:
         out.log("warning", f"the task's close() failed on rank {rank}: {type(e).__name__}: {e}")
 
 
-def resume_point(run_dir: Path, requested: Path | None, restart: int, d) -> Path | None:
+def resume_point(run_dir: Path, requested: Path | None, restart: int, d, out) -> Path | None:
     """Where to start from, decided by rank 0 and shared with every rank.
 
     After a restart by torchrun, the run's own newest complete checkpoint (else what the run
     was started from); otherwise ``--resume``'s. On several nodes the path is rank 0's: the
-    other nodes must see it (a shared runs directory) or they fail here, saying so.
+    other nodes must see it (a shared runs directory) or they fail here, saying so. One that
+    a rank cannot load gives way to the complete one before it (resume.loadable).
     """
     choice: list[str | None] = [None]
     if d.is_main:
         path = requested
         if restart > 0:
-            path = latest_checkpoint(run_dir) or requested
+            path = resume_checkpoint(run_dir)[0] or requested
+        elif requested is not None:
+            # Why the launch chose it over LATEST's, said at launch: said in the run's log too.
+            chosen, why = resume_checkpoint(requested.parent.parent)
+            if why and chosen is not None and chosen.resolve() == requested.resolve():
+                out.log("info", why)
         choice[0] = str(Path(path).resolve()) if path else None
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
@@ -219,7 +225,7 @@ def resume_point(run_dir: Path, requested: Path | None, restart: int, d) -> Path
             f"rank {d.rank} cannot read rank 0's checkpoint {path}: on several nodes, resuming "
             "needs a runs directory every node can read (a shared file system)"
         )
-    return path
+    return resuming.loadable(path, d.world_size, lambda m: out.log("warning", m))
 
 
 def _train(
@@ -236,7 +242,7 @@ def _train(
     oom_snapshot: str = "off",
 ):
     out.status("starting")
-    resume = resume_point(run_dir, resume, restart, d)
+    resume = resume_point(run_dir, resume, restart, d, out)
     # Several nodes: where each one's run directory is. Rank 0's holds the checkpoints; every
     # node's console reads the others' telemetry through nodes.json (a shared file system).
     nodes = distmod.nodes_of_run(run_dir, d) if d.world_size > d.local_world_size else []

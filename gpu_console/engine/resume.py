@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from . import torch_private
+from ..runs import list_checkpoints
+from . import checkpoint, torch_private
 from .data import DataPosition
 
 
@@ -85,3 +88,57 @@ def data_position(state: dict, changes: list[dict], batch_size: int) -> DataPosi
 def position_of(data: dict, world: int, changes: list[dict], batch_size: int) -> DataPosition:
     """A saved position (``data``, written by ``world`` ranks) in samples."""
     return DataPosition.from_state(data, world, old_batch_size(changes, batch_size))
+
+
+class ResumeFailed(RuntimeError):
+    """No checkpoint the run could resume from can be loaded on every rank."""
+
+
+def load_problem(path: Path) -> str | None:
+    """Why this rank cannot load the checkpoint at ``path`` (None: it loads). A truncated or
+    damaged state.pt fails here, in torch's reader, before any of the run's objects change;
+    a sharded checkpoint's shards are read by DCP afterwards."""
+    try:
+        checkpoint.load(path)
+    except Exception as e:  # torch's reader raises RuntimeError, pickle's UnpicklingError...
+        return _one_line(e)
+    return None
+
+
+def _one_line(e: Exception) -> str:
+    """An exception as one line: a weights-only load failure's own reason, not its advice
+    (to load with weights_only=False, which a damaged file would not survive either)."""
+    text = str(e).split("WeightsUnpickler error:", 1)[-1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def loadable(path: Path, world_size: int, log) -> Path:
+    """Collective: the checkpoint every rank can load, ``path`` first, else the complete ones
+    before it, newest first (rank 0's list), each one skipped said in one warning line
+    (``log``); ResumeFailed in one line when none loads. Every rank returns the same one."""
+    older = [
+        Path(c["path"])
+        for c in reversed(list_checkpoints(path.parent.parent))
+        if c["step"] < checkpoint.step_of(path)
+    ]
+    candidates: list[Any] = [[str(path), *map(str, older)]]
+    dist.broadcast_object_list(candidates, src=0)  # rank 0's view of the directory
+    tried = [Path(c) for c in candidates[0]]
+    for i, ckpt in enumerate(tried):
+        problems: list[Any] = [None] * world_size
+        dist.all_gather_object(problems, load_problem(ckpt))
+        problem = next((p for p in problems if p), None)
+        if problem is None:
+            return ckpt
+        rank = problems.index(problem)
+        then = (
+            f"resuming from {tried[i + 1].name}, the previous complete checkpoint"
+            if i + 1 < len(tried)
+            else "no earlier complete checkpoint is left"
+        )
+        log(f"checkpoint {ckpt.name} cannot be loaded on rank {rank} ({problem}); {then}")
+    raise ResumeFailed(
+        f"no checkpoint of {path.parent.parent.name} can be loaded (tried {len(tried)}: "
+        f"{', '.join(c.name for c in tried)})"
+    )
