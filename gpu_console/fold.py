@@ -13,7 +13,9 @@ show. One rule each, so that they never disagree on the same events:
 - means (MFU, samples/s): over the current session (a resume may run on other hardware);
   a torchrun restart within a session continues its session;
 - restarts: the newest ``start``'s count (torchrun's, within the session);
-- train metrics: each task metric's newest value (a step event without it keeps the last).
+- train metrics: each task metric's newest value (a step event without it keeps the last);
+- skipped updates (``nan_policy = "skip"``): the sum of the step events' ``skipped`` over
+  every session (None when no step event carries it: another policy).
 
 Imports no torch and nothing heavy: the supervisor folds with it.
 """
@@ -74,6 +76,7 @@ class RunFold:
         self.last_checkpoint: dict[str, Any] | None = None
         self.best_checkpoint: dict[str, Any] | None = None  # checkpoint.keep_best's newest
         self.train_metrics: dict[str, float] = {}  # the task's, newest value of each
+        self.skipped: int | None = None  # updates skipped for a non-finite gradient
         self.checkpoint_failed: dict[str, Any] | None = None
         self.checkpointed = True  # a stop's checkpoint was written (the engine's word)
         self.final_t = 0.0  # when the engine last said the run ended (a session's end)
@@ -107,6 +110,9 @@ class RunFold:
             v = e.get("step_time_s")
             if type(v) in _NUM:
                 self.step_times.append(v)
+            v = e.get("skipped")
+            if type(v) is int:
+                self.skipped = (self.skipped or 0) + v
             if isinstance(metrics := e.get("metrics"), dict):
                 self.train_metrics.update((k, v) for k, v in metrics.items() if _number(v))
             v = e.get("mfu")
@@ -217,6 +223,8 @@ class RunFold:
         out["compiling_since"] = self.compiling_since
         if self.best_loss is not None:
             out["best_loss"] = self.best_loss
+        if self.skipped is not None:
+            out["skipped_updates"] = self.skipped
         if not self.events:
             return out
         out.update(step=self.step, loss=self.loss, last_step_t=self.last_step_t)
@@ -248,6 +256,9 @@ class RunFold:
         best = previous.get("best_loss")
         if _number(best) and math.isfinite(best):
             self.best_loss = best if self.best_loss is None else min(best, self.best_loss)
+        skipped = previous.get("skipped_updates")
+        if type(skipped) is int:
+            self.skipped = skipped + (self.skipped or 0)
         kept = previous.get("best_checkpoint")
         if self.best_checkpoint is None and isinstance(kept, dict):
             self.best_checkpoint = kept

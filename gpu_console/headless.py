@@ -338,7 +338,8 @@ def _progress_text(st: RunState) -> str:
     rate = f"{st.samples_per_s:,.0f} samples/s" if st.samples_per_s else "- samples/s"
     mfu = f"  MFU {st.mfu:.1%}" if st.mfu is not None else ""
     evaluating = f"  {eval_progress_text(st.eval_progress)}" if st.eval_progress else ""
-    return f"loss {fmt(st.loss)}  {rate}{mfu}{evaluating}"
+    skipped = f"  skipped {st.skipped:,}" if st.skipped else ""  # nan_policy = "skip"
+    return f"loss {fmt(st.loss)}  {rate}{mfu}{skipped}{evaluating}"
 
 
 def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watch) -> None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import strict_json
+
 # The writer defines the file format; it imports no torch, so the console may read it here.
 from .engine.heartbeat import DIR as HEARTBEAT_DIR
 from .engine.heartbeat import PHASES as PHASE_ORDER
@@ -388,7 +390,7 @@ class TelemetryFold:
                 size = f.seek(0, os.SEEK_END)
                 f.seek(max(0, size - 2**16))
                 data = f.read()
-            end = json.loads(data[: data.rfind(b"\n")].rpartition(b"\n")[2])
+            end = strict_json.loads(data[: data.rfind(b"\n")].rpartition(b"\n")[2])
         except (OSError, ValueError):
             return False
         if not (isinstance(end, dict) and end.get("kind") == "summary"):

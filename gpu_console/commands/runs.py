@@ -8,7 +8,6 @@ ended run is a bad input.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -21,6 +20,7 @@ from typing import Any
 
 import psutil
 
+from .. import strict_json
 from ..events import append_control, read_events
 from ..runs import FINAL_STATES, RunDirError, find_run, read_status, status_exit_code
 from ..state import derived_state, gpu_figures, read_heartbeats
@@ -67,6 +67,7 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
                 "max_steps": status.get("max_steps"),
                 "loss": status.get("loss"),
                 "best_loss": status.get("best_loss"),  # finite losses, every session's
+                "skipped_updates": status.get("skipped_updates"),  # nan_policy = "skip"
                 "best_checkpoint": status.get("best_checkpoint"),  # checkpoint.keep_best
                 "exit_code": status_exit_code(status, state),  # None while live
                 "restarts": status.get("restarts") or 0,
@@ -153,7 +154,7 @@ def checkpoint_after(run: Path, cid: str) -> dict[str, Any] | None:
 def to_json(rows: list[dict[str, Any]]) -> str:
     """``ls --json``: each run with its GPUs' figures (``[]`` without GPUs), read here only:
     the table, ``attach`` and the runs screen list runs without them."""
-    return json.dumps([json_row(r) for r in rows], indent=2)
+    return strict_json.dumps([json_row(r) for r in rows], indent=2)
 
 
 def json_row(row: dict[str, Any]) -> dict[str, Any]:

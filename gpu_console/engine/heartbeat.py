@@ -19,12 +19,13 @@ This is not a writer of ``events.jsonl`` (rank 0 alone writes that). No torch he
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import threading
 import time
 from pathlib import Path
+
+from .. import strict_json
 
 DIR = "heartbeats"
 INTERVAL_S = 1.0
@@ -85,7 +86,7 @@ class Heartbeat:
             "since": round(self.since, 3),
             "t": round(time.time(), 3),
         }
-        data = json.dumps(doc, separators=(",", ":")).encode()
+        data = strict_json.dumps(doc, separators=(",", ":")).encode()
         return data.ljust(RECORD_BYTES - 1)[: RECORD_BYTES - 1] + b"\n"
 
     def _write(self) -> None:

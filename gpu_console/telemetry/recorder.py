@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .. import strict_json
 
 FILE = "telemetry.jsonl"
 INTERVAL_S = 1.0
@@ -217,7 +218,7 @@ class Recorder:
     def _write_line(self, obj: dict[str, Any]) -> None:
         if self._fd is None:
             return
-        line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+        line = (strict_json.dumps(obj, separators=(",", ":")) + "\n").encode()
         try:
             os.write(self._fd, line)  # one write per line, O_APPEND: readers see whole lines
             self.write_error = None
