@@ -9,7 +9,10 @@ show. One rule each, so that they never disagree on the same events:
 - best loss: the lowest finite loss over every session of the run (a NaN is never best);
 - best checkpoint: the newest checkpoint event marked ``best`` (``checkpoint.keep_best``);
 - stall: no step for max(30 s, 10 × the median step time of the current torchrun group),
-  where an eval batch (a ``progress`` event of the eval in progress) counts as a step;
+  where an eval batch (a ``progress`` event of the eval in progress) counts as a step; or,
+  in any phase from the first heartbeat on, a live rank whose heartbeat thread has been
+  silent for 30 s (the thread writes every second whatever the rank does: see
+  :func:`.heartbeats.frozen_ranks`);
 - means (MFU, samples/s): over the current session (a resume may run on other hardware);
   a torchrun restart within a session continues its session;
 - restarts: the newest ``start``'s count (torchrun's, within the session);
@@ -25,9 +28,11 @@ from __future__ import annotations
 import math
 import os
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from .events import KINDS
+from .heartbeats import frozen_ranks
 from .runs import FINAL_STATES
 
 STALL_MIN_S = 30.0
@@ -292,12 +297,23 @@ def stall_limit_s(step_time_s: float | None) -> float:
     return max(stall_min_s(), STALL_FACTOR * (step_time_s or 0.0))
 
 
-def derived_state(status: dict[str, Any], now: float, step_time_s: float | None = None) -> str:
+class StalledError(Exception):
+    """A request that needs a step boundary, to a run that cannot reach one now."""
+
+
+def derived_state(
+    status: dict[str, Any],
+    now: float,
+    step_time_s: float | None = None,
+    run_dir: Path | None = None,
+) -> str:
     """The state a reader shows: status.json's, or ``lost`` / ``stalled`` (DESIGN.md).
 
     ``lost``: status says the run is live but its supervisor is gone. ``stalled``: running,
     but no step (nor eval batch) for max(30 s, 10× the median step time, which the supervisor
-    keeps in status.json; a reader with its own :class:`RunFold` may pass the same median).
+    keeps in status.json; a reader with its own :class:`RunFold` may pass the same median);
+    or, with ``run_dir``, in any live state, a rank whose heartbeat has been silent for the
+    stall minimum (a rank frozen in start-up has made no step to be late for).
     """
     state = status.get("state", "starting")
     if status.get("ended") or state in FINAL_STATES:
@@ -311,16 +327,23 @@ def derived_state(status: dict[str, Any], now: float, step_time_s: float | None 
     limit = stall_limit_s(step_time_s or status.get("step_time_s"))
     if state == "running" and last and now - last > limit:
         return "stalled"
+    if run_dir is not None and frozen_ranks(run_dir, now, stall_min_s(), status.get("started")):
+        return "stalled"
     return state
 
 
 def shown_state(
-    fold: RunFold, status: dict[str, Any], now: float, started: float | None = None
+    fold: RunFold,
+    status: dict[str, Any],
+    now: float,
+    started: float | None = None,
+    run_dir: Path | None = None,
 ) -> str:
     """The state every console shows for a run: the fold's with status.json, and ``lost`` or
-    ``stalled`` as :func:`derived_state` finds them (``started``: see ``new_session``)."""
+    ``stalled`` as :func:`derived_state` finds them (``started``: see ``new_session``;
+    ``run_dir``: where the heartbeats are)."""
     state, _ = fold.session_state(status, started)
     if not status or status.get("ended"):
         return state
-    derived = derived_state(status, now, fold.step_time_s)
+    derived = derived_state(status, now, fold.step_time_s, run_dir)
     return derived if derived in ("lost", "stalled", *FINAL_STATES) else state

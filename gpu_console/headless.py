@@ -127,10 +127,11 @@ class Stalls:
         stalled = not st.done and st.shown_state(now) == "stalled"
         if stalled and not self.said:
             self.said = True
-            self.stalled_since = st.status.get("last_step_t") or now
-            quiet = now - self.stalled_since
+            last = st.status.get("last_step_t")
+            self.stalled_since = last or now
             who = describe_stopped(read_heartbeats(self.run_dir), now)
-            text = f"stalled: no step for {quiet:.0f} s"
+            # Frozen before its first step (a silent heartbeat): no step to be late for.
+            text = f"stalled: no step for {now - last:.0f} s" if last else f"stalled ({st.state})"
             if who:
                 text += f"; stopped: {who}"
             self.console.print(Text(text, style="red"), highlight=False)
@@ -139,9 +140,9 @@ class Stalls:
                     Text(f"  each rank's stack: gpu-console dump {self.run_dir}"),
                     highlight=False,
                 )
-        elif not stalled and self.said and st.state == "running":
+        elif not stalled and self.said and not st.done:
             self.said = False
-            self.console.print(Text("running again"), highlight=False)
+            self.console.print(Text(f"{st.state} again"), highlight=False)
         return stalled
 
 

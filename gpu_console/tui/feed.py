@@ -350,7 +350,8 @@ class RunFeed:
         sup = self.supervisor
         if not self.status and sup is not None and sup.returncode is not None:
             return "lost"  # the supervisor this console started died before writing a status
-        return shown_state(self.model, self.status, self.clock(), self.session.get("started"))
+        started = self.session.get("started")
+        return shown_state(self.model, self.status, self.clock(), started, self.run_dir)
 
     @property
     def live(self) -> bool:

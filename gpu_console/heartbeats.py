@@ -1,0 +1,75 @@
+"""The ranks' heartbeat files, read by the console (``engine/heartbeat.py`` writes them).
+
+No torch here: ``ls``, ``status``, ``stop`` and every console read them to tell a frozen
+rank from a slow one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+# The writer defines the file format; it imports no torch, so the console may read it here.
+from .engine.heartbeat import DIR as HEARTBEAT_DIR
+from .engine.heartbeat import ENDED
+
+
+def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
+    """Every rank's heartbeat record on this node, by rank (unreadable ones skipped)."""
+    beats = []
+    folder = Path(run_dir) / HEARTBEAT_DIR
+    try:
+        paths = sorted(folder.glob("rank-*.json"))
+    except OSError:
+        return beats
+    for path in paths:
+        for _ in range(3):  # rewritten in place: a read may catch a write half-way
+            try:
+                beats.append(json.loads(path.read_bytes().strip() or b"null"))
+                break
+            except (OSError, ValueError):
+                continue
+    return [b for b in beats if isinstance(b, dict) and isinstance(b.get("rank"), int)]
+
+
+def _alive_here(beat: dict[str, Any]) -> bool:
+    """The rank's process exists (a stopped one does). A rank on another host: assumed so."""
+    pid = beat.get("pid")
+    if beat.get("host") not in (None, socket.gethostname()):
+        return True
+    if type(pid) is not int or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def frozen_ranks(
+    run_dir: Path, now: float, limit_s: float, since: float | None = None
+) -> list[dict[str, Any]]:
+    """The ranks whose process lives but whose heartbeat thread has not written for
+    ``limit_s``: frozen (SIGSTOP, a dead mount, a wedge holding the interpreter).
+
+    The thread writes about once a second in every phase (start-up, compiling, eval, a
+    checkpoint, paused), so silence is the one sign of a stall that does not depend on
+    steps: it catches a rank frozen before its first step, and never flags a long phase
+    whose thread still writes. A dead rank is torchrun's to report, not a stall; a record
+    older than ``since`` (this session's start) is an earlier session's.
+    """
+    out = []
+    for b in read_heartbeats(run_dir):
+        t = b.get("t")
+        if b.get("phase") in ENDED or type(t) not in (int, float):
+            continue
+        if since is not None and t < since:
+            continue
+        if now - t > limit_s and _alive_here(b):
+            out.append(b)
+    return out
