@@ -99,8 +99,15 @@ def test_a_skip_run_under_the_limit_finishes_and_counts_its_skips(procs, tmp_pat
     status = read_status(run)
     assert (status["state"], status["skipped_updates"]) == ("finished", 26)
     assert "skipped updates: 26 of 30" in result.stdout
-    for line in (run / "events.jsonl").read_text().splitlines():
-        strict(line)
+    # Every file of the run the project wrote as JSON, line by line where it is JSONL.
+    for name in ("events.jsonl", "telemetry.jsonl"):
+        for line in (run / name).read_text().splitlines():
+            strict(line)
+    documents = [run / "status.json", run / "meta.json", *run.glob("checkpoints/*/meta.json")]
+    documents += run.glob("heartbeats/*.json")
+    assert len(documents) > 4
+    for path in documents:
+        strict(path.read_text())
 
 
 def test_the_streak_counts_updates_skipped_in_a_row():
