@@ -11,12 +11,13 @@ import json
 import math
 
 import pytest
-from conftest import events_of, only_run, read_status, task_profile
+from conftest import events_of, fast_profile, only_run, read_status, task_profile
 from conftest import test_env as cli_env
 
 from gpu_console import strict_json
 from gpu_console.engine.nonfinite import ENV, SkipStreak
 from gpu_console.fold import RunFold
+from gpu_console.profile import ProfileError, load_profile
 from gpu_console.summary import skipped_text
 
 ALWAYS_NAN_TASK = """
@@ -146,3 +147,12 @@ def test_strict_json_round_trips_non_finite_numbers():
     back = strict_json.loads(text)
     assert math.isnan(back["loss"]) and "loss_nonfinite" not in back
     assert back["m"] == {"acc": -math.inf} and back["lrs"] == [None, 1.0]
+
+
+def test_the_skip_limit_is_validated(tmp_path):
+    path = str(fast_profile(tmp_path))
+    assert load_profile(path).train.nan_skip_limit == 100
+    assert load_profile(path, ["train.nan_skip_limit=0"]).train.nan_skip_limit == 0
+    with pytest.raises(ProfileError) as info:
+        load_profile(path, ["train.nan_skip_limit=-1"])
+    assert "train.nan_skip_limit" in str(info.value.problems)
