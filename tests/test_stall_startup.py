@@ -6,14 +6,17 @@ once and names ``--now``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import time
 
 import conftest
 from conftest import only_run, read_status, run_dirs, wait_for
 
 from gpu_console import strict_json
+from gpu_console.fold import derived_state
 from gpu_console.heartbeats import frozen_ranks
 from gpu_console.state import read_heartbeats
 from gpu_console.tui.feed import RunFeed
@@ -99,3 +102,34 @@ def test_a_rank_frozen_in_start_up_is_stalled_and_stop_says_use_now(
             os.kill(rank1, signal.SIGCONT)
     assert console.wait(timeout=conftest.DEADLINE_S) == 137
     assert read_status(run)["state"] == "killed"
+
+
+def _beat(run, rank: int, **fields) -> None:
+    folder = run / "heartbeats"
+    folder.mkdir(parents=True, exist_ok=True)
+    doc = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "phase": "starting"}
+    (folder / f"rank-{rank:05d}.json").write_text(json.dumps({**doc, **fields}))
+
+
+def test_only_a_live_rank_silent_this_session_is_frozen(tmp_path):
+    now = 1000.0
+    _beat(tmp_path, 0, t=now - 1)  # beating
+    _beat(tmp_path, 1, t=now - 20)  # silent, alive (this process): frozen
+    _beat(tmp_path, 2, t=now - 20, phase="done")  # ended
+    _beat(tmp_path, 3, t=now - 20, pid=2**22 + 12345)  # gone: torchrun's to report
+    _beat(tmp_path, 4, t=now - 200)  # an earlier session's record
+    frozen = frozen_ranks(tmp_path, now, 10.0, since=now - 100)
+    assert [b["rank"] for b in frozen] == [1]
+    assert frozen_ranks(tmp_path, now, 30.0, since=now - 100) == []  # within the limit
+
+
+def test_derived_state_reads_the_heartbeats_in_any_live_phase(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPU_CONSOLE_STALL_S", "10")
+    now = time.time()
+    status = {"state": "compiling", "pids": {"supervisor": os.getpid()}, "started": now - 60}
+    _beat(tmp_path, 0, t=now - 1, phase="compute")
+    assert derived_state(status, now, run_dir=tmp_path) == "compiling"  # long, but beating
+    _beat(tmp_path, 1, t=now - 11, phase="compute")
+    assert derived_state(status, now, run_dir=tmp_path) == "stalled"
+    assert derived_state(status, now) == "compiling"  # without the heartbeats: no sign
+    assert derived_state({**status, "ended": now}, now, run_dir=tmp_path) == "compiling"
