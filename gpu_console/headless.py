@@ -39,9 +39,16 @@ from .format import (
     strategy_text,
     uncut,
 )
+from .heartbeats import all_beating
 from .resume_changes import line as change_line
 from .runs import EXIT_FAILED
-from .state import RunFollower, RunState, describe_stopped, read_heartbeats
+from .state import (
+    HEARTBEAT_SILENT_S,
+    RunFollower,
+    RunState,
+    describe_stopped,
+    read_heartbeats,
+)
 from .summary import print_summary
 
 POLL_S = 0.2
@@ -140,10 +147,15 @@ class Stalls:
                     Text(f"  each rank's stack: gpu-console dump {self.run_dir}"),
                     highlight=False,
                 )
-        elif not stalled and self.said and not st.done:
+        elif not stalled and self.said and self._moving(st, now):
             self.said = False
             self.console.print(Text(f"{st.state} again"), highlight=False)
         return stalled
+
+    def _moving(self, st: RunState, now: float) -> bool:
+        """Moving again: every rank there and beating (a stalled step that went on, a frozen
+        rank continued); not a run whose ranks were killed (no longer frozen, not moving)."""
+        return not st.done and all_beating(self.run_dir, now, HEARTBEAT_SILENT_S)
 
 
 def py_spy_available() -> bool:

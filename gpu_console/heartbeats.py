@@ -51,6 +51,15 @@ def _alive_here(beat: dict[str, Any]) -> bool:
     return True
 
 
+def all_beating(run_dir: Path, now: float, within_s: float) -> bool:
+    """Every live rank's process is there and its heartbeat wrote within ``within_s`` (and
+    there is one): the run's processes are all moving, none frozen or killed."""
+    live = [b for b in read_heartbeats(run_dir) if b.get("phase") not in ENDED]
+    return bool(live) and all(
+        now - float(b.get("t") or 0) <= within_s and _alive_here(b) for b in live
+    )
+
+
 def frozen_ranks(
     run_dir: Path, now: float, limit_s: float, since: float | None = None
 ) -> list[dict[str, Any]]:

@@ -102,6 +102,9 @@ def test_a_rank_frozen_in_start_up_is_stalled_and_stop_says_use_now(
             os.kill(rank1, signal.SIGCONT)
     assert console.wait(timeout=conftest.DEADLINE_S) == 137
     assert read_status(run)["state"] == "killed"
+    printed = out_path.read_text()
+    assert "stalled (starting); stopped: rank 1 (no heartbeat for" in printed
+    assert " again" not in printed  # its ranks were killed: not "moving again"
 
 
 def _beat(run, rank: int, **fields) -> None:
