@@ -39,9 +39,16 @@ from .format import (
     strategy_text,
     uncut,
 )
+from .heartbeats import all_beating
 from .resume_changes import line as change_line
 from .runs import EXIT_FAILED
-from .state import RunFollower, RunState, describe_stopped, read_heartbeats
+from .state import (
+    HEARTBEAT_SILENT_S,
+    RunFollower,
+    RunState,
+    describe_stopped,
+    read_heartbeats,
+)
 from .summary import print_summary
 
 POLL_S = 0.2
@@ -127,10 +134,11 @@ class Stalls:
         stalled = not st.done and st.shown_state(now) == "stalled"
         if stalled and not self.said:
             self.said = True
-            self.stalled_since = st.status.get("last_step_t") or now
-            quiet = now - self.stalled_since
+            last = st.status.get("last_step_t")
+            self.stalled_since = last or now
             who = describe_stopped(read_heartbeats(self.run_dir), now)
-            text = f"stalled: no step for {quiet:.0f} s"
+            # Frozen before its first step (a silent heartbeat): no step to be late for.
+            text = f"stalled: no step for {now - last:.0f} s" if last else f"stalled ({st.state})"
             if who:
                 text += f"; stopped: {who}"
             self.console.print(Text(text, style="red"), highlight=False)
@@ -139,10 +147,15 @@ class Stalls:
                     Text(f"  each rank's stack: gpu-console dump {self.run_dir}"),
                     highlight=False,
                 )
-        elif not stalled and self.said and st.state == "running":
+        elif not stalled and self.said and self._moving(st, now):
             self.said = False
-            self.console.print(Text("running again"), highlight=False)
+            self.console.print(Text(f"{st.state} again"), highlight=False)
         return stalled
+
+    def _moving(self, st: RunState, now: float) -> bool:
+        """Moving again: every rank there and beating (a stalled step that went on, a frozen
+        rank continued); not a run whose ranks were killed (no longer frozen, not moving)."""
+        return not st.done and all_beating(self.run_dir, now, HEARTBEAT_SILENT_S)
 
 
 def py_spy_available() -> bool:
@@ -338,7 +351,8 @@ def _progress_text(st: RunState) -> str:
     rate = f"{st.samples_per_s:,.0f} samples/s" if st.samples_per_s else "- samples/s"
     mfu = f"  MFU {st.mfu:.1%}" if st.mfu is not None else ""
     evaluating = f"  {eval_progress_text(st.eval_progress)}" if st.eval_progress else ""
-    return f"loss {fmt(st.loss)}  {rate}{mfu}{evaluating}"
+    skipped = f"  skipped {st.skipped:,}" if st.skipped else ""  # nan_policy = "skip"
+    return f"loss {fmt(st.loss)}  {rate}{mfu}{skipped}{evaluating}"
 
 
 def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watch) -> None:

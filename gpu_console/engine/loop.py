@@ -73,7 +73,7 @@ from .exchange import Exchange, Row
 from .heartbeat import Heartbeat
 from .hooks import Hooks, attach
 from .metrics import memory_sample
-from .nonfinite import Guard, rewind_schedule
+from .nonfinite import Guard, SkipStreak, rewind_schedule
 from .optimizers import Optimizers
 from .reporter import Reporter
 from .schedule import scaled_lr
@@ -463,6 +463,7 @@ def _train(
     if not opts.rewindable() or owned is not None:  # a torch scheduler cannot step back
         guard.deferred = False
     skip_bad, stop_bad = guard.skip, guard.stop
+    streak = SkipStreak(p.train.nan_skip_limit if skip_bad else 0)
     paused = False
 
     def log_step(n: int) -> bool:
@@ -538,6 +539,7 @@ def _train(
             if owned is not None:
                 grad_norm, grad_norms, skipped = owned.finish()
                 window.skipped += skipped
+                streak.record(step + 1, skipped > 0)
             else:
                 if scaler is not None:
                     opts.unscale(scaler)
@@ -553,6 +555,8 @@ def _train(
                 if stop_bad and bad:
                     opts.zero_grad()
                     _stop_non_finite(out, d, p, step, save, last_loss, grad_norm)
+                if skip_bad and not guard.deferred:
+                    streak.record(step + 1, bad)
                 if skip_bad and bad:
                     window.skipped += 1
                     if scaler is not None:
@@ -569,6 +573,8 @@ def _train(
             if guard.deferred and boundary(step):
                 settled = guard.settle()
                 window.skipped += settled.skipped
+                for i, skipped in enumerate(settled.verdicts):
+                    streak.record(step - len(settled.verdicts) + 1 + i, skipped)
                 if settled.trip is not None:  # stop: back to the last finite step, then stop
                     step -= settled.trip.steps_back
                     for e in opts.entries:
@@ -603,6 +609,9 @@ def _train(
                     )
                 except NonFiniteLoss as e:
                     _fail_non_finite(out, d, p, step, save, model, e)
+                if streak.tripped:  # judged at log steps: the step event has the count
+                    save(None)  # the write in flight ends first
+                    raise NonFiniteLoss(streak.message(step))
                 window = Window(loss_sum=torch.zeros((), device=d.device))
                 train_metrics.reset()
             improved = False

@@ -88,6 +88,7 @@ class RunSnapshot:
     eval_progress: dict[str, Any] | None = None  # the eval in progress: step, done, total
     compiling_since: float | None = None  # train.compile: when the first step's compile began
     strategy: str | None = None  # "fsdp (2 blocks + root)"; None under DDP (format.py)
+    skipped: int | None = None  # updates skipped for a non-finite gradient (nan_policy skip)
 
     @property
     def ended(self) -> bool:
@@ -349,7 +350,8 @@ class RunFeed:
         sup = self.supervisor
         if not self.status and sup is not None and sup.returncode is not None:
             return "lost"  # the supervisor this console started died before writing a status
-        return shown_state(self.model, self.status, self.clock(), self.session.get("started"))
+        started = self.session.get("started")
+        return shown_state(self.model, self.status, self.clock(), started, self.run_dir)
 
     @property
     def live(self) -> bool:
@@ -420,7 +422,16 @@ class RunFeed:
             metric_series={k: _frozen(v) for k, v in sorted(m.metric_series.items())},
             train_metrics=dict(m.train_metrics),
             compiling_since=m.compiling_since if state == "compiling" else None,
+            skipped=_skipped(m.skipped, st.get("skipped_updates")),
         )
+
+
+def _skipped(folded: int | None, recorded: Any) -> int | None:
+    """The fold's count, or status.json's where that is higher: a big file's first read
+    samples its step events, while the supervisor folded every one."""
+    if type(recorded) is not int:
+        return folded
+    return recorded if folded is None else max(folded, recorded)
 
 
 def _stalled_ranks(run_dir: Path, now: float) -> str:

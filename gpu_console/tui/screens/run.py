@@ -323,13 +323,14 @@ class RunScreen(Screen):
             if yes:
                 self.send("stop")
 
-        self.app.push_screen(
-            ConfirmScreen(
-                "Stop the run?",
-                "It finishes the step, writes a checkpoint and exits (state stopped).",
-            ),
-            answer,
-        )
+        why = "It finishes the step, writes a checkpoint and exits (state stopped)."
+        s = self.snapshot
+        if s is not None and s.state == "stalled":  # the step may never end: say so now
+            why = (
+                f"The run is stalled ({s.reason}): a graceful stop waits for a step boundary "
+                "it may never reach. k kills it now (no checkpoint)."
+            )
+        self.app.push_screen(ConfirmScreen("Stop the run?", why), answer)
 
     def action_kill(self) -> None:
         def answer(yes: bool | None) -> None:
