@@ -617,6 +617,7 @@ def start(
     try:
         # Before the run is one (run.toml makes it so): its session holds it from the start.
         lock = session_lock.take(run_dir, "run")
+        lock.claim(os.getpid())
         runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
         session = _session(
             run_dir, profile, placement, resume_from, argv, nodes, os.getcwd(), launched
@@ -747,6 +748,7 @@ def _continue_run(
             "torchrun": meta.get("torchrun"),
         }]  # fmt: skip
     n = len(sessions)  # the session that ended
+    lock.claim(os.getpid())  # the run is this session's from here on
     changes = resume_changes(profile, run_dir, placement.nproc)  # before run.toml is rewritten
     try:
         history = run_dir / "history"

@@ -88,8 +88,8 @@ def try_take(run_dir: Path, create: bool = True) -> SessionLock | None:
 
 
 def take(run_dir: Path, what: str = "--resume", wait_s: float = TAKE_WAIT_S) -> SessionLock:
-    """The lock for a new session of ``run_dir``, claimed for this process; raises
-    :class:`RunLockedError` when another session holds it."""
+    """The lock for a new session of ``run_dir``; raises :class:`RunLockedError` when
+    another session holds it."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -97,8 +97,7 @@ def take(run_dir: Path, what: str = "--resume", wait_s: float = TAKE_WAIT_S) -> 
         except OSError as e:
             raise RunDirError(f"{what}: {run_dir}: cannot lock the run ({e.strerror})") from None
         if lock is not None:
-            lock.claim(os.getpid())
-            return lock
+            return lock  # claimed by the session once it writes (a refused one writes nothing)
         if time.monotonic() >= deadline:
             raise RunLockedError(run_dir, holder(run_dir), what)
         time.sleep(0.05)
