@@ -376,8 +376,7 @@ class Supervisor:
             state, checkpointed = "stopped", True
             self.status["step"] = written["step"]
             self.status["reason"] = (
-                f"its stop checkpoint @ step {written['step']} was written; "
-                f"killed after it ({self.killed[0]} on request)"
+                f"stop checkpoint @ step {written['step']} written, then killed on request"
             )
         self.status["state"] = state
         self.status["checkpointed_on_stop"] = checkpointed
