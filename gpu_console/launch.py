@@ -279,8 +279,8 @@ def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int]:
     (:mod:`.session_lock`), or one of its processes is still alive. The lock is taken here,
     before anything is written, and kept (:func:`held_lock`) until :func:`continue_run`
     hands it to the new supervisor: two resumes at the same instant cannot both pass.
-    A run whose supervisor died unrecorded is recorded ``lost`` first (:mod:`.lost`), so its
-    ``history/status-N.json`` says how the session ended.
+    A run whose supervisor died unrecorded is recorded ``lost`` once it continues
+    (:func:`continue_run`, :mod:`.lost`): its ``history/status-N.json`` says how it ended.
     """
     try:
         run = runs.find_run(arg, runs_dir)
@@ -298,10 +298,7 @@ def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int]:
             raise _still_live(run, state) from None
         raise LaunchError(str(e)) from None
     try:
-        status = _resume_status(run)  # again, under the lock
-        if not status.get("ended"):
-            _refuse_live(run, status)
-            lost.record_lost(run)
+        _refuse_live(run, _resume_status(run))  # again, under the lock
         found = _resume_point(run)
     except BaseException:
         _drop(lock, legacy)
@@ -749,6 +746,8 @@ def _continue_run(
         }]  # fmt: skip
     n = len(sessions)  # the session that ended
     lock.claim(os.getpid())  # the run is this session's from here on
+    # A session whose supervisor died unrecorded: its end (lost) goes to history/ with it.
+    lost.record_lost(run_dir)
     changes = resume_changes(profile, run_dir, placement.nproc)  # before run.toml is rewritten
     try:
         history = run_dir / "history"

@@ -34,8 +34,10 @@ def settle(run_dir: Path, status: dict[str, Any] | None = None) -> dict[str, Any
     if status.get("ended") or _processes_left(status):
         return status
     legacy = not (run_dir / session_lock.LOCK).exists()
-    if legacy and pid_alive(_pids(status).get("supervisor")):
-        return status  # a run made before the lock: its supervisor's pid is all there is
+    if legacy and (not status or pid_alive(_pids(status).get("supervisor"))):
+        # A run made before the lock: its supervisor's pid is all there is (and without a
+        # status.json, nothing says a session ever ran: it is left as found).
+        return status
     try:
         lock = session_lock.try_take(run_dir, create=legacy)
     except OSError:  # a read-only run directory: nothing can be recorded

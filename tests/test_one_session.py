@@ -190,6 +190,8 @@ def test_a_killed_supervisor_is_recorded_lost_and_every_view_agrees(procs, runs_
         lambda: (s := read_status(run)) and len(s["pids"].get("workers") or []) == 2 and s,
         what="two worker pids in status.json",
     )
+    asked = procs.cli("checkpoint", run.name, "--runs-dir", str(runs_dir))
+    assert asked.returncode == 0, asked.stderr  # something to resume from, below
     os.kill(status["pids"]["supervisor"], signal.SIGKILL)
     left = [status["pids"]["torchrun"], *status["pids"]["workers"]]
     wait_for(lambda: not any(pid_alive(p) for p in left), 60, "torchrun and the ranks to die")
@@ -210,6 +212,14 @@ def test_a_killed_supervisor_is_recorded_lost_and_every_view_agrees(procs, runs_
     refused = procs.cli("checkpoint", run.name, *rd)
     assert refused.returncode == 2 and "already ended (state lost)" in refused.stderr
     assert (run / "control.jsonl").read_bytes() == before
+
+    # A resume continues it; the lost session's record goes to history/ as it was recorded.
+    ckpt = int((run / "checkpoints" / "LATEST").read_text().strip()[5:])
+    again = procs.cli("run", "--resume", run.name, "--headless", *rd,
+                      "--set", f"train.max_steps={ckpt + 5}")  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert json.loads((run / "history" / "status-1.json").read_text()) == on_disk
+    assert read_status(run)["state"] == "finished"
 
 
 # Every rank's on_train_end (after the stop's checkpoint, before the engine says stopped)
