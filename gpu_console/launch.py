@@ -361,14 +361,12 @@ def _still_live(run: Path, state: object) -> LaunchError:
 
 def _refuse_live(run: Path, status: dict) -> None:
     """Not recorded as over: over only if none of its processes is left (a lost run)."""
-    from .state import pid_alive
-
     if status.get("ended"):
         return
     pids = status.get("pids") if isinstance(status.get("pids"), dict) else {}
     workers = pids.get("workers") if isinstance(pids.get("workers"), list) else []
     left = [pids.get("supervisor"), pids.get("torchrun"), *workers]
-    if any(isinstance(p, int) and pid_alive(p) for p in left):
+    if any(lost.running(p) for p in left):  # a zombie is over (lost.running)
         raise _still_live(run, status.get("state"))
 
 

@@ -18,12 +18,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from . import session_lock
 from .events import JsonlTail
-from .fold import RunFold, pid_alive
+from .fold import RunFold
 from .runs import EXIT_FAILED, STATUS, current_session, read_json, read_status, write_status
 
 LOST_REASON = "the supervisor exited without recording an end"
+READER_WAIT_S = 1.0
 
 
 def settle(run_dir: Path, status: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -34,18 +37,30 @@ def settle(run_dir: Path, status: dict[str, Any] | None = None) -> dict[str, Any
     if status.get("ended") or _processes_left(status):
         return status
     legacy = not (run_dir / session_lock.LOCK).exists()
-    if legacy and (not status or pid_alive(_pids(status).get("supervisor"))):
+    if legacy and (not status or running(_pids(status).get("supervisor"))):
         # A run made before the lock: its supervisor's pid is all there is (and without a
         # status.json, nothing says a session ever ran: it is left as found).
         return status
-    try:
-        lock = session_lock.try_take(run_dir, create=legacy)
-    except OSError:  # a read-only run directory: nothing can be recorded
-        return status
+    lock = _take(run_dir, legacy, running(_pids(status).get("supervisor")))
     if lock is None:
-        return status  # a session holds the run: it is live (or starting)
+        return read_status(run_dir)  # a session holds the run: it is live (or starting)
     with lock:
         return record_lost(run_dir)
+
+
+def _take(run_dir: Path, legacy: bool, supervisor_alive: bool) -> session_lock.SessionLock | None:
+    """The run's lock, if no session holds it. Where status.json's supervisor is gone, the
+    holder may be another reader recording the end this moment: it is given a moment (its
+    record is then read, not written again)."""
+    deadline = time.monotonic() + (0.0 if supervisor_alive else READER_WAIT_S)
+    while True:
+        try:
+            lock = session_lock.try_take(run_dir, create=legacy)
+        except OSError:  # a read-only run directory: nothing can be recorded
+            return None
+        if lock is not None or time.monotonic() >= deadline:
+            return lock
+        time.sleep(0.05)
 
 
 def record_lost(run_dir: Path) -> dict[str, Any]:
@@ -89,7 +104,18 @@ def _processes_left(status: dict[str, Any]) -> bool:
     last events are not written yet, so the end is recorded by a later reader."""
     pids = _pids(status)
     workers = pids.get("workers") if isinstance(pids.get("workers"), list) else []
-    return any(isinstance(p, int) and pid_alive(p) for p in [pids.get("torchrun"), *workers])
+    return any(isinstance(p, int) and running(p) for p in [pids.get("torchrun"), *workers])
+
+
+def running(pid: Any) -> bool:
+    """A live process: a zombie is not one (where no init reaps orphans, as in many
+    containers, a dead rank stays a zombie for good and would keep the end unrecorded)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _mtime(path: Path) -> float:

@@ -190,6 +190,11 @@ def test_a_killed_supervisor_is_recorded_lost_and_every_view_agrees(procs, runs_
         lambda: (s := read_status(run)) and len(s["pids"].get("workers") or []) == 2 and s,
         what="two worker pids in status.json",
     )
+    # The supervisor alone holds the lock: not the console, torchrun or a rank.
+    pids = status["pids"]
+    tree = [console.pid, pids["supervisor"], pids["torchrun"], *pids["workers"]]
+    holders = {p for p in tree if _holds(p, run / ".lock")}
+    assert holders == {status["pids"]["supervisor"]} and is_held(run) is True
     asked = procs.cli("checkpoint", run.name, "--runs-dir", str(runs_dir))
     assert asked.returncode == 0, asked.stderr  # something to resume from, below
     os.kill(status["pids"]["supervisor"], signal.SIGKILL)
@@ -220,6 +225,22 @@ def test_a_killed_supervisor_is_recorded_lost_and_every_view_agrees(procs, runs_
     assert again.returncode == 0, again.stdout + again.stderr
     assert json.loads((run / "history" / "status-1.json").read_text()) == on_disk
     assert read_status(run)["state"] == "finished"
+
+
+def _holds(pid, path: Path) -> bool:
+    """Whether process ``pid`` has ``path`` open (its /proc/PID/fd links)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    target = str(path.resolve())
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 # Every rank's on_train_end (after the stop's checkpoint, before the engine says stopped)
