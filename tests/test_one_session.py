@@ -17,6 +17,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import conftest
 import pytest
 from conftest import (
     events_of,
@@ -24,7 +25,6 @@ from conftest import (
     pid_alive,
     read_status,
     task_profile,
-    test_env,
     the_run,
     wait_for,
 )
@@ -77,7 +77,7 @@ def _holder(tmp_path, *args, pass_fds=()):
         stdout=subprocess.PIPE,
         text=True,
         pass_fds=pass_fds,
-        env=test_env(),
+        env=conftest.test_env(),
     )
 
 
