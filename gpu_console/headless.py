@@ -40,6 +40,7 @@ from .format import (
     uncut,
 )
 from .heartbeats import all_beating
+from .lost import settle
 from .resume_changes import line as change_line
 from .runs import EXIT_FAILED
 from .state import (
@@ -84,11 +85,29 @@ class Interrupts:
             elif self.acted == 2:
                 if sup:
                     _signal(sup, signal.SIGINT)  # supervisor.KILLS: interrupted, exit 130
-                self.console.print("interrupting: killing the run now, no checkpoint", style="red")
+                self.console.print(f"interrupting: killing the run now; {self._checkpoint()}",
+                                   style="red", highlight=False)  # fmt: skip
             elif self.acted == 3:
                 if sup:
                     kill_tree(sup)
                 self.console.print("killed its processes from this console", style="red")
+
+    def _checkpoint(self) -> str:
+        """What the second Ctrl-C finds of the stop's checkpoint (the end says what was kept:
+        a checkpoint that lands before the kill is the run's, and it ends ``stopped``)."""
+        written = stop_checkpoint(self.follower.state)
+        if written is not None:
+            return f"its stop checkpoint @ step {written.get('step')} is written"
+        return "the stop checkpoint is not written yet"
+
+
+def stop_checkpoint(st: RunState) -> dict | None:
+    """This session's checkpoint of a graceful stop (a request or a signal), once seen."""
+    since = st.status.get("started") or st.session_started or 0
+    for e in reversed(st.checkpoints):
+        if e.get("reason") in ("stop", "signal") and (e.get("t") or 0) >= since:
+            return e
+    return None
 
 
 class SchedulerSignals:
@@ -264,7 +283,10 @@ def _tick(
         return True
     watch.stalls.check()
     if not follower.supervisor_alive():
-        follower.poll()  # it may have written its last status just before exiting
+        # It may have written its last status just before exiting; if not, this reader
+        # records the run lost in status.json, so that every view says the same (lost.py).
+        settle(follower.run_dir)
+        follower.poll()
         if not st.done:
             st.state, st.reason = "lost", "the supervisor exited without recording an end"
         return True
@@ -329,12 +351,19 @@ def _notable(e: dict, console: Console) -> None:
         say(f"compiling the model ({e.get('reason')}): the first step waits for it")
     elif kind == "status" and type(e.get("compiled_s")) in (int, float):
         say(f"compiled in {e['compiled_s']:.1f} s")
-    elif kind == "status" and e.get("state") in ("paused", "stopping", "failed"):
+    elif kind == "status" and e.get("state") == "stopping":
+        why = STOPPING.get(e.get("reason"), e.get("reason"))
+        say(f"state: stopping ({why})" if why else "state: stopping")
+    elif kind == "status" and e.get("state") in ("paused", "failed"):
         say(f"state: {e.get('state')} {e.get('reason') or ''}".rstrip())
     elif kind == "log" and e.get("level") in ("warning", "error"):
         say(f"{e.get('level')}: {e.get('message')}", "yellow")
     elif kind == "log" and e.get("source") == "task":  # the task's ctx.log, info included
         say(f"{e.get('level')}: {e.get('message')}")
+
+
+# Why the engine stops (its ``stopping`` event's reason), as a line says it.
+STOPPING = {"stop": "on request", "signal": "on a signal", "nan": "non-finite loss"}
 
 
 def auto_batch_line(start: dict) -> str:
@@ -371,9 +400,11 @@ def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watc
             shown = "stalled" if watch.stalls.said else st.state
             if shown == "compiling":
                 shown = compiling_text(st.compiling_since, time.time())
-            bar.update(
-                task, total=st.max_steps, completed=st.step, state=shown, info=_progress_text(st)
-            )
+            if st.session_began:  # before it, the figures are an earlier session's
+                info = _progress_text(st)
+                bar.update(task, total=st.max_steps, completed=st.step, state=shown, info=info)
+            else:
+                bar.update(task, state=shown)
             if ended:
                 break
             watch.supervisor_exit.sleep(POLL_S)
@@ -431,7 +462,7 @@ def _follow_plain(
             if compiling.due(now, beat, False):
                 console.print(Text(compiling_text(st.compiling_since, time.time())))
                 compiling.shown(now, beat)
-        if rhythm.due(now, st.step, ended):
+        if st.session_began and rhythm.due(now, st.step, ended):
             eta = human_duration(st.eta_s())
             stalled = "  STALLED" if watch.stalls.said else ""
             console.print(

@@ -88,6 +88,9 @@ class RunState(RunFold):
         self.gpus: list[dict[str, Any]] = []  # per GPU: TelemetryFold.gpus()
         self.session_started: float | None = None  # meta.json's, for a resumed run
         self.run_dir: Path | None = None  # where the ranks' heartbeats are (a stall's sign)
+        # This session's engine has started (its start event was read): until then the
+        # figures (step, max_steps, rate) are a resumed run's earlier session's.
+        self.session_began = False
 
     def apply(self, e: dict[str, Any]) -> None:
         super().apply(e)
@@ -137,7 +140,10 @@ class RunState(RunFold):
 
     @property
     def done(self) -> bool:
-        return bool(self.status.get("ended")) and self.state in FINAL_STATES
+        """Ended, as status.json records it (``lost`` included: a reader recorded it)."""
+        return bool(self.status.get("ended")) and (
+            self.state in FINAL_STATES or self.state == "lost"
+        )
 
     @property
     def exit_code(self) -> int | None:
@@ -178,6 +184,8 @@ class RunFollower:
         new = self.tail.read()
         for e in new:
             self.state.apply(e)
+            if e.get("kind") == "start":
+                self.state.session_began = True
         self.state.apply_status(read_status(self.run_dir))
         if self.telemetry.poll():
             self.state.gpus = self.telemetry.gpus()

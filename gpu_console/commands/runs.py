@@ -23,7 +23,9 @@ import psutil
 from .. import strict_json
 from ..events import append_control, read_events
 from ..fold import StalledError
-from ..runs import FINAL_STATES, RunDirError, find_run, read_status, status_exit_code
+from ..lost import settle
+from ..runs import FINAL_STATES, RunDirError, find_run, read_json, read_status, status_exit_code
+from ..session_lock import is_held
 from ..state import derived_state, describe_stopped, gpu_figures, read_heartbeats
 
 DUMP_TIMEOUT_S = 30.0
@@ -41,22 +43,27 @@ def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
         return []
     runs = [run for run in sorted(Path(runs_dir).iterdir()) if (run / "run.toml").is_file()]
     rows = run_rows(runs)
-    rows.sort(key=lambda r: r["started"], reverse=True)
+    # The newest session first: a run resumed now is the one ``attach`` opens by default.
+    rows.sort(key=lambda r: r["session_started"], reverse=True)
     return rows
 
 
 def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
     """One row per run, from its status.json: what ``ls`` shows and ``status`` starts from.
 
-    ``started``: when the run began; ``updated``: its newest word (the last step, or its end);
-    ``age_s``: seconds since ``updated``.
+    A run whose supervisor died without recording its end is recorded ``lost`` here first
+    (:func:`lost.settle`), so status.json, ``ls`` and ``status`` give one state and step.
+    ``started``: when the run began (its first session); ``session_started``: when its
+    latest session (a resume) began; ``updated``: its newest word (the last step, or its
+    end); ``age_s``: seconds since ``updated``.
     """
     now = time.time()
     rows = []
     for run in runs:
-        status = read_status(run)
-        started = status.get("started") or run.stat().st_mtime
-        last = status.get("ended") or status.get("last_step_t") or started
+        status = settle(run)
+        session_started = status.get("started") or run.stat().st_mtime
+        started = _first_start(run) or session_started
+        last = status.get("ended") or status.get("last_step_t") or session_started
         state = derived_state(status, now, run_dir=run)
         rows.append(
             {
@@ -75,6 +82,7 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
                 "mfu": status.get("mfu_mean"),  # the session's mean; None with the reason:
                 "mfu_not_shown": status.get("mfu_not_shown"),
                 "started": started,
+                "session_started": session_started,
                 "updated": last,
                 "age_s": round(now - last, 1),
             }
@@ -82,9 +90,28 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
     return rows
 
 
+def _first_start(run: Path) -> float | None:
+    """When the run began: meta.json's ``created`` (its first session's start)."""
+    meta = read_json(run / "meta.json")
+    created = meta.get("created") if isinstance(meta, dict) else None
+    return created if isinstance(created, (int, float)) and not isinstance(created, bool) else None
+
+
 def _live(run: Path) -> dict[str, Any]:
-    status = read_status(run)
+    """status.json of a run a session is running; else a command to it would be read by no
+    one: refused (:class:`RunEndedError`), nothing appended.
+
+    Live means a session holds the run's lock (:mod:`.session_lock`), whatever status.json
+    says (a supervisor that was SIGKILLed cannot say it); a run made before the lock is
+    judged by its supervisor's pid.
+    """
+    status = settle(run)
+    held = is_held(run)
     state = derived_state(status, time.time())
+    if held is True and not status.get("ended"):
+        return status  # starting (no status.json yet), or running
+    if held is False and state not in FINAL_STATES and state != "lost":
+        raise RunEndedError(f"{run}: no session is running the run (state {state}); nothing sent")
     if state in FINAL_STATES or state == "lost":
         raise RunEndedError(f"{run}: the run has already ended (state {state})")
     return status

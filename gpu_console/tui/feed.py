@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from ..events import JsonlTail
-from ..fold import RunFold, shown_state
+from ..fold import RunFold, pid_alive, shown_state
 from ..format import human_bytes, optimizer_line, strategy_text
+from ..lost import settle
 from ..runs import FINAL_STATES, current_session, list_checkpoints, read_json, read_status
 from . import reader
 from .devices import DeviceFeed, DeviceView
@@ -273,10 +274,20 @@ class RunFeed:
             written |= e.get("kind") == "checkpoint"
         changed |= self._read_checkpoints(written)
         changed |= self._read_status()
+        if self._supervisor_gone():
+            settle(self.run_dir)  # records lost in status.json (lost.py): every view agrees
+            changed |= self._read_status()
         changed |= self._read_logs()
         self._take_model_logs()
         changed |= self.devices.update(self.live, self.model.last_step)
         return changed or bool(self._new_logs)
+
+    def _supervisor_gone(self) -> bool:
+        """status.json says the run is live, but its supervisor is not (it was killed)."""
+        if not self.status or self.status.get("ended"):
+            return False
+        pids = self.status.get("pids")
+        return not pid_alive(pids.get("supervisor") if isinstance(pids, dict) else None)
 
     def _read_status(self) -> bool:
         try:

@@ -29,6 +29,7 @@ from textual.widgets import Footer, RichLog
 from textual.worker import get_current_worker
 
 from ...events import append_control
+from ...session_lock import is_held
 from ..feed import RunFeed, RunSnapshot
 from ..messages import ControlSent, Notice, RunUpdated
 from ..widgets.chart import BrailleChart, Line
@@ -288,6 +289,9 @@ class RunScreen(Screen):
 
     @work(thread=True, group="control", exit_on_error=False)
     def _append(self, cmd: str, args: dict[str, Any]) -> None:
+        if is_held(self.run_dir) is False:  # no session reads control.jsonl (lock.py)
+            self.post_message(ControlSent(cmd, None, "no session is running the run"))
+            return
         try:
             cid = append_control(self.run_dir, cmd, **args)
         except OSError as e:
