@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ def settle(run_dir: Path, status: dict[str, Any] | None = None) -> dict[str, Any
     end, status.json with ``lost`` recorded in it by this reader."""
     run_dir = Path(run_dir)
     status = read_status(run_dir) if status is None else status
-    if status.get("ended") or _processes_left(status):
+    if status.get("ended") or _processes_left(status) or _elsewhere(status):
         return status
     legacy = not (run_dir / session_lock.LOCK).exists()
     if legacy and (not status or running(_pids(status).get("supervisor"))):
@@ -97,6 +98,15 @@ def record_lost(run_dir: Path) -> dict[str, Any]:
 def _pids(status: dict[str, Any]) -> dict[str, Any]:
     pids = status.get("pids")
     return pids if isinstance(pids, dict) else {}
+
+
+def _elsewhere(status: dict[str, Any]) -> bool:
+    """The session ran on another machine (a runs directory on a shared file system, read
+    from a login node): its pids mean nothing here, and a lock taken here may not be its
+    lock (flock on NFS or Lustre can be local to each client). Only a reader on the run's
+    own host records its end."""
+    host = status.get("host")
+    return isinstance(host, str) and bool(host) and host != socket.gethostname()
 
 
 def _processes_left(status: dict[str, Any]) -> bool:

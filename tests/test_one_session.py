@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -133,6 +134,24 @@ def test_a_reader_records_lost_once_no_session_holds_the_run(tmp_path):
     assert on_disk["reason"] == lost.LOST_REASON and on_disk["pids"]["workers"] == []
     assert lost.settle(run) == on_disk  # once: a later reader reads the record
     assert is_held(run) is False
+
+
+def test_a_reader_on_another_host_records_nothing(tmp_path):
+    """A run directory on a shared file system, read from another machine: the session's
+    pids mean nothing here and its lock may be local to each client, so nothing is recorded."""
+    run = tmp_path / "run"
+    run.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    status = {"state": "running", "step": 3, "started": 100.0, "host": "gpu-node-17"}
+    status["pids"] = {"supervisor": dead.pid, "torchrun": dead.pid, "workers": [dead.pid]}
+    (run / "status.json").write_text(json.dumps(status))
+    (run / session_lock.LOCK).write_text("")
+    assert lost.settle(run) == status
+    assert read_status(run) == status
+    status["host"] = socket.gethostname()  # the same run read on its own host: recorded
+    (run / "status.json").write_text(json.dumps(status))
+    assert lost.settle(run)["state"] == "lost"
 
 
 # -- through the CLI ---------------------------------------------------------------------------
