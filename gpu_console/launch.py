@@ -138,7 +138,7 @@ def check_user_task(
         raise ProfileError(
             [
                 f"{where}: train.activation_checkpointing: {profile.task_kind} has no "
-                f"blocks(model) naming its blocks (README: Activation "
+                f"blocks(model) naming its blocks (docs/performance.md: Activation "
                 f"checkpointing) (got {mode!r})"
             ]
         )

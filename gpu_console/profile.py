@@ -70,7 +70,8 @@ class DataConfig:
     batch_size: int | Literal["auto"] = opt(
         64,
         "samples per rank per micro-batch (grad_accum micro-batches make a step), or auto: "
-        "the largest that fits, searched at start on every rank (README: Auto batch size)",
+        "the largest that fits, searched at start on every rank "
+        "(docs/performance.md: Auto batch size)",
         min=1,
     )
     num_workers: int = opt(0, "DataLoader worker processes per rank", min=0)
@@ -85,7 +86,7 @@ class DataConfig:
     order: Literal["shuffle", "sequential", "contiguous", "random"] = opt(
         "shuffle",
         "training order: shuffle each epoch, sequential, contiguous per-rank streams "
-        "(truncated BPTT), or random with replacement (README: Data order)",
+        "(truncated BPTT), or random with replacement (docs/tasks.md: Data order)",
     )
     eval_batch_size: int = opt(0, "samples per rank per eval batch (0 = data.batch_size)", min=0)
     auto_batch_headroom: float = opt(
@@ -161,18 +162,20 @@ class TrainConfig:
     deterministic: bool = opt(
         False,
         "reproducible GPU runs: deterministic kernels, CUBLAS_WORKSPACE_CONFIG, no cuDNN "
-        "autotuning, no TF32 (slower; README: Reproducibility)",
+        "autotuning, no TF32 (slower; docs/reproducibility.md)",
     )
     compile: (
         bool | Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
     ) = opt(
         False,
-        "torch.compile the model in place: false, true (mode default) or a mode (README: Compile)",
+        "torch.compile the model in place: false, true (mode default) or a mode "
+        "(docs/performance.md: Compile)",
     )
     activation_checkpointing: Literal["none", "blocks", "selective"] = opt(
         "none",
         "recompute activations in backward: none, blocks (each block's), selective (keeps "
-        "matmul outputs); needs the task's blocks() (README: Activation checkpointing)",
+        "matmul outputs); needs the task's blocks() (docs/performance.md: Activation "
+        "checkpointing)",
     )
 
 
@@ -407,7 +410,7 @@ def resolve(
 
 def _fit_warmup(profile: Profile, source: str, overridden: set[str] | frozenset[str]) -> None:
     """A warmup longer than the run: clamped when ``--set train.max_steps`` shortened the
-    profile's run (README's way to make a short run), refused when both values were asked
+    profile's run (docs/commands.md's way to make a short run), refused when both values were asked
     for in one place (the file, or ``--set``): that is a contradiction, not a shortening.
     run.toml then holds the clamped value, the one the schedule uses."""
     train = profile.train

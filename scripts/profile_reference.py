@@ -1,9 +1,9 @@
-"""Print the profile key reference that README.md carries between its REFERENCE markers.
+"""Print the profile key reference that docs/profiles.md carries between its REFERENCE markers.
 
     python scripts/profile_reference.py            # print it
-    python scripts/profile_reference.py --write    # rewrite README.md's section in place
+    python scripts/profile_reference.py --write    # rewrite docs/profiles.md's section in place
 
-tests/test_docs.py fails when README's copy differs, so the two never drift apart.
+tests/test_docs.py fails when the page's copy differs, so the two never drift apart.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from gpu_console.profile import SECTIONS
 from gpu_console.tasks import BUILTIN
 
 BEGIN, END = "<!-- REFERENCE:BEGIN -->", "<!-- REFERENCE:END -->"
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "profiles.md"
 
 
 def _table(title: str, prefix: str, cls: type) -> list[str]:
@@ -36,14 +36,14 @@ def reference() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def splice(readme: str) -> str:
-    head, _, rest = readme.partition(BEGIN)
+def splice(page: str) -> str:
+    head, _, rest = page.partition(BEGIN)
     _, _, tail = rest.partition(END)
     return f"{head}{BEGIN}\n{reference()}{END}{tail}"
 
 
 if __name__ == "__main__":
     if "--write" in sys.argv:
-        README.write_text(splice(README.read_text()))
+        PAGE.write_text(splice(PAGE.read_text()))
     else:
         sys.stdout.write(reference())

@@ -1,4 +1,4 @@
-"""Pictures of the console for README: SVG from the real app, PNG through rsvg-convert.
+"""Pictures of the console for README and docs/: SVG from the real app, PNG through rsvg-convert.
 
     python scripts/screenshots.py            # writes screenshots/{launch,run}.{svg,png}
 

@@ -82,6 +82,7 @@ def test_a_task_without_blocks_is_refused_at_launch(procs, runs_dir, tmp_path):
     assert user.returncode == 2, user.stderr
     (line,) = user.stderr.strip().splitlines()
     assert "train.activation_checkpointing: mine:Mine has no blocks(model)" in line
+    assert "(docs/performance.md: Activation checkpointing)" in line  # where to read on
     assert "Traceback" not in user.stderr
     assert run_dirs(runs_dir) == []  # nothing written
 

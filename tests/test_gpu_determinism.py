@@ -1,4 +1,5 @@
-"""``train.deterministic = true`` on a GPU, as README promises it: ``python -m pytest -m gpu``.
+"""``train.deterministic = true`` on a GPU, as docs/reproducibility.md promises it:
+``python -m pytest -m gpu``.
 
 Two runs of the same profile on GPU 0 give the same losses bit for bit, and a run stopped
 at a checkpoint and resumed continues bit for bit as the uninterrupted run. The profile is

@@ -321,8 +321,8 @@ def test_show_renders_values_as_typed():
 
 
 def test_a_shorter_run_clamps_the_profiles_warmup_and_says_so(tmp_path):
-    # README shortens a run with --set train.max_steps: the profile's warmup gives way, and
-    # run.toml holds what the schedule uses.
+    # docs/commands.md shortens a run with --set train.max_steps: the profile's warmup gives
+    # way, and run.toml holds what the schedule uses.
     path = write_profile(tmp_path / "p.toml", "[train]\nmax_steps = 300\nwarmup_steps = 20\n")
     prof = load_profile(str(path), ["train.max_steps=10"])
     assert prof.train.warmup_steps == 10 and prof.train.max_steps == 10

@@ -222,13 +222,13 @@ def sample_line(gpus: int, ranks: int) -> int:
 
 
 def test_a_week_long_runs_file_size(monkeypatch):
-    """The sizes README states: 1 GPU and 1 rank, 8 GPUs and 8 ranks, a week at 1 s."""
+    """The sizes docs/running.md states: 1 GPU and 1 rank, 8 GPUs and 8 ranks, a week at 1 s."""
     install(monkeypatch, FakeNvml(0))
     one, eight = sample_line(1, 1), sample_line(8, 8)
     assert 1000 < one < 1500 and 6000 < eight < 8000
     lines = lines_after(WEEK_S)
-    assert lines * one < 14 * 2**20  # README: about 12 MB
-    assert lines * eight < 70 * 2**20  # README: about 64 MB
+    assert lines * one < 14 * 2**20  # docs/running.md: about 12 MB
+    assert lines * eight < 70 * 2**20  # docs/running.md: about 63 MB
 
 
 def test_the_recorder_thins_the_file_and_its_summary_still_covers_every_tick(tmp_path):

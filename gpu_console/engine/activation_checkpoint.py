@@ -68,7 +68,8 @@ def blocks_of(task: Any, model: nn.Module) -> list[nn.Module]:
     if not callable(hook):
         raise NoBlocks(
             f"train.activation_checkpointing needs the task to name its blocks: "
-            f"{type(task).__name__} has no {HOOK}(model) (README: Activation checkpointing)"
+            f"{type(task).__name__} has no {HOOK}(model) "
+            f"(docs/performance.md: Activation checkpointing)"
         )
     blocks = list(hook(model))
     if not blocks or not all(isinstance(b, nn.Module) for b in blocks):

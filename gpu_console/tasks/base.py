@@ -36,7 +36,7 @@ the dataset's ``__getitems__(indices)`` if it has one, else ``[dataset[i] for i 
 and passes that to the task's ``collate``; without one to ``default_collate``, except a
 :class:`TensorSet`'s, already stacked and passed on as is. A dataset whose ``__getitems__``
 returns a ready batch needs a ``collate`` (``return batch``). With workers it runs in them.
-The training order is the profile's ``data.order`` (engine/data.py, README: Data order).
+The training order is the profile's ``data.order`` (engine/data.py, docs/tasks.md: Data order).
 
 ``train_step`` (engine/task_step.py): the task's own backward/step sequence per micro-batch,
 through ``optimizers.backward(loss, name)`` and ``optimizers.step(name)``.
@@ -48,7 +48,7 @@ Train metrics: ``TaskOutput.metrics`` returned at training steps (by ``compute``
 
 ``configure_optimizers``: one ``torch.optim`` optimizer, an :class:`OptimizerSpec` (an
 optimizer with its schedule), or a dict of them by name; it replaces the profile's
-``train.optimizer`` and schedule (README: Your own task).
+``train.optimizer`` and schedule (docs/tasks.md).
 
 ``flops_per_sample``: forward and backward (about 3× the forward), 2 FLOPs per multiply-add,
 as :class:`torch.utils.flop_counter.FlopCounterMode` counts them (matmuls, convolutions,

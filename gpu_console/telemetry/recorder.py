@@ -7,7 +7,7 @@ supervisor's tick. One writer: an advisory lock on the file; a second recorder o
 
 Bounded size: every sample is written for the first :data:`LEVEL_LINES` lines, then every
 2nd for the next :data:`LEVEL_LINES`, then every 4th, … so the file grows with the logarithm
-of the run's length (a week at 1 s: 10 levels, under 10 000 lines; README has the sizes).
+of the run's length (a week at 1 s: 10 levels, under 10 000 lines; docs/running.md has the sizes).
 Each line says the interval it now stands for (``every_s``). Nothing is lost from the
 figures: the recorder folds *every* sample (:class:`~gpu_console.state.TelemetryFold`) and
 ends the file with a ``summary`` line, the fold of the whole run, that readers take as is.
