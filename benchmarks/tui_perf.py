@@ -43,6 +43,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+# The synthetic run directories live with the tests (tests/synthetic.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
 
 # -- the child: one console process, reporting what it saw to a file -------------------------
 
@@ -201,14 +204,14 @@ def first_frame(terminal: str, rounds: int) -> dict:
 
 
 def live_status(run: Path, pid: int) -> None:
-    from gpu_console.tui.synthetic import write_status
+    from synthetic import write_status  # tests/synthetic.py
 
     write_status(run, {"state": "running", "pids": {"supervisor": pid, "workers": []},
                        "started": time.time() - 60})  # fmt: skip
 
 
 def attach(terminal: str, rounds: int, events: int) -> dict:
-    from gpu_console.tui import synthetic
+    import synthetic  # tests/synthetic.py
 
     run = Path(tempfile.mkdtemp()) / "runs" / "big-20260101-000000"
     run.mkdir(parents=True)
@@ -258,7 +261,7 @@ with open(path, "a") as f:
 
 
 def cpu(terminal: str, rounds: int, seconds: float, rate: float) -> dict:
-    from gpu_console.tui import synthetic
+    import synthetic  # tests/synthetic.py
 
     results: dict[str, list[float]] = {"50/s": [], "idle": []}
     for _ in range(rounds):

@@ -26,6 +26,27 @@ def bf16_native(capability: Sequence[int] | None) -> bool:
     return capability is not None and tuple(capability[:2]) >= BF16_MIN_CAPABILITY
 
 
+FP16_NEEDS_GPU = "fp16 needs a GPU (its GradScaler is CUDA-only)"
+
+
+def precision_refusals(
+    device_type: str, gpus: Sequence[int], capabilities: dict[int, Sequence[int] | None]
+) -> dict[str, str]:
+    """Which precisions a placement cannot run, and why: the one rule the launch and the
+    launch screen apply. ``capabilities``: NVML's compute capability by GPU index (a GPU it
+    does not know is not refused: the launch cannot tell)."""
+    if device_type != "cuda":
+        return {"fp16": FP16_NEEDS_GPU}
+    old = [
+        f"GPU {i} is {capabilities[i][0]}.{capabilities[i][1]}"
+        for i in gpus
+        if capabilities.get(i) is not None and not bf16_native(capabilities[i])
+    ]
+    if old:
+        return {"bf16": f"bf16 needs compute capability ≥ 8.0 ({', '.join(old)})"}
+    return {}
+
+
 class DeviceSpecError(ValueError):
     """A device spec that is malformed or names devices this machine does not have."""
 

@@ -84,7 +84,6 @@ class RunFold:
         self.skipped: int | None = None  # updates skipped for a non-finite gradient
         self.checkpoint_failed: dict[str, Any] | None = None
         self.checkpointed = True  # a stop's checkpoint was written (the engine's word)
-        self.final_t = 0.0  # when the engine last said the run ended (a session's end)
         self.last_t = 0.0  # the newest event's time
         self.events = 0
 
@@ -156,8 +155,6 @@ class RunFold:
             self.step = true_step(e, self.step)
             if self.state == "stopped":
                 self.checkpointed = e.get("checkpointed", True) is not False
-            if self.state in FINAL_STATES:
-                self.final_t = float(t or 0.0)
         elif kind == "checkpoint":
             self.step = true_step(e, self.step)
             self.last_checkpoint = e

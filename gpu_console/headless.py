@@ -239,7 +239,7 @@ def follow(
             signal.signal(sig, handler)
     st = follower.state
     print_summary(console, st, run_dir)
-    return exit_code(st, interrupts.count > 0 or bool(scheduler.received))
+    return exit_code(st)
 
 
 def _resumed_line(run_dir: Path) -> Text | None:
@@ -475,7 +475,7 @@ def _follow_plain(
         watch.supervisor_exit.sleep(POLL_S)
 
 
-def exit_code(st: RunState, interrupted: bool) -> int:
+def exit_code(st: RunState) -> int:
     """The run's exit code (:func:`runs.exit_code`: the number status.json holds)."""
     code = st.exit_code
     return EXIT_FAILED if code is None else code

@@ -26,10 +26,10 @@ from .batching import batch_problem
 from .devices import (
     DeviceSpecError,
     Placement,
-    bf16_native,
     check_cpu_ranks,
     parse_devices,
     place,
+    precision_refusals,
     read_grant,
 )
 from .profile import Profile, ProfileError, find_profile, load_profile
@@ -162,19 +162,16 @@ def resolve_placement(devices: str, oversubscribe: bool = False) -> Placement:
     return place(spec, grant, reason, torch_build.cuda_problem() if grant.gpus else "")
 
 
-def bf16_refusal(placement: Placement) -> str:
-    """Why bf16 cannot run on the placement's GPUs ("" when it can, or cannot be told)."""
-    from .telemetry import nvml
+def precision_refusal(placement: Placement, precision: str) -> str:
+    """Why ``precision`` cannot run on the placement ("" when it can, or cannot be told):
+    :func:`devices.precision_refusals`, with NVML's capabilities for a GPU placement."""
+    known = {}
+    if placement.device_type == "cuda":
+        from .telemetry import nvml
 
-    if placement.device_type != "cuda":
-        return ""
-    known = {g["index"]: g["compute_capability"] for g in nvml.identities()}
-    old = [
-        f"GPU {i} is {known[i][0]}.{known[i][1]}"
-        for i in placement.gpus
-        if known.get(i) is not None and not bf16_native(known[i])
-    ]
-    return f"bf16 needs compute capability ≥ 8.0 ({', '.join(old)})" if old else ""
+        known = {g["index"]: g["compute_capability"] for g in nvml.identities()}
+    refused = precision_refusals(placement.device_type, placement.gpus, known)
+    return refused.get(precision, "")
 
 
 # Where the installed torchrun lacks one of these flags, the run gets its behaviour this way.
@@ -523,14 +520,10 @@ def _prepare(
             "SyncBatchNorm runs only on GPUs; this run is on CPU",
             True,
         )
-    if placement.device_type == "cpu" and profile.train.precision == "fp16":
-        raise bad(
-            "train.precision",
-            "fp16 needs a GPU (its GradScaler is CUDA-only); use bf16 or fp32 on CPU",
-            "fp16",
-        )
-    if profile.train.precision == "bf16" and (why := bf16_refusal(placement)):
-        raise bad("train.precision", f"{why}; use auto (fp16 there) or fp32", "bf16")
+    instead = {"fp16": "use bf16 or fp32 on CPU", "bf16": "use auto (fp16 there) or fp32"}
+    if why := precision_refusal(placement, profile.train.precision):
+        prec = profile.train.precision
+        raise bad("train.precision", f"{why}; {instead[prec]}", prec)
     world = placement.nproc * (nodes.max_nodes if nodes else 1)
     check_data(profile, placement, world, task_cwd or os.getcwd(), bad, build_data)
     return profile, placement, resume_from

@@ -5,7 +5,7 @@
 The app runs headless at 100×32 (Textual's Pilot). No machine here has a GPU: the GPUs in
 the pictures are two NVML fakes put behind ``gpu_console.telemetry.nvml`` (the seam the
 tests use, tests/test_telemetry_fake.py), and the run screen reads a telemetry.jsonl made
-from them for the picture; its events are synthetic (gpu_console.tui.synthetic). PNGs need
+from them for the picture; its events are synthetic (tests/synthetic.py). PNGs need
 ``rsvg-convert`` (Debian: librsvg2-bin); without it only the SVGs are written.
 """
 
@@ -25,11 +25,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "tui")]
 
+import synthetic  # noqa: E402 - tests/synthetic.py
 from test_telemetry_fake import FakeGpu, FakeNvml  # noqa: E402
 from tui_support import picture_telemetry  # noqa: E402
 
 from gpu_console.telemetry import nvml  # noqa: E402
-from gpu_console.tui import synthetic  # noqa: E402
 from gpu_console.tui.app import ConsoleApp  # noqa: E402
 
 OUT = REPO / "screenshots"

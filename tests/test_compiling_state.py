@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import os
 
+import synthetic
+
 from gpu_console.fold import RunFold, derived_state
 from gpu_console.headless import _notable
-from gpu_console.tui import synthetic
 from gpu_console.tui.feed import RunFeed
 from gpu_console.tui.widgets.header import header_text
 

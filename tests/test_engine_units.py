@@ -765,16 +765,16 @@ def state_of(name: str, **status) -> RunState:
 
 
 def test_exit_codes_follow_the_design():
-    assert headless.exit_code(state_of("finished"), interrupted=False) == 0
-    assert headless.exit_code(state_of("stopped", checkpointed_on_stop=True), True) == 0
-    assert headless.exit_code(state_of("stopped", checkpointed_on_stop=False), True) == 130
-    assert headless.exit_code(state_of("stopped"), True) == 130
-    assert headless.exit_code(state_of("failed"), False) == 1
-    assert headless.exit_code(state_of("interrupted"), True) == 130
-    assert headless.exit_code(state_of("killed"), False) == 137
+    assert headless.exit_code(state_of("finished")) == 0
+    assert headless.exit_code(state_of("stopped", checkpointed_on_stop=True)) == 0
+    assert headless.exit_code(state_of("stopped", checkpointed_on_stop=False)) == 130
+    assert headless.exit_code(state_of("stopped")) == 130
+    assert headless.exit_code(state_of("failed")) == 1
+    assert headless.exit_code(state_of("interrupted")) == 130
+    assert headless.exit_code(state_of("killed")) == 137
     lost = RunState()
     lost.state = "lost"
-    assert headless.exit_code(lost, False) == 1
+    assert headless.exit_code(lost) == 1
 
 
 def render(table) -> str:
@@ -854,7 +854,7 @@ def test_summary_table_of_a_failed_run_shows_the_failure_and_traceback_tail(tmp_
     assert 'frame3.py", line 3' in text  # the last six lines
     assert "frame2.py" not in text
     assert "Traceback (most recent call last)" not in text
-    assert headless.exit_code(st, False) == 1
+    assert headless.exit_code(st) == 1
 
 
 def test_human_bytes():

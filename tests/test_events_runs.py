@@ -491,3 +491,14 @@ def test_run_state_eta_is_the_remaining_steps_at_the_observed_rate(start_step):
     st = folded(events)
     assert st.step == start_step + 30
     assert st.eta_s() == pytest.approx(70.0)
+
+
+def test_one_precision_rule_for_the_launch_and_the_launch_screen():
+    # devices.precision_refusals is what launch.prepare and the launch screen both apply.
+    from gpu_console.devices import precision_refusals
+
+    assert set(precision_refusals("cpu", [], {})) == {"fp16"}
+    assert precision_refusals("cuda", [0, 1], {0: (8, 0), 1: (9, 0)}) == {}
+    old = precision_refusals("cuda", [0, 1], {0: (7, 5), 1: (8, 6)})
+    assert old == {"bf16": "bf16 needs compute capability ≥ 8.0 (GPU 0 is 7.5)"}
+    assert precision_refusals("cuda", [3], {}) == {}  # unknown to NVML: cannot tell

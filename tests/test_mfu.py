@@ -316,7 +316,8 @@ def test_the_fold_the_progress_line_and_the_summary_show_mfu(tmp_path):
 def test_the_run_header_shows_the_newest_mfu(tmp_path):
     import json
 
-    from gpu_console.tui import synthetic
+    import synthetic
+
     from gpu_console.tui.feed import RunFeed
     from gpu_console.tui.widgets.header import header_text
 

@@ -8,7 +8,6 @@ from test_telemetry_host import launchers  # noqa: F401 - a fixture
 
 from gpu_console.telemetry.host import HostSampler, RunPids
 from gpu_console.telemetry.ranks import (
-    memory_beside_allocator,
     nvml_memory_by_pid,
     rank_gpus,
     visible_uuids,
@@ -97,30 +96,3 @@ def test_a_cpu_run_has_ranks_without_gpus(launchers):  # noqa: F811
         (0, None, None),
         (1, None, None),
     ]
-
-
-def test_memory_beside_the_allocator():
-    sample = {
-        "gpus": [{"index": 0, "uuid": "GPU-a", "processes": [{"pid": 10, "used_memory": 9 * GIB}]}],
-        "host": {
-            "processes": [
-                {"pid": 10, "role": "worker", "rank": 0, "local_rank": 0},
-                {"pid": 11, "role": "worker", "rank": 1, "local_rank": 1},
-                {"pid": 12, "role": "child"},
-            ]
-        },
-    }
-    step = {
-        "kind": "step",
-        "memory": [
-            {"rank": 0, "allocated": 6 * GIB, "reserved": 8 * GIB, "peak": 7 * GIB},
-            {"rank": 1, "allocated": 1, "reserved": 2, "peak": 3},
-        ],
-    }
-    rows = memory_beside_allocator(sample, step)
-    assert [r["rank"] for r in rows] == [0, 1]
-    assert rows[0]["nvml_used"] == 9 * GIB
-    assert rows[0]["reserved"] == 8 * GIB
-    assert rows[0]["unaccounted"] == 1 * GIB  # the CUDA context, workspaces, NCCL buffers
-    assert (rows[1]["reserved"], rows[1]["nvml_used"], rows[1]["unaccounted"]) == (2, None, None)
-    assert memory_beside_allocator(sample, None)[0]["reserved"] is None

@@ -1,4 +1,4 @@
-"""One line per GPU of a run, from :meth:`gpu_console.state.TelemetryFold.gpus`: what the
+"""One line per GPU of a run, from :meth:`gpu_console.telemetry.fold.TelemetryFold.gpus`: what the
 headless summary, ``status`` and the run screen say the GPUs did (plain text, no imports)."""
 
 from __future__ import annotations

@@ -104,30 +104,3 @@ def rank_gpus(sample: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-def memory_beside_allocator(
-    sample: dict[str, Any], step_event: dict[str, Any] | None
-) -> list[dict[str, Any]]:
-    """Per rank: NVML's used memory beside the allocator's numbers from a ``step`` event.
-
-    ``unaccounted`` = NVML used − allocator reserved (bytes), when both are known.
-    """
-    allocator = {m.get("rank"): m for m in (step_event or {}).get("memory") or ()}
-    out = []
-    for row in rank_gpus(sample):
-        mem = allocator.get(row["rank"], {})
-        reserved = mem.get("reserved")
-        used = row["nvml_used"]
-        out.append(
-            {
-                **row,
-                "allocated": mem.get("allocated"),
-                "reserved": reserved,
-                "peak": mem.get("peak"),
-                "unaccounted": used - reserved
-                if isinstance(used, int) and isinstance(reserved, int)
-                else None,
-            }
-        )
-    return out

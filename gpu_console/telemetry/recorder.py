@@ -9,7 +9,7 @@ Bounded size: every sample is written for the first :data:`LEVEL_LINES` lines, t
 2nd for the next :data:`LEVEL_LINES`, then every 4th, … so the file grows with the logarithm
 of the run's length (a week at 1 s: 10 levels, under 10 000 lines; docs/running.md has the sizes).
 Each line says the interval it now stands for (``every_s``). Nothing is lost from the
-figures: the recorder folds *every* sample (:class:`~gpu_console.state.TelemetryFold`) and
+figures: the recorder folds *every* sample (:class:`~gpu_console.telemetry.fold.TelemetryFold`) and
 ends the file with a ``summary`` line, the fold of the whole run, that readers take as is.
 
 Only the standard library is imported here: NVML, psutil and the fold are imported on the
@@ -94,7 +94,7 @@ class Recorder:
         self.level_lines = level_lines
         self._take = sample
         self.thinning = Thinning(level_lines)
-        self.fold = None  # state.TelemetryFold, made on the thread
+        self.fold = None  # fold.TelemetryFold, made on the thread
         self.ticks = 0
         self.latest: dict[str, Any] | None = None
         self.last_error: str | None = None
@@ -174,7 +174,7 @@ class Recorder:
             self.last_error = f"{type(e).__name__}: {e}".splitlines()[0]
 
     def _setup(self) -> None:
-        from ..state import TelemetryFold
+        from .fold import TelemetryFold
 
         # What the file holds already (a run continued in its directory): the fold and the
         # thinning go on from it, so the summary covers the whole run and the bound holds.

@@ -2,7 +2,7 @@
 
 Samples come from the run's ``telemetry.jsonl``, which the run's supervisor records for its
 whole life: a console only reads it (short histories, per-device cards, and the per-GPU
-figures of :class:`~gpu_console.state.TelemetryFold`). Only for a live run that nobody
+figures of :class:`~gpu_console.telemetry.fold.TelemetryFold`). Only for a live run that nobody
 records (a run from before the supervisor recorded) does it sample for itself, in memory,
 with the telemetry :class:`~gpu_console.telemetry.sampler.Sampler`.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..events import JsonlTail
-from ..state import TelemetryFold
+from ..telemetry.fold import TelemetryFold
 from . import reader
 
 # A newest sample older than this (or than twice the interval it stands for): nobody records.

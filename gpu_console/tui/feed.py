@@ -96,16 +96,6 @@ class RunSnapshot:
         return self.state in FINAL_STATES
 
 
-def display_state(status: dict[str, Any], engine_state: str, now: float, step_time: float | None):
-    """The state to show: the supervisor's once the run ended, ``lost``/``stalled`` when
-    derived, else the engine's newest ``status`` event (it is ahead of status.json)."""
-    fold = RunFold()
-    fold.state = engine_state
-    if step_time:
-        fold.step_times.append(step_time)
-    return shown_state(fold, status, now)
-
-
 class RunModel(RunFold):
     """THE fold (:mod:`..fold`) and what only the run screen shows (series for the charts,
     log lines, every eval): :meth:`apply` in file order, :meth:`backfill` for older events."""

@@ -8,13 +8,13 @@ import os
 import re
 
 import pytest
+import synthetic
 import torch
 from tui_support import recorded_run_fixture, until  # noqa: F401 - fixtures
 
 from gpu_console.engine import checkpoint
 from gpu_console.events import EventWriter
 from gpu_console.runs import list_checkpoints
-from gpu_console.tui import synthetic
 from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.feed import RunFeed
 from gpu_console.tui.screens.run import RunScreen

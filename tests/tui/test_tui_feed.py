@@ -8,9 +8,11 @@ import os
 import time
 
 import pytest
+import synthetic
 
-from gpu_console.tui import reader, synthetic
-from gpu_console.tui.feed import RunFeed, RunModel, display_state
+from gpu_console.fold import shown_state
+from gpu_console.tui import reader
+from gpu_console.tui.feed import RunFeed, RunModel
 from gpu_console.tui.series import Series
 from gpu_console.tui.widgets.chart import Line, render_chart
 from gpu_console.tui.widgets.text import num, spark
@@ -88,12 +90,17 @@ def test_the_feed_folds_a_failed_run(tmp_path):
 
 
 def test_states_a_reader_derives():
-    now = 1000.0
-    assert display_state({}, "starting", now, None) == "starting"
-    ended = {"state": "stopped", "ended": 5.0}
-    assert display_state(ended, "running", now, None) == "stopped"
+    # The state the run screen shows: the supervisor's once the run ended, lost/stalled when
+    # derived, else the engine's newest status event (ahead of status.json).
+    def shown(status, engine_state):
+        fold = RunModel()
+        fold.state = engine_state
+        return shown_state(fold, status, 1000.0)
+
+    assert shown({}, "starting") == "starting"
+    assert shown({"state": "stopped", "ended": 5.0}, "running") == "stopped"
     gone = {"state": "running", "pids": {"supervisor": 2**22 + 12345}}
-    assert display_state(gone, "running", now, None) == "lost"
+    assert shown(gone, "running") == "lost"
 
 
 def test_a_chart_draws_braille_and_skips_non_finite_points():

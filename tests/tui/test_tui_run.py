@@ -7,6 +7,7 @@ import os
 import re
 
 import pytest
+import synthetic
 from tui_support import (  # noqa: F401 - fixtures
     control_lines,
     fake_live_fixture,
@@ -16,7 +17,6 @@ from tui_support import (  # noqa: F401 - fixtures
 )
 
 from gpu_console.events import EventWriter, read_events
-from gpu_console.tui import synthetic
 from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.screens.modals import ConfirmScreen, HelpScreen, QuitScreen
 from gpu_console.tui.screens.run import RunScreen

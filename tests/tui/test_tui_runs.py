@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import synthetic
 from tui_support import screen_text, until
 
-from gpu_console.tui import synthetic
 from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.screens.launch import LaunchScreen
 from gpu_console.tui.screens.run import RunScreen

@@ -5,10 +5,10 @@ with ``GPU_CONSOLE_UPDATE_SNAPSHOTS=1 python -m pytest tests/tui -k snapshot``."
 from __future__ import annotations
 
 import pytest
+import synthetic
 from test_telemetry_fake import FakeGpu, FakeNvml, install
 from tui_support import assert_svg, picture_telemetry, until
 
-from gpu_console.tui import synthetic
 from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.screens.launch import LaunchScreen
 from gpu_console.tui.screens.run import RunScreen

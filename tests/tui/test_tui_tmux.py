@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import synthetic
 from conftest import (
     events_of,
     fast_profile,
@@ -35,7 +36,6 @@ from conftest import test_env as environment
 from tui_support import kill_runs
 
 from gpu_console.profile import BUILTIN_DIR
-from gpu_console.tui import synthetic
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import synthetic
 import textual
 from conftest import Procs, only_run, wait_for
 
 from gpu_console.events import EventWriter, JsonlTail
-from gpu_console.tui import synthetic
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 

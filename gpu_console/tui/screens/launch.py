@@ -435,23 +435,14 @@ class LaunchScreen(Screen):
         spec = self.devices_spec() if self._devices_ready else None
         if self._devices_ready:
             self._update_devices_note()
-        notes: list[str] = []
-        disabled: set[str] = set()
-        if spec is None or spec.startswith("cpu"):
-            disabled.add("fp16")
-            notes.append("fp16 needs a GPU (its GradScaler is CUDA-only)")
-        else:
-            from ...devices import bf16_native
+        from ...devices import precision_refusals
 
-            by_index = {g["index"]: g for g in self.gpus}
-            old = []
-            for i in map(int, spec.split(",")):
-                cc = (by_index.get(i) or {}).get("compute_capability")
-                if cc and not bf16_native(cc):
-                    old.append(f"GPU {i} is {cc[0]}.{cc[1]}")
-            if old:
-                disabled.add("bf16")
-                notes.append(f"bf16 needs compute capability ≥ 8.0 ({', '.join(old)})")
+        on_gpus = spec is not None and not spec.startswith("cpu")
+        indices = [int(i) for i in spec.split(",")] if on_gpus else []
+        known = {g["index"]: g.get("compute_capability") for g in self.gpus}
+        refused = precision_refusals("cuda" if on_gpus else "cpu", indices, known)
+        disabled = set(refused)
+        notes = list(refused.values())
         for p in PRECISIONS:
             self.query_one(f"#prec-{p}", RadioButton).disabled = p in disabled
         if self.precision() in disabled:

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .. import strict_json
+from gpu_console import strict_json
 
 T0 = 1_800_000_000.0  # a fixed clock: pictures and snapshots do not change between runs
 MIB = 2**20
