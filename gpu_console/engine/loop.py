@@ -53,10 +53,10 @@ from . import (
     flops,
     fsdp,
     precision,
-    profiling,
     sharded_checkpoint,
     signals,
     task_step,
+    torch_profiler,
 )
 from . import context as contexts
 from . import distributed as distmod
@@ -65,7 +65,7 @@ from .best import resumed as best_so_far
 from .checkpoint_writer import Writer
 from .compile import Compiled, mode_of
 from .control import Control
-from .data import Batches, DataPosition, make_loader
+from .data import Batches, DataPosition, make_loader, move
 from .evaluate import at_start as eval_at_start
 from .evaluate import evaluate
 from .evaluate import splits as eval_splits
@@ -74,7 +74,7 @@ from .heartbeat import Heartbeat
 from .hooks import Hooks, attach
 from .metrics import memory_sample
 from .nonfinite import Guard, rewind_schedule
-from .optimizers import Optimizers
+from .optim_set import Optimizers
 from .reporter import Reporter
 from .schedule import scaled_lr
 from .shared_reduce import SharedReduce
@@ -111,18 +111,6 @@ class Window:
     started: float = field(default_factory=time.perf_counter)
 
 
-def move(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: move(v, device) for k, v in batch.items()}
-    return batch
-
-
 def train(
     run_dir: Path,
     profile: Profile,
@@ -142,14 +130,14 @@ def train(
     watch.mark("process_group")
     out = Reporter(run_dir, d.local_rank == 0)
     beat = heartbeat or _NullHeartbeat()
-    oom_snapshot = profiling.record_memory_history(p.hardware.memory_snapshot_on_oom, d.device)
+    oom_snapshot = torch_profiler.record_memory_history(p.hardware.memory_snapshot_on_oom, d.device)
     try:
         try:
             _train(
                 run_dir, p, task, d, out, resume, beat, restart, changes or [], watch, oom_snapshot
             )
         except torch.OutOfMemoryError as e:  # torch.cuda.OutOfMemoryError is this class
-            snapshot = profiling.dump_memory_snapshot(run_dir, d.rank, oom_snapshot)
+            snapshot = torch_profiler.dump_memory_snapshot(run_dir, d.rank, oom_snapshot)
             # The step the loop was in (its heartbeat knows), counted from 1 like step events.
             raise OutOfMemory(oom_message(e, d, p, beat.step, snapshot)) from e
     except NonFiniteLoss as e:
@@ -169,7 +157,7 @@ def train(
             out.log("error", str(e))
         raise
     finally:
-        profiling.after_failure()  # a capture a failure cut short writes what it has
+        torch_profiler.after_failure()  # a capture a failure cut short writes what it has
         close_task(task, out, d.rank)
         out.close()
         if dist.is_initialized():
@@ -289,7 +277,7 @@ def _train(
     random.seed(p.train.seed + d.rank)
     torch.manual_seed(p.train.seed + 1_000_003 * (d.rank + 1))  # per-rank dropout streams
     if resume is not None and not sharded:  # an FSDP run's once sharded, below
-        # The optimizers keep this profile's settings over the saved ones (optimizers.py).
+        # The optimizers keep this profile's settings over the saved ones (optim_set.py).
         back = checkpoint.resume(resume, model, opts, scalers, d.rank, d.world_size)
         step, evaluated_at, position = _resumed(back, resume, d, p, changes, hooks, out)
 
@@ -338,7 +326,7 @@ def _train(
     batches = Batches(train_loader, position)
     hooks.start(step, batches)
     control = Control(run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
-    profiler = profiling.Profiler(run_dir, d, out)  # the profile command (profiling.py)
+    profiler = torch_profiler.Profiler(run_dir, d, out)  # the profile command (torch_profiler.py)
     writes = checkpoint.write_group(p.distributed.collective_timeout_s)
     # checkpoint.async_write: training waits for a copy of the state, a thread writes it.
     writer = Writer(run_dir, d.device, d.is_main, writes, p.checkpoint.keep_last,

@@ -23,7 +23,7 @@ from .context import planning
 from .data import make_loader
 from .evaluate import splits as eval_splits
 from .hooks import attach
-from .optimizers import Optimizers
+from .optim_set import Optimizers
 from .schedule import decay_steps, floor_ratio, lr_factor, scaled_lr
 
 SOURCE = "the resolved profile"

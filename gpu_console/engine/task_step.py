@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .optimizers import Optimizers
+from .optim_set import Optimizers
 
 
 class StepOptimizers(Mapping):
