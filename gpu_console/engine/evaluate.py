@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .data import move
+
 PROGRESS_EVERY_S = 1.0
 
 
@@ -135,3 +137,34 @@ def at_start(enabled: bool, step: int, evaluated_at: int | None, eval_every: int
     if evaluated_at is not None:
         return evaluated_at != step
     return step == 0 or not (eval_every and step % eval_every == 0)
+
+
+class Evaluator:
+    """The run's evals: at their steps, their metrics to the schedules, the task's hook and
+    the best checkpoint's judge."""
+
+    def __init__(self, out, d, task, model, loaders, beat, compiled, opts, hooks, best) -> None:
+        self.out, self.d, self.task, self.loaders, self.beat = out, d, task, loaders, beat
+        self.model = model  # the bare model, for the task's eval_end hook
+        self.compiled, self.opts, self.hooks, self.best = compiled, opts, hooks, best
+        self.strategy: Any = None
+        self.autocast: Any = None
+
+    def bind(self, strategy, autocast) -> None:
+        """What an eval runs: the strategy's wrapped model, under the step's autocast."""
+        self.strategy, self.autocast = strategy, autocast
+
+    def run(self, state) -> bool:
+        """Collective: one eval at ``state.step``; whether its metric improved on the best."""
+        step = state.step
+        state.evaluated_at = step
+        self.beat.set(step, "eval")
+        wrapped = self.strategy.wrapped
+        with self.compiled.eager():
+            metrics = evaluate(
+                self.out, self.d, self.task, wrapped, self.loaders, self.autocast, step, move,
+                self.beat,
+            )  # fmt: skip
+        self.opts.after_eval(metrics)
+        self.hooks.eval_end(self.model, metrics)
+        return self.best.observe(step, metrics, lambda m: self.out.log("warning", m))

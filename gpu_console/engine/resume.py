@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from . import torch_private
+from ..runs import latest_checkpoint
+from . import checkpoint, torch_private
 from .data import DataPosition
 
 
@@ -85,3 +88,45 @@ def data_position(state: dict, changes: list[dict], batch_size: int) -> DataPosi
 def position_of(data: dict, world: int, changes: list[dict], batch_size: int) -> DataPosition:
     """A saved position (``data``, written by ``world`` ranks) in samples."""
     return DataPosition.from_state(data, world, old_batch_size(changes, batch_size))
+
+
+def resume_point(run_dir: Path, requested: Path | None, restart: int, d) -> Path | None:
+    """Where to start from, decided by rank 0 and shared with every rank.
+
+    After a restart by torchrun, the run's own newest complete checkpoint (else what the run
+    was started from); otherwise ``--resume``'s. On several nodes the path is rank 0's: the
+    other nodes must see it (a shared runs directory) or they fail here, saying so.
+    """
+    choice: list[str | None] = [None]
+    if d.is_main:
+        path = requested
+        if restart > 0:
+            path = latest_checkpoint(run_dir) or requested
+        choice[0] = str(Path(path).resolve()) if path else None
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    path = Path(choice[0])
+    if not (path / checkpoint.STATE).is_file():
+        raise FileNotFoundError(
+            f"rank {d.rank} cannot read rank 0's checkpoint {path}: on several nodes, resuming "
+            "needs a runs directory every node can read (a shared file system)"
+        )
+    return path
+
+
+def apply(back, point: Path, d, p, changes: list[dict], hooks, out) -> tuple:
+    """A loaded checkpoint's step, newest eval and data position; its task state and RNG
+    restored."""
+    position = position_of(back.data, back.world_size, changes, p.data.batch_size)
+    hooks.restore(back.task, d.world_size, lambda m: out.log("warning", m))
+    if back.rng is not None:
+        checkpoint.restore_rng(back.rng, d.device)
+    else:
+        out.log("warning", f"resumed on {d.world_size} ranks from {back.ranks}: RNG reseeded")
+    out.log(
+        "info",
+        f"resumed from {point} at step {back.step} "
+        f"(epoch {position.epoch}, sample {position.samples} of its order)",
+    )
+    return back.step, back.evaluated_at, position
