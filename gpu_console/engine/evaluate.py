@@ -39,13 +39,13 @@ def metric_name(split: str, name: str) -> str:
     return f"{split}/{name}" if split else name
 
 
-def evaluate(out, d, task, ddp, loaders, autocast, step: int, move, beat) -> dict[str, float]:
+def evaluate(out, d, task, wrapped, loaders, autocast, step: int, move, beat) -> dict[str, float]:
     """Collective: every split's metrics, averaged over every rank's eval (on every rank), as
     one ``eval`` event."""
     metrics: dict[str, float] = {}
     derived = getattr(task, "derived_metrics", None) or {}
     for split, loader in loaders.items():
-        got = _evaluate_split(out, d, task, ddp, loader, autocast, step, move, beat, split)
+        got = _evaluate_split(out, d, task, wrapped, loader, autocast, step, move, beat, split)
         for name, derive in derived.items():
             got[name] = float(derive(dict(got)))
         metrics.update((metric_name(split, k), v) for k, v in got.items())
@@ -56,7 +56,7 @@ def evaluate(out, d, task, ddp, loaders, autocast, step: int, move, beat) -> dic
 
 @torch.no_grad()
 def _evaluate_split(
-    out, d, task, ddp, loader, autocast, step: int, move, beat, split: str
+    out, d, task, wrapped, loader, autocast, step: int, move, beat, split: str
 ) -> dict[str, float]:
     """One split's metrics, averaged over every rank's samples (collective).
 
@@ -66,13 +66,13 @@ def _evaluate_split(
     not). The task's ``derived_metrics`` (name: function of the averaged metrics), e.g.
     ``perplexity = exp(loss)``, are added by :func:`evaluate`.
     """
-    ddp.eval()
+    wrapped.eval()
     totals: dict[str, float] = {}
     weight = 0  # tokens, else samples
     total = len(loader)
     said = 0.0
     where = {"split": split} if split else {}
-    extra = _shortfall(d, total) if getattr(ddp, "same_forwards", False) else 0
+    extra = _shortfall(d, total) if getattr(wrapped, "same_forwards", False) else 0
     for i, batch in enumerate(loader):
         # A stuck eval names its batch, and for how long.
         beat.set(step, "eval", f"{split + ' ' if split else ''}{i}/{total}")
@@ -82,15 +82,15 @@ def _evaluate_split(
             said = now
         batch = move(batch, d.device)
         with autocast:
-            result = task.compute(ddp.module, batch)
+            result = task.compute(wrapped.module, batch)
         n = result.tokens or result.samples
         weight += n
         totals["loss"] = totals.get("loss", 0.0) + float(result.loss) * n
         for name, value in result.metrics.items():
             totals[name] = totals.get(name, 0.0) + float(value) * n
     if extra:
-        _pad(d, task, ddp, loader, autocast, move, extra)
-    ddp.train()
+        _pad(d, task, wrapped, loader, autocast, move, extra)
+    wrapped.train()
     # A rank with no eval batch (fewer samples than ranks) knows no metric names: agree on
     # them first, so every rank's buffer has the same shape. Eval is rare; this is cheap.
     every: list[list[str] | None] = [None] * d.world_size
@@ -113,7 +113,7 @@ def _shortfall(d, batches: int) -> int:
     return int(most.item()) - batches
 
 
-def _pad(d, task, ddp, loader, autocast, move, extra: int) -> None:
+def _pad(d, task, wrapped, loader, autocast, move, extra: int) -> None:
     """The forwards this rank lacks (:func:`_shortfall`), on a batch read from the dataset
     directly, their results dropped."""
     from .flops import sample_batch
@@ -121,7 +121,7 @@ def _pad(d, task, ddp, loader, autocast, move, extra: int) -> None:
     batch = move(sample_batch(loader), d.device)
     for _ in range(extra):
         with autocast:
-            task.compute(ddp.module, batch)
+            task.compute(wrapped.module, batch)
 
 
 def at_start(enabled: bool, step: int, evaluated_at: int | None, eval_every: int) -> bool:
