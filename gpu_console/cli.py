@@ -186,6 +186,8 @@ def run(
         resume=resume,
         runs_dir=folder,
         name=name,
+        nodes=nodes,
+        build_data=not dry_run,  # the plan builds them, and judges them by the same rule
     )
     for note in [*prof.notes, placement.note]:
         if note:

@@ -192,6 +192,27 @@ def parse_devices(text: str) -> DeviceSpec:
     return DeviceSpec("cuda", indices=indices)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: a job's cgroup or taskset)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def check_cpu_ranks(spec: DeviceSpec, oversubscribe: bool, cores: int | None = None) -> None:
+    """Refuse ``cpu:N`` above the usable cores unless oversubscribing is asked for: each rank
+    is a process with the whole model and its data, so a typo (``cpu:999``) would start 999
+    of them and bring the machine down."""
+    if spec.kind != "cpu" or spec.nproc is None or oversubscribe:
+        return
+    cores = usable_cores() if cores is None else cores
+    if spec.nproc > cores:
+        raise DeviceSpecError(
+            f"{spec.nproc} CPU ranks on {cores} usable cores; use cpu:{cores} or fewer, or set "
+            "hardware.oversubscribe = true to run more ranks than cores on purpose"
+        )
+
+
 def default_cpu_ranks() -> int:
     """Two ranks by default: enough to exercise DDP, and one per core on small machines."""
     return max(1, min(2, len(os.sched_getaffinity(0))))

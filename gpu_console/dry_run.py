@@ -26,14 +26,23 @@ PLAN_TIMEOUT_S = 300
 
 
 def engine_plan(
-    profile: Profile, placement: Placement, world_size: int, cwd: str, start_step: int = 0
+    profile: Profile,
+    placement: Placement,
+    world_size: int,
+    cwd: str,
+    start_step: int = 0,
+    only: str | None = None,
 ) -> dict:
-    """The engine's half of the plan, or LaunchError naming the task and what went wrong."""
+    """The engine's half of the plan, or LaunchError naming the task and what went wrong.
+
+    ``only="data"``: the task's data sets only (``{"train_samples": N}``), a launch's check.
+    """
     doc = {
         "profile": profile.to_dict(),
         "device_type": placement.device_type,
         "world_size": world_size,
         "start_step": start_step,
+        "only": only,
     }
     env = launch.worker_env(placement)  # the GPUs a rank would see, the threads it would use
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # not even a user task's __pycache__
@@ -59,7 +68,7 @@ def engine_plan(
         raise launch.LaunchError(f"task {kind}: the plan could not be built ({why[0]})") from None
     if "error" in answer:
         raise launch.LaunchError(answer["error"])
-    return answer["plan"]
+    return answer["data" if only == "data" else "plan"]
 
 
 def check_runs_dir(folder: Path) -> None:

@@ -15,25 +15,78 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from . import diskfull
+
 VERSION = 1
 KINDS = {"start", "step", "eval", "progress", "checkpoint", "control", "status", "log", "profile"}
 CONTROL_COMMANDS = ("checkpoint", "stop", "pause", "resume", "profile")
 
 
 class EventWriter:
-    """Append-only writer for rank 0. Each event is one ``write`` of a whole line."""
+    """Append-only writer for rank 0. Each event is one ``write`` of a whole line.
+
+    A full disk (ENOSPC, EDQUOT) must neither end the run nor tear the file: an append that
+    fails is cut back off the file (no half line for the next event to be glued to), and the
+    events not written wait, in order, to be written before the next one (at most
+    :data:`MAX_PENDING`; the oldest step events go first). :attr:`failing` says since when
+    appends fail and why, for the engine to give up after a while. Another error raises.
+    """
 
     def __init__(self, path: Path):
-        self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._pending: list[tuple[str, bytes]] = []
+        self.failing: tuple[float, diskfull.DiskFull] | None = None  # (since, why)
+        self.dropped = 0  # step events given up for want of room to keep them
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"v": VERSION, "t": round(time.time(), 3), "kind": kind, **fields}
-        self._f.write(json.dumps(event, separators=(",", ":")) + "\n")
-        self._f.flush()
+        line = json.dumps(event, separators=(",", ":")) + "\n"
+        self._pending.append((kind, line.encode()))
+        self.flush()
         return event
 
+    def flush(self) -> bool:
+        """Write the events waiting: True once none is left."""
+        while self._pending:
+            try:
+                diskfull.append_whole(self._fd, self._pending[0][1])
+            except OSError as e:
+                full = diskfull.classify(e, self.path)
+                if full is None:
+                    raise
+                if self.failing is None:
+                    self.failing = (time.monotonic(), full)
+                self._bound()
+                return False
+            self._pending.pop(0)
+        self.failing = None
+        return True
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _bound(self) -> None:
+        while len(self._pending) > MAX_PENDING:
+            steps = [i for i, (kind, _) in enumerate(self._pending) if kind == "step"]
+            self._pending.pop(steps[0] if steps else 0)
+            self.dropped += 1
+
+    def drop_steps(self) -> None:
+        """Give up the step events waiting but the newest (the run's end is at stake)."""
+        steps = [i for i, (kind, _) in enumerate(self._pending) if kind == "step"]
+        for i in reversed(steps[:-1]):
+            self._pending.pop(i)
+            self.dropped += 1
+
     def close(self) -> None:
-        self._f.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+MAX_PENDING = 10_000
 
 
 class JsonlTail:

@@ -21,8 +21,17 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from . import runs, torchrun
-from .devices import DeviceSpecError, Placement, bf16_native, parse_devices, place, read_grant
+from . import diskfull, runs, torchrun
+from .batching import batch_problem
+from .devices import (
+    DeviceSpecError,
+    Placement,
+    bf16_native,
+    check_cpu_ranks,
+    parse_devices,
+    place,
+    read_grant,
+)
 from .profile import Profile, ProfileError, find_profile, load_profile
 from .resume_changes import refused
 from .schema import show
@@ -137,9 +146,11 @@ def check_user_task(
     return profile
 
 
-def resolve_placement(devices: str) -> Placement:
-    """``devices`` against the GPUs this user is granted and a torch that can use them."""
+def resolve_placement(devices: str, oversubscribe: bool = False) -> Placement:
+    """``devices`` against the GPUs this user is granted and a torch that can use them
+    (``oversubscribe``: CPU ranks above the usable cores are asked for on purpose)."""
     spec = parse_devices(devices)
+    check_cpu_ranks(spec, oversubscribe)
     if spec.kind == "cpu":
         return place(spec, 0)
     from . import torch_build
@@ -271,8 +282,10 @@ def inductor_cache_dir() -> Path:
     return torchrun.cache_dir() / "inductor"
 
 
-def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int]:
-    """``--resume RUN``: the run, its newest complete checkpoint and that checkpoint's step.
+def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int, str]:
+    """``--resume RUN``: the run, its checkpoint to resume from (LATEST's, else the newest
+    complete one that looks loadable: runs.resume_checkpoint), that checkpoint's step, and
+    the line saying why it is not LATEST's ("" when it is).
 
     Refused (nothing written) when RUN is not a run, has no complete checkpoint, or may
     still be live: its status cannot be read, says it is not over, or one of its processes
@@ -312,16 +325,14 @@ def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int]:
             )
     if not os.access(run, os.W_OK | os.X_OK):
         raise LaunchError(f"--resume: {run}: not writable (a resumed run continues in it)")
-    ckpt = runs.latest_checkpoint(run)
+    ckpt, note = runs.resume_checkpoint(run)
     if ckpt is None:
-        raise LaunchError(f"--resume: {run}: has no complete checkpoint to resume from")
-    if not (ckpt / "state.pt").is_file():
-        raise LaunchError(f"--resume: {ckpt}: its state.pt is missing")
+        raise LaunchError(f"--resume: {run}: {note or 'has no complete checkpoint to resume from'}")
     meta = runs.read_json(ckpt / "meta.json")
     step = meta.get("step") if isinstance(meta, dict) else None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise LaunchError(f"--resume: {ckpt / 'meta.json'}: no step in it (got {show(step)})")
-    return run, ckpt, step
+    return run, ckpt, step, note
 
 
 def resumed_name(run: Path) -> str:
@@ -349,12 +360,19 @@ def prepare(
     resume: str | None = None,
     runs_dir: Path,
     name: str | None = None,
+    nodes: Nodes | None = None,
+    build_data: bool = True,
 ) -> tuple[Profile, Placement, Path | None]:
-    """Everything that can be wrong with a launch, checked before anything is written."""
+    """Everything that can be wrong with a launch, checked before anything is written: the
+    one list of checks ``--dry-run`` makes too (``nodes``: the world is every node's ranks).
+
+    ``build_data=False``: a user task's data sets are not built here, because the caller
+    builds them next and applies the same rule (``--dry-run``'s plan: engine/plan.py)."""
     resume_from = resume_run = None
+    resume_note = ""
     resume_step = 0
     if resume is not None:
-        resume_run, resume_from, resume_step = resume_target(resume, runs_dir)
+        resume_run, resume_from, resume_step, resume_note = resume_target(resume, runs_dir)
         if profile_arg is None:
             profile_arg = str(resume_run / "run.toml")
     if profile_arg is None:
@@ -376,6 +394,7 @@ def prepare(
         return LaunchError(f"{origin}: {key}: {problem} (got {show(value)})")
 
     if resume_run is not None:
+        _intact_run_toml(resume_run)  # what a resume is compared against, and continues with
         _same_task_kind(resume_run, profile_arg, sets, bad)  # before its keys are judged
     profile = load_profile(profile_arg, sets)
     task_cwd = None
@@ -389,6 +408,8 @@ def prepare(
             )
         profile.profile.name = run_name
         task_cwd = run_cwd(resume_run)
+        if resume_note:  # said at launch; the engine's resume line says it again (loop.py)
+            profile.notes.append(f"--resume: {resume_run.name}: {resume_note}")
     elif name:
         profile.profile.name = name
     profile = check_user_task(profile, source, set_keys | set(flags), cwd=task_cwd)
@@ -404,7 +425,7 @@ def prepare(
             )  # fmt: skip
         _steps_left(resume_run, resume_step, profile.train.max_steps, bad)
     try:
-        placement = resolve_placement(profile.hardware.devices)
+        placement = resolve_placement(profile.hardware.devices, profile.hardware.oversubscribe)
     except DeviceSpecError as e:
         raise bad("hardware.devices", str(e), profile.hardware.devices) from None
     if placement.device_type == "cpu" and profile.distributed.sync_batchnorm:
@@ -421,7 +442,28 @@ def prepare(
         )
     if profile.train.precision == "bf16" and (why := bf16_refusal(placement)):
         raise bad("train.precision", f"{why}; use auto (fp16 there) or fp32", "bf16")
+    world = placement.nproc * (nodes.max_nodes if nodes else 1)
+    check_data(profile, placement, world, task_cwd or os.getcwd(), bad, build_data)
     return profile, placement, resume_from
+
+
+def check_data(
+    profile: Profile, placement: Placement, world: int, cwd: str, bad, build: bool = True
+) -> None:
+    """``data.batch_size`` against the training set (batching.py), as the ranks would judge it
+    after launch. A built-in task's size is a key of its own; a user task's data sets are
+    built once by the engine's own code in a subprocess (the console never imports torch),
+    unless ``build`` is False."""
+    samples = getattr(profile.task, "train_samples", None)
+    if profile.task_kind not in BUILTIN or not isinstance(samples, int):
+        if not build:
+            return
+        from .dry_run import engine_plan
+
+        answer = engine_plan(profile, placement, world, cwd, only="data")
+        samples = answer["train_samples"]
+    if problem := batch_problem(samples, world, profile.data.batch_size):
+        raise bad("data.batch_size", problem, profile.data.batch_size)
 
 
 def _keep_chosen_batch(profile: Profile, run: Path) -> None:
@@ -439,6 +481,38 @@ def _keep_chosen_batch(profile: Profile, run: Path) -> None:
     if isinstance(chosen, int) and not isinstance(chosen, bool) and chosen > 0:
         profile.data.batch_size = chosen
         profile.notes.append(f"data.batch_size = auto: {chosen}, as {run.name} chose at its start")
+
+
+# Every run.toml a launch writes (Profile.to_toml) has these tables, and task.kind.
+RUN_TOML_TABLES = ("profile", "task", "data", "train", "distributed", "checkpoint", "hardware")
+
+
+def _intact_run_toml(run: Path) -> None:
+    """A run.toml that is not what a launch wrote (cut short, edited into another shape) says
+    so in one line: compared key by key it would list every key as a change from None."""
+    from .profile import parse_toml
+
+    path = run / "run.toml"
+    try:
+        data = parse_toml(path)
+    except ProfileError as e:
+        why = e.problems[0].removeprefix(f"{path}: ")
+    else:
+        missing = [t for t in RUN_TOML_TABLES if not isinstance(data.get(t), dict)]
+        task = data.get("task")
+        if missing:
+            tables = ", ".join(f"[{t}]" for t in missing)
+            why = f"no {tables} table{'s' if missing[1:] else ''}"
+        elif not isinstance(task.get("kind"), str):
+            why = "no task.kind"
+        else:
+            return
+    copies = sorted(
+        (p for p in (run / "history").glob("run-*.toml") if p.stem[4:].isdigit()),
+        key=lambda p: int(p.stem[4:]),
+    )
+    fix = f"restore it from {copies[-1]}" if copies else "restore it from a backup"
+    raise LaunchError(f"--resume: {path} is damaged ({why}); {fix}, or start a new run")
 
 
 def _same_task_kind(run: Path, profile_arg: str, sets: list[str], bad) -> None:
@@ -634,12 +708,14 @@ def continue_run(
         }]  # fmt: skip
     n = len(sessions)  # the session that ended
     changes = resume_changes(profile, run_dir, placement.nproc)  # before run.toml is rewritten
+    if full := diskfull.short_of_room(run_dir, diskfull.SESSION_ROOM):
+        raise runs.RunDirError(f"{run_dir}: cannot continue the run: {full}; free some first")
     try:
         history = run_dir / "history"
         history.mkdir(mode=0o700, exist_ok=True)
-        shutil.copy2(run_dir / "run.toml", history / f"run-{n}.toml")
+        _keep(run_dir / "run.toml", history / f"run-{n}.toml")
         if (run_dir / runs.STATUS).exists():
-            shutil.copy2(run_dir / runs.STATUS, history / f"status-{n}.json")
+            _keep(run_dir / runs.STATUS, history / f"status-{n}.json")
         logs = run_dir / "logs"
         logs.mkdir(exist_ok=True)
         old_logs = logs / f"session-{n}"
@@ -662,8 +738,14 @@ def continue_run(
             os.unlink(run_dir / runs.STATUS)
         proc = spawn_supervisor(run_dir, placement)
     except OSError as e:
-        raise runs.RunDirError(f"{run_dir}: cannot continue the run ({e})") from None
+        why = diskfull.classify(e, run_dir) or e
+        raise runs.RunDirError(f"{run_dir}: cannot continue the run ({why})") from None
     return Launched(run_dir, proc, placement)
+
+
+def _keep(src: Path, dst: Path) -> None:
+    """A copy into history/ that is whole or absent (a full disk cuts a plain copy short)."""
+    runs.atomic_write_text(dst, src.read_text(encoding="utf-8"))
 
 
 def spawn_supervisor(run_dir: Path, placement: Placement) -> subprocess.Popen:

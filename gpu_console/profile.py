@@ -237,6 +237,9 @@ class HardwareConfig:
         "auto (all GPUs granted to you, else CPU), GPU indices like '0,1', 'cpu' or 'cpu:N'",
         check=_devices_check,
     )
+    oversubscribe: bool = opt(
+        False, "allow cpu:N above this machine's usable cores (ranks then share cores)"
+    )
     memory_fraction: float = opt(1.0, "cap of each GPU's memory for this process", gt=0.0, max=1.0)
     cudnn_benchmark: bool = opt(True, "let cuDNN pick the fastest kernels")
     tf32: bool = opt(True, "TF32 matmuls on Ampere and newer")
@@ -288,9 +291,12 @@ class Profile:
 
 def parse_toml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark some editors write (Windows Notepad) is read past.
+        text = path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise ProfileError([f"{path}: no such file"]) from None
+    except IsADirectoryError:
+        raise ProfileError([f"{path}: a directory, not a TOML file"]) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ProfileError([f"{path}: cannot read ({e.__class__.__name__}: {e})"]) from None
     try:
@@ -509,6 +515,8 @@ def find_profile(name_or_path: str) -> Path:
     """A path to a TOML file, or NAME: ./profiles/NAME.toml first, then the built-ins."""
     path = Path(name_or_path).expanduser()
     if path.suffix == ".toml" or os.sep in name_or_path or path.is_file():
+        if path.is_dir():
+            raise ProfileError([f"{name_or_path}: a directory, not a profile file"])
         if not path.is_file():
             raise ProfileError([f"{name_or_path}: no such profile file"])
         return path

@@ -13,6 +13,8 @@ import os
 import re
 import tempfile
 import time
+import unicodedata
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +100,9 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _slug(name: str) -> str:
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")
+    """A name as a directory name: letters (any script's), digits, ``_.-``; the rest ``-``.
+    NFC first, so an accent typed as a combining mark stays with its letter."""
+    slug = re.sub(r"[^\w.-]+", "-", unicodedata.normalize("NFC", name)).strip("-.")
     return slug or "run"
 
 
@@ -181,6 +185,71 @@ def named_checkpoint(run_dir: Path, which: str) -> Path | None:
         return None
     path = ckpts / name
     return path if (path / "meta.json").is_file() else None
+
+
+def unloadable(ckpt: Path) -> str | None:
+    """Why a complete checkpoint cannot be loaded, as far as can be told without torch (None:
+    it looks loadable). torch.save writes a zip whose directory is at its end, so a file cut
+    short anywhere (a full disk, a copy interrupted) fails this; the ranks' load is the final
+    judge (engine/loop.py ``loadable``)."""
+    state = Path(ckpt) / "state.pt"
+    try:
+        if not state.is_file():
+            return "its state.pt is missing"
+        if not zipfile.is_zipfile(state):
+            return "its state.pt is not a whole torch file (truncated?)"
+    except OSError as e:
+        return f"its state.pt cannot be read ({e.strerror})"
+    return None
+
+
+def resume_checkpoint(run_dir: Path) -> tuple[Path | None, str]:
+    """The checkpoint a resume starts from, and one line saying why it is not LATEST's ("" when
+    it is): what LATEST names when it is complete and looks loadable (:func:`unloadable`),
+    else the newest complete one on disk (older than LATEST's) that does. (None, why) when no
+    complete checkpoint can be loaded ("" when there is none at all)."""
+    latest = latest_checkpoint(run_dir)
+    complete = [Path(c["path"]) for c in reversed(list_checkpoints(run_dir))]  # newest first
+    if latest is not None:
+        order = [latest] + [c for c in complete if _step(c) < _step(latest)]
+        why = ""
+    else:
+        order = complete
+        why = _latest_problem(run_dir)
+    skipped = []
+    for ckpt in order:
+        problem = unloadable(ckpt)
+        if problem is None:
+            if not why and not skipped:
+                return ckpt, ""
+            reasons = [why] if why else []
+            reasons += [f"{c.name} cannot be loaded: {p}" for c, p in skipped]
+            return ckpt, (
+                f"{'; '.join(reasons)}; resuming from {ckpt.name}, the newest complete "
+                "checkpoint that can be loaded"
+            )
+        skipped.append((ckpt, problem))
+    if not skipped:
+        return None, ""
+    first, problem = skipped[0]
+    more = f" (and {len(skipped) - 1} older)" if len(skipped) > 1 else ""
+    return None, f"no complete checkpoint can be loaded: {first.name} {problem}{more}"
+
+
+def _step(ckpt: Path) -> int:
+    return int(ckpt.name[5:])
+
+
+def _latest_problem(run_dir: Path) -> str:
+    """Why ``checkpoints/LATEST`` names no complete checkpoint (read as named_checkpoint does)."""
+    path = Path(run_dir) / "checkpoints" / "LATEST"
+    try:
+        name = path.read_text().strip()
+    except FileNotFoundError:
+        return "checkpoints/LATEST is missing"
+    except (OSError, UnicodeDecodeError):
+        return "checkpoints/LATEST cannot be read"
+    return f"checkpoints/LATEST names {name!r}, which is not a complete checkpoint"
 
 
 def _checkpoint_bytes(entry: Path) -> int | None:

@@ -9,6 +9,7 @@ the console validates profiles, and the console never imports torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -46,7 +47,8 @@ def _type_name(tp: Any) -> str:
     if get_origin(tp) is Literal:
         return "one of " + ", ".join(show(a) for a in get_args(tp))
     if get_origin(tp) in (list, typing.List):  # noqa: UP006
-        return "a list of " + _type_name(get_args(tp)[0]) + "s"
+        item = _type_name(get_args(tp)[0]).removeprefix("an ").removeprefix("a ")
+        return "a list of " + item + "s"
     if get_origin(tp) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
@@ -79,7 +81,8 @@ def coerce(tp: Any, value: Any) -> tuple[Any, str | None]:
         for item in value:
             got, problem = coerce(get_args(tp)[0], item)
             if problem:
-                return None, f"expected {_type_name(tp)}"
+                finite = " (finite)" if problem.endswith("finite number") else ""
+                return None, f"expected {_type_name(tp)}{finite}"
             out.append(got)
         return out, None
     if tp is bool:
@@ -91,9 +94,16 @@ def coerce(tp: Any, value: Any) -> tuple[Any, str | None]:
             return int(value), None
         return None, "expected an integer"
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value), None
-        return None, "expected a number"
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return None, "expected a number"
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond a float's range
+            number = math.inf
+        # TOML reads inf and nan: an lr of inf passes every limit and fails at step 2.
+        if not math.isfinite(number):
+            return None, "expected a finite number"
+        return number, None
     if tp is str:
         return (value, None) if isinstance(value, str) else (None, "expected a string")
     raise TypeError(f"unsupported config type {tp!r}")

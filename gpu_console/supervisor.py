@@ -44,7 +44,7 @@ from typing import Any
 
 import psutil
 
-from . import runs, timings
+from . import diskfull, runs, timings
 from .events import JsonlTail
 from .exit_watch import ExitWatch
 from .fold import RunFold
@@ -57,6 +57,9 @@ TICK_S = 0.2
 KILL_AFTER_TERM_S = 5.0
 COALESCE_S = 5.0
 REAP_PEERS_AFTER_S = 2.0
+# The reserves (diskfull.make_reserve), one per writer so that neither takes the other's room.
+RESERVES = ("supervisor", "engine")
+FINAL_TRIES_S = 60.0
 # A kill on request: the signal the supervisor gets → the run's final state and its reason.
 KILLS = {
     signal.SIGUSR2: ("killed", "on request, no checkpoint"),
@@ -246,11 +249,17 @@ class Supervisor:
             _send(p, signal.SIGKILL)
 
     # -- status --------------------------------------------------------------------------
-    def write_status(self, force: bool = False) -> None:
+    def write_status(self, force: bool = False, last: bool = False) -> bool:
+        """status.json as :attr:`status` says; False when a full disk kept it out (the next
+        call tries again: status.json is late, never frozen, and the supervisor lives on).
+        ``last``: the run's end, which may take the supervisor's reserve."""
         text = json.dumps(self.status, sort_keys=True)
-        if force or text != self._written:
-            runs.write_status(self.run_dir, self.status)
-            self._written = text
+        if not force and text == self._written:
+            return True
+        if not write_status_on_full_disk(self.run_dir, self.status, last):
+            return False
+        self._written = text
+        return True
 
     def fold_events(self) -> None:
         """The session's new events through THE fold (:mod:`.fold`); status.json keeps its
@@ -273,6 +282,8 @@ class Supervisor:
     def run(self) -> int:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
         self.install_signals()
+        for writer in RESERVES:  # before anything of the session fills the disk
+            diskfull.make_reserve(self.run_dir, writer)
         self.write_status(force=True)
         try:
             with open(self.run_dir / "logs" / "torchrun.log", "ab") as log:
@@ -328,7 +339,7 @@ class Supervisor:
     def fail(self, summary: str, traceback: str = "") -> int:
         """The supervisor itself failed: say so in status.json, in one line, and exit 1."""
         failed_status(self.status, summary, traceback)
-        self.write_status(force=True)
+        self.write_status(force=True, last=True)
         return 1
 
     def finish(self, code: int) -> int:
@@ -373,8 +384,15 @@ class Supervisor:
         checkpointed = state == "stopped" and engine_state == "stopped" and self.engine_checkpointed
         self.status["checkpointed_on_stop"] = checkpointed
         self.status["exit_code"] = runs.exit_code(state, checkpointed)
-        self.write_status(force=True)
+        self._write_final()
         return self.status["exit_code"]
+
+    def _write_final(self) -> None:
+        """The run's end must land: a full disk gets :data:`FINAL_TRIES_S` to free room (the
+        reserve is gone by then; a user deleting files, a quota raised)."""
+        deadline = time.monotonic() + FINAL_TRIES_S
+        while not self.write_status(force=True, last=True) and time.monotonic() < deadline:
+            time.sleep(1.0)
 
 
 def previous_status(run_dir: Path, sessions: Any) -> dict[str, Any]:
@@ -648,17 +666,45 @@ def record_crash(run_dir: Path, supervisor: Supervisor | None, e: BaseException)
     import traceback
 
     tb = traceback.format_exc()
-    print(tb, file=sys.stderr, flush=True)  # logs/supervisor.log
+    with contextlib.suppress(OSError):  # logs/supervisor.log, maybe on a full disk
+        print(tb, file=sys.stderr, flush=True)
     if supervisor is not None:
         supervisor._kill_tree()
         status = supervisor.status
     else:
         status = {"pids": {"supervisor": os.getpid()}, "started": time.time()}
     with contextlib.suppress(Exception):
-        runs.write_status(
-            run_dir, failed_status(status, f"supervisor: crashed: {_one_line(e)}", tb)
-        )
+        status = failed_status(status, f"supervisor: crashed: {_one_line(e)}", tb)
+        write_status_on_full_disk(run_dir, status, last=True)
     return 1
+
+
+def write_status_on_full_disk(run_dir: Path, status: dict[str, Any], last: bool = False) -> bool:
+    """status.json written, or False when a full disk (ENOSPC, EDQUOT) kept it out; the
+    reason then rides in ``status["disk_full"]`` (one line, with the free space) for the
+    next write that lands. Another error raises.
+
+    ``last``: the run's end, the one write that must land: the supervisor's reserve is
+    freed for it. Only for it: a status.json late by a tick while running costs nothing, a
+    final one lost leaves the run ``running`` forever."""
+    for attempt in range(2):
+        try:
+            runs.write_status(run_dir, status)
+            return True
+        except OSError as e:
+            full = diskfull.classify(e, run_dir)
+            if full is None:
+                raise
+            status["disk_full"] = f"status.json not written at {time.strftime('%H:%M:%S')}: {full}"
+            _log_line(status["disk_full"])
+            if not last or attempt or not diskfull.free_reserve(run_dir, "supervisor"):
+                return False
+    return False
+
+
+def _log_line(text: str) -> None:
+    with contextlib.suppress(OSError):  # logs/supervisor.log is on the same disk
+        print(text, file=sys.stderr, flush=True)
 
 
 def failed_status(status: dict[str, Any], summary: str, traceback: str = "") -> dict[str, Any]:

@@ -8,7 +8,10 @@ directory left behind. Nothing here reaches torchrun.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -414,7 +417,8 @@ def _resumable(folder: Path, name: str = "real-20240101-000000") -> Path:
     run = hand_made_run(folder, name)
     ckpt = run / "checkpoints" / "step-00000010"
     ckpt.mkdir()
-    (ckpt / "state.pt").write_bytes(b"")
+    with zipfile.ZipFile(ckpt / "state.pt", "w"):  # a whole (empty) torch file, as far as
+        pass  # the launch can tell without torch
     (ckpt / "meta.json").write_text('{"step": 10}')
     (run / "checkpoints" / "LATEST").write_text("step-00000010\n")
     return run
@@ -486,4 +490,125 @@ def test_resume_of_a_checkpoint_without_its_step(procs, runs_dir, tmp_path):
         f"gpu-console: --resume: {run}/checkpoints/step-00000010/meta.json: no step in it "
         "(got None)"
     ), line
+    assert _files(tmp_path) == before
+
+
+# -- what a launch can check before writing anything (issue 25) ---------------------------------
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["launch", "dry-run"])
+def test_more_cpu_ranks_than_cores_is_refused_naming_the_override(procs, runs_dir, dry):
+    cores = len(os.sched_getaffinity(0))
+    args = ["quickstart", "--devices", f"cpu:{cores + 1}", *(["--dry-run"] if dry else [])]
+    (line,) = assert_bad(run_bad(procs, runs_dir, *args), runs_dir)
+    assert line == (
+        f"gpu-console: --devices: hardware.devices: {cores + 1} CPU ranks on {cores} usable "
+        f"cores; use cpu:{cores} or fewer, or set hardware.oversubscribe = true to run more "
+        f"ranks than cores on purpose (got 'cpu:{cores + 1}')"
+    )
+
+
+def test_more_cpu_ranks_than_cores_in_a_profile_names_the_file(procs, runs_dir, tmp_path):
+    path = write_profile(tmp_path / "many.toml", '[hardware]\ndevices = "cpu:999"\n')
+    (line,) = assert_bad(run_bad(procs, runs_dir, str(path)), runs_dir)
+    assert line.startswith(f"gpu-console: {path}: hardware.devices: 999 CPU ranks on "), line
+
+
+def test_oversubscribing_on_purpose_is_accepted(procs, runs_dir):
+    cores = len(os.sched_getaffinity(0))
+    result = procs.cli(
+        "run", "quickstart", "--dry-run", "--devices", f"cpu:{cores + 1}",
+        "--set", "hardware.oversubscribe=true", "--runs-dir", str(runs_dir),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{cores + 1} × cpu" in result.stdout
+    assert not runs_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lr=inf", "train.lr"),
+        ("train.weight_decay=nan", "train.weight_decay"),
+        ("train.clip_grad_norm=-inf", "train.clip_grad_norm"),
+        ("train.betas=[0.9, nan]", "train.betas"),
+        ("task.noise=inf", "task.noise"),
+    ],
+)
+def test_a_number_that_is_not_finite_is_refused(procs, runs_dir, override, key):
+    (line,) = assert_bad(run_bad(procs, runs_dir, "quickstart", "--set", override), runs_dir)
+    assert line.startswith(f"gpu-console: --set: {key}: expected "), line
+    assert "finite" in line, line
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["launch", "dry-run"])
+def test_a_batch_larger_than_the_data_set_is_refused_before_launch(procs, runs_dir, dry):
+    args = ["quickstart", "--devices", "cpu:2", "--set", "data.batch_size=1000000000"]
+    (line,) = assert_bad(run_bad(procs, runs_dir, *args, *(["--dry-run"] if dry else [])), runs_dir)
+    assert line == (
+        "gpu-console: --set: data.batch_size: 32768 samples over 2 ranks is less than one batch "
+        "(got 1000000000)"
+    )
+
+
+def test_a_user_tasks_data_set_smaller_than_a_batch_per_rank_is_refused(procs, runs_dir, tmp_path):
+    """A user task's data set is built before launch (a subprocess): 40 samples, 2 ranks of
+    32 each cannot take one batch."""
+    (tmp_path / "tiny.py").write_text(
+        "from gpu_console.tasks.mlp import MLPTask\nclass Tiny(MLPTask):\n    pass\n"
+    )
+    path = write_profile(
+        tmp_path / "tiny.toml",
+        '[task]\nkind = "tiny:Tiny"\ntrain_samples = 40\n[data]\nbatch_size = 32\n'
+        '[hardware]\ndevices = "cpu:2"\n',
+    )
+    (line,) = assert_bad(run_bad(procs, runs_dir, str(path), cwd=tmp_path), runs_dir)
+    assert line == (
+        f"gpu-console: {path}: data.batch_size: 40 samples over 2 ranks is less than one batch "
+        "(got 32)"
+    )
+
+
+def test_a_profile_path_that_is_a_directory_says_so(procs, runs_dir, tmp_path):
+    (tmp_path / "prof.toml").mkdir()
+    (line,) = assert_bad(run_bad(procs, runs_dir, str(tmp_path / "prof.toml")), runs_dir)
+    assert line == f"gpu-console: {tmp_path / 'prof.toml'}: a directory, not a profile file"
+
+
+def test_a_profile_with_a_byte_order_mark_is_read(procs, runs_dir, tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + b'[profile]\nname = "bom"\n[hardware]\ndevices = "cpu:1"\n')
+    result = procs.cli("run", str(path), "--dry-run", "--runs-dir", str(runs_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("dry run of bom: nothing was written"), result.stdout
+
+
+def test_a_syntax_error_in_a_task_module_names_its_file_and_line(procs, runs_dir, tmp_path):
+    (tmp_path / "mytasks.py").write_text("import math\n\ndef broken(:\n    pass\n")
+    path = write_profile(tmp_path / "user.toml", '[task]\nkind = "mytasks:MyTask"\n')
+    (line,) = assert_bad(run_bad(procs, runs_dir, str(path), cwd=tmp_path), runs_dir)
+    assert line.startswith(f"gpu-console: {path}: task.kind: {tmp_path / 'mytasks.py'}:3: "), line
+    assert line.endswith("(got 'mytasks:MyTask')"), line
+
+
+def test_a_unicode_run_name_keeps_its_letters(procs, runs_dir):
+    result = procs.cli(
+        "run", "quickstart", "--dry-run", "--json", "--devices", "cpu:1",
+        "--name", "ünïcødé run", "--runs-dir", str(runs_dir),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    plan = json.loads(result.stdout)
+    assert Path(plan["run_dir"]).name.startswith("ünïcødé-run-"), plan["run_dir"]
+
+
+def test_a_damaged_run_toml_on_resume_is_one_line(procs, runs_dir, tmp_path):
+    run = _resumable(runs_dir)
+    # A whole run.toml cut short: what is left parses, but most of its tables are gone.
+    (run / "run.toml").write_text('[profile]\nname = "real"\n\n[task]\nkind = "mlp"\n')
+    before = _files(tmp_path)
+    (line,) = assert_bad(run_bad(procs, runs_dir, "--resume", run.name), runs_dir, existing=[run])
+    assert line == (
+        f"gpu-console: --resume: {run}/run.toml is damaged (no [data], [train], [distributed], "
+        "[checkpoint], [hardware] tables); restore it from a backup, or start a new run"
+    )
     assert _files(tmp_path) == before

@@ -550,9 +550,10 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_latest(gloo_group, tmp
     real_save = torch.save
 
     def disk_full(obj, f, *a, **kw):
-        if not isinstance(f, (str, Path)):  # gather_object pickles through torch.save too
+        # The checkpoint's file; gather_object pickles through torch.save too, into a buffer.
+        if not isinstance(getattr(f, "name", None), str):
             return real_save(obj, f, *a, **kw)
-        Path(f).write_bytes(b"partial")
+        f.write(b"partial")
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint.torch, "save", disk_full)

@@ -172,7 +172,8 @@ def test_create_run_dir_back_to_back_are_distinct(tmp_path):
 def test_create_run_dir_makes_a_safe_name(tmp_path):
     run = runs.create_run_dir(tmp_path, "../my run/ö")
     assert run.parent == tmp_path
-    assert re.fullmatch(r"my-run-\d{8}-\d{6}", run.name), run.name
+    # Letters of any script stay (issue 25: "ünïcødé-run" became "n-c-d----run").
+    assert re.fullmatch(r"my-run-ö-\d{8}-\d{6}", run.name), run.name
     assert runs.create_run_dir(tmp_path, "///").name.startswith("run-")
 
 

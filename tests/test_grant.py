@@ -192,3 +192,20 @@ def test_bf16_below_capability_8_is_refused_at_launch(monkeypatch, capsys, tmp_p
     # The A100 alone takes bf16.
     _, placement, _ = launch.prepare("quickstart", devices="0", precision="bf16", runs_dir=runs)
     assert placement.cuda_visible_devices == fake.gpus[0].uuid
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["launch", "dry-run"])
+def test_a_gpu_index_above_the_visible_count_is_one_line_exit_2(
+    node, monkeypatch, capsys, tmp_path, dry
+):
+    runs = tmp_path / "runs"
+    code, out, err = run_cli(
+        monkeypatch, capsys, "run", "quickstart", "--headless", "--devices", "0,7",
+        "--runs-dir", str(runs), *(["--dry-run"] if dry else []),
+    )  # fmt: skip
+    assert code == 2 and out == ""
+    assert err.splitlines() == [
+        "gpu-console: --devices: hardware.devices: GPU 7 does not exist (this machine has 4: "
+        "0..3) (got '0,7')"
+    ]
+    assert not runs.exists(), "nothing written"

@@ -247,5 +247,5 @@ def test_the_checkpointer_settles_an_outcome_into_an_event_or_an_error():
     failed = {"ok": False, "step": 6, "reason": "interval", "error": "disk full", "latest": None}
     assert not ckpt.settle(failed)
     kind, fields = ckpt.out.events[-1]
-    assert kind == "log" and fields["level"] == "error" and "at step 6" in fields["message"]
+    assert kind == "log" and fields["level"] == "error" and "step 6" in fields["message"]
     assert fields["checkpoint_failed"]["error"] == "disk full"

@@ -125,7 +125,7 @@ class _Start:
 
 def build(s: Setup) -> Built:
     """Every part, in the order the ranks must build them."""
-    facts = Facts(resume=resuming.resume_point(s.run_dir, s.resume, s.restart, s.d))
+    facts = Facts(resume=resuming.resume_point(s.run_dir, s.resume, s.restart, s.d, s.out))
     facts.rank_0 = _nodes(s)
     facts.prec = precision.resolve(s.p.train.precision, s.d.device.type, distmod.cuda_capability())
     m = _model(s, facts)
@@ -261,7 +261,7 @@ def _loop_parts(s: Setup, m: _Model, facts: Facts, start: _Start, compiled, auto
     m.strategy.carry_table(exchange)
     state = TrainState(start.step, Batches(m.train_loader, start.position), start.evaluated_at)
     m.hooks.start(state.step, state.batches)
-    control = Control(s.run_dir, d.local_rank == 0, CONTROL_INTERVAL_S)
+    control = Control(s.run_dir, d.local_rank == 0, CONTROL_INTERVAL_S, out.unwritable)
     profiler = torch_profiler.Profiler(s.run_dir, d, out)  # the profile command
     saved = Saved(m.model, m.opts, m.update.scalers, m.hooks)
     ckpt = Checkpointer(s.run_dir, p, d, out, s.beat, m.strategy, saved, state, facts.resume)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import diskfull
 from ..runs import atomic_write_text, fsync_dir, latest_checkpoint
 
 STATE = "state.pt"
@@ -92,7 +93,8 @@ def save(
     """Collective: every rank calls it at the same step, and every rank gets rank 0's outcome.
 
     ``{"ok": True, "event": {...}}`` (the checkpoint event's fields), or, when rank 0 could
-    not write it (an OSError: a full disk), ``{"ok": False, "error": ..., "latest": ...}``
+    not write it (an OSError; a full disk is one whatever torch raised: :func:`_write`),
+    ``{"ok": False, "error": ..., "latest": ...}``
     with the name LATEST still holds. At every instant LATEST names a complete checkpoint:
     a new one is written whole into a temporary directory first; a directory LATEST may
     name is never renamed or deleted while named. A failure leaves LATEST and what it names
@@ -115,8 +117,7 @@ def save(
             event["write_s"] = round(time.perf_counter() - writing, 4)
             outcome[0] = {"ok": True, "event": event}
         except OSError as e:
-            previous = latest_checkpoint(run_dir)
-            outcome[0] = {"ok": False, "error": str(e), "latest": previous and previous.name}
+            outcome[0] = failed_outcome(run_dir, e)
     # Any other exception leaves rank 0 here: torchrun then ends the waiting ranks.
     dist.broadcast_object_list(outcome, src=0, group=group)
     assert outcome[0] is not None
@@ -156,16 +157,23 @@ def due(step: int, cfg, max_steps: int, improved: bool) -> str | None:
     return None
 
 
+def failed_outcome(run_dir: Path, e: OSError) -> dict[str, Any]:
+    """A write that failed (every writer's): why, in one line, and what LATEST still names."""
+    previous = latest_checkpoint(run_dir)
+    out = {"ok": False, "error": str(e), "latest": previous and previous.name}
+    if isinstance(e, diskfull.DiskFull):
+        out["free_bytes"] = e.free
+    return out
+
+
 def failure(step: int, reason: str, outcome: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """A failed save's error line, and its fields for the supervisor (``checkpoint_failed``)."""
     previous = outcome["latest"]
-    kept = (
-        f"the previous checkpoint {previous} is complete and still named in LATEST"
-        if previous
-        else "there is no earlier checkpoint"
-    )
-    message = f"checkpoint at step {step} ({reason}) could not be written: {outcome['error']}"
+    kept = f"LATEST stays at {previous}" if previous else "there is no earlier checkpoint"
+    message = f"checkpoint @ step {step} ({reason}) not written: {outcome['error']}"
     fields = {"step": step, "reason": reason, "error": outcome["error"], "latest": previous}
+    if "free_bytes" in outcome:
+        fields["free_bytes"] = outcome["free_bytes"]
     return f"{message}; {kept}", fields
 
 
@@ -197,8 +205,7 @@ def _write(
     tmp.mkdir()
     try:
         _test_delay()
-        torch.save({**state, "ranks": gathered}, tmp / STATE)
-        _fsync_file(tmp / STATE)
+        _save_state({**state, "ranks": gathered}, tmp / STATE)
         nbytes = (tmp / STATE).stat().st_size
         meta = {"step": step, "reason": reason, "world_size": len(gathered), "t": time.time()}
         if best is not None:
@@ -215,9 +222,14 @@ def _write(
         atomic_write_text(ckpts / "LATEST", name + "\n")
         if (best is not None and best["is_best"]) or _named(ckpts, BEST) == tmp.name:
             atomic_write_text(ckpts / BEST, name + "\n")
-    except BaseException:
+    except BaseException as e:
+        # Classified before the half-written files go: they are what filled the disk.
+        full = _as_disk_full(e, ckpts, state, gathered, tmp)
         if tmp.name not in _names(ckpts):  # a failed replace may have named it: keep it
             shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            full.free = diskfull.free_bytes(ckpts)  # what is free once they are gone
+            raise full from e
         raise
     shutil.rmtree(tmp, ignore_errors=True)
     prune(ckpts, keep_last)
@@ -226,6 +238,33 @@ def _write(
     if best is not None and best["is_best"]:
         event.update(best=True, metric=best["so_far"]["metric"], value=best["so_far"]["value"])
     return event
+
+
+def _save_state(obj: dict[str, Any], path: Path) -> None:
+    """torch.save through a Python file: a failed write then leaves its OSError (and its
+    errno: ENOSPC, EDQUOT) in the context of torch's RuntimeError, which a write to a path
+    does not."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _as_disk_full(e: BaseException, ckpts: Path, state, gathered, tmp: Path):
+    """``e`` as a :class:`diskfull.DiskFull` when the disk was full, else None."""
+    if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit
+        return None
+    return diskfull.classify(e, ckpts, _still_needed(state, gathered, tmp))
+
+
+def _still_needed(state: dict[str, Any], gathered: list, tmp: Path) -> int:
+    """About how many bytes the write still had to write when it failed."""
+    total = sum(t.element_size() * t.numel() for t in _tensors([state, gathered]))
+    try:
+        written = sum(f.stat().st_size for f in tmp.iterdir())
+    except OSError:
+        written = 0
+    return max(total - written, 0)
 
 
 TMP, LINK = ".tmp-", ".link-"

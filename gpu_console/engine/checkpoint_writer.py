@@ -16,7 +16,8 @@ boundary after the write ended, or waits for it (:meth:`Writer.wait`) before the
 checkpoint and before the run ends (stop, signal, nan, the end). A failed write (an
 OSError: a full disk) is then reported where a synchronous one is (the loop's ``settle``:
 an error event with ``checkpoint_failed`` from every node's first rank), and a stop's
-checkpoint, waited for, says ``checkpointed = false`` as before. Any other exception in
+checkpoint, waited for, says ``checkpointed = false`` as before. A full disk is an OSError
+whatever torch raised (checkpoint._write classifies it). Any other exception in
 rank 0's write is raised in rank 0's training thread when collected, ending the rank (the
 other ranks are then ended by torchrun, as when a synchronous write raises).
 
@@ -136,13 +137,8 @@ class Writer:
                     event.update(blocked, write_s=round(done - writing, 4))
                     event["seconds"] = round(done - requested, 4)  # asked for → complete
                     outcome[0] = {"ok": True, "event": event}
-                except OSError as e:
-                    previous = checkpoint.latest_checkpoint(self.run_dir)
-                    outcome[0] = {
-                        "ok": False,
-                        "error": str(e),
-                        "latest": previous and previous.name,
-                    }
+                except OSError as e:  # a full disk among them, whatever torch raised
+                    outcome[0] = checkpoint.failed_outcome(self.run_dir, e)
             dist.broadcast_object_list(outcome, src=0, group=self.group)
             box[0] = {**outcome[0], "step": step, "reason": reason}
         except BaseException as e:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,11 @@ from ..runs import current_session, read_json
 from . import signals
 
 CODES = {cmd: i + 1 for i, cmd in enumerate(CONTROL_COMMANDS)}
+# The engine's own, never read from control.jsonl: a reader whose events cannot be written
+# any longer (a full disk: reporter.Reporter.unwritable) ends the run, every rank at once.
+# The highest code, so it wins over any command proposed at the same check.
+GIVE_UP = "give_up"
+CODES[GIVE_UP] = len(CODES) + 1
 NAMES = {v: k for k, v in CODES.items()}
 
 
@@ -39,11 +45,19 @@ class Decision:
     cmd_id: str | None  # the id of the command, on the node whose file held it; else None
     signalled: bool
     arg: int = 0  # the command's argument (profile: steps; 0: missing or not a valid one)
+    why: str = ""  # GIVE_UP's reason, on the reader that proposed it
 
 
 class Control:
-    def __init__(self, run_dir: Path, is_reader: bool, interval_s: float):
+    def __init__(
+        self,
+        run_dir: Path,
+        is_reader: bool,
+        interval_s: float,
+        give_up: Callable[[], str | None] | None = None,
+    ):
         self.is_reader = is_reader
+        self.give_up = give_up  # why this reader's node must end the run, else None
         self.interval_s = interval_s
         path = Path(run_dir) / "control.jsonl"
         self.tail = JsonlTail(path, _session_offset(run_dir)) if is_reader else None
@@ -84,7 +98,7 @@ class Control:
         for cmd in lines:
             if cmd.get("id") in self.handled:
                 continue
-            if cmd.get("cmd") in CODES and isinstance(cmd.get("id"), str):
+            if cmd.get("cmd") in CONTROL_COMMANDS and isinstance(cmd.get("id"), str):
                 self.pending.append(cmd)
             else:
                 self.rejected.append(cmd)
@@ -105,6 +119,10 @@ class Control:
         if self.is_reader:
             self._read_commands()
             self._cmd = self.pending.popleft() if self.pending else None
+            if self.give_up is not None and (why := self.give_up()):
+                if self._cmd is not None:
+                    self.pending.appendleft(self._cmd)
+                self._cmd = {"id": None, "cmd": GIVE_UP, "why": why}
             now = time.perf_counter()
             steps = max(1, step - self._last_check_step)
             per_step = (now - self._last_check_t) / steps
@@ -127,7 +145,8 @@ class Control:
         if cmd is not None and not mine:
             self.pending.appendleft(cmd)  # another node's command won; ours goes next
         arg = max((p[3] for p in proposals if code and p[0] == code), default=0)
-        return Decision(NAMES.get(code), cmd["id"] if mine else None, signalled, arg)
+        why = cmd.get("why", "") if mine else ""
+        return Decision(NAMES.get(code), cmd["id"] if mine else None, signalled, arg, why)
 
 
 # The most steps one profile capture may take: a trace grows with every step it holds.

@@ -12,9 +12,14 @@ from __future__ import annotations
 import functools
 import time
 
+from .control import GIVE_UP
 from .exchange import Row
 
 CONTROL_INTERVAL_S = 0.25
+
+
+class DiskFullStop(RuntimeError):
+    """The run ends because its events cannot be written (a full disk, for long)."""
 
 
 class ControlHandler:
@@ -51,6 +56,9 @@ class ControlHandler:
             return "signal"
         if decision.cmd is None:
             return None
+        if decision.cmd == GIVE_UP:  # every rank, at this step
+            self.checkpointer.save(None)  # a write in flight ends first (unreported: no room)
+            raise DiskFullStop(decision.why or "a node's events.jsonl cannot be written")
         self.ack(decision, "received", step)
         if decision.cmd == "profile":  # acknowledged when the traces are written
             ack = functools.partial(self.ack, decision)

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
+from ..batching import batch_problem, batches_per_epoch
 from ..profile import DataConfig
 from ..tasks.base import TensorSet, batch_collate
 
@@ -105,7 +106,7 @@ class ShardSampler(Sampler[int]):
 
     def batches_per_epoch(self) -> int:
         """Whole batches per rank in a training epoch read from its start."""
-        return (self.n // self.world) // self.batch_size
+        return batches_per_epoch(self.n, self.world, self.batch_size)
 
     def _streams(self) -> Iterator[int]:
         """Contiguous: the data set cut into ``world × batch_size`` streams of ``L`` samples,
@@ -228,11 +229,8 @@ def make_loader(
     n = len(dataset)  # type: ignore[arg-type]
     size = batch_size or cfg.batch_size
     sampler = ShardSampler(n, rank, world, size, cfg.seed, train, cfg.order)
-    if train and sampler.batches_per_epoch() == 0:
-        raise ValueError(
-            f"data.batch_size: {len(dataset)} samples over {world} ranks is less than one batch "
-            f"(got {cfg.batch_size})"
-        )
+    if train and (problem := batch_problem(n, world, size)):
+        raise ValueError(f"data.batch_size: {problem} (got {cfg.batch_size})")
     workers = cfg.num_workers
     return DataLoader(
         SeededFetch(dataset, cfg.seed, rank),  # type: ignore[arg-type]

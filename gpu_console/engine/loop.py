@@ -37,14 +37,16 @@ from ..tasks.base import Task
 from ..timings import Stopwatch
 from . import determinism, signals, torch_profiler
 from . import distributed as distmod
+from . import resume as resuming
 from .build import Setup
+from .control_handler import DiskFullStop
 from .heartbeat import Heartbeat
 from .metrics import memory_sample
 from .nonfinite import NonFiniteLoss
 from .reporter import Reporter
 from .trainer import Trainer
 
-__all__ = ["NonFiniteLoss", "OutOfMemory", "close_task", "oom_message", "train"]
+__all__ = ["DiskFullStop", "NonFiniteLoss", "OutOfMemory", "close_task", "oom_message", "train"]
 
 
 class OutOfMemory(RuntimeError):
@@ -88,11 +90,12 @@ def train(
             snapshot = torch_profiler.dump_memory_snapshot(run_dir, d.rank, oom_snapshot)
             # The step the loop was in (its heartbeat knows), counted from 1 like step events.
             raise OutOfMemory(oom_message(e, d, p, beat.step, snapshot)) from e
-    except NonFiniteLoss as e:
+    except (NonFiniteLoss, DiskFullStop, resuming.ResumeFailed) as e:
         # A policy decision every rank made at the same step, not a crash: a restart would
         # not help, so the ranks exit 0 and the status says failed (the supervisor records
         # the engine's reason as the failure).
-        out.status("failed", reason=f"NonFiniteLoss: {e}"[:500], step=_done_step(beat))
+        why = str(e) if isinstance(e, DiskFullStop) else f"{type(e).__name__}: {e}"
+        out.status("failed", reason=why[:500], step=_done_step(beat))
     except BaseException as e:
         # With restarts left, torchrun starts the group again (from LATEST): not the end.
         again = restart < p.distributed.max_restarts

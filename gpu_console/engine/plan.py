@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from ..batching import batch_problem
 from ..profile import Profile, resolve, with_task_config
+from ..schema import show
 from ..tasks.loader import TaskLoadError, load_task_class
 from . import activation_checkpoint, fsdp, precision, train_metrics
 from .compile import mode_of
@@ -80,9 +82,13 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
 
     mode = p.train.activation_checkpointing
     blocks = _checkpointed_blocks(task, model, mode, kind)
-    train_set, eval_set = _call(kind, "build_datasets()", task.build_datasets)
+    train_set, eval_set = datasets(p, task, kind, world_size)
+    # Rank 0's loader: every rank's has the same number of batches (ShardSampler). With
+    # data.batch_size = "auto" the size is searched at the run's start: not known here.
     auto = p.data.batch_size == "auto"
-    per_epoch = _batches_per_epoch(p, train_set, world_size, device_type)
+    cuda = device_type == "cuda"
+    loader = None if auto else make_loader(train_set, p.data, 0, world_size, True, cuda)
+    per_epoch = len(loader) if loader is not None else None
     micro_steps = p.train.max_steps * p.train.grad_accum
     return {
         "task": kind,
@@ -122,23 +128,6 @@ def _checkpointed_blocks(task, model, mode: str, kind: str) -> int:
         raise TaskBuildError(f"task {kind}: {e}") from None
 
 
-def _batches_per_epoch(p: Profile, train_set, world_size: int, device_type: str) -> int | None:
-    """Rank 0's loader's length: every rank's has the same number of batches (ShardSampler).
-    With data.batch_size = "auto" the size is searched at the run's start: not known here."""
-    auto = p.data.batch_size == "auto"
-    try:
-        if auto and len(train_set) < world_size:
-            raise ValueError(
-                f"data.batch_size: {len(train_set)} samples over {world_size} ranks is less "
-                "than one batch (got 'auto')"
-            )
-        cuda = device_type == "cuda"
-        loader = None if auto else make_loader(train_set, p.data, 0, world_size, True, cuda)
-    except ValueError as e:  # names the key: data.batch_size against the data set's size
-        raise TaskBuildError(str(e)) from None
-    return len(loader) if loader is not None else None
-
-
 def _schedule(p: Profile, lr: float, start_step: int, scheduler) -> dict[str, Any]:
     """The profile's schedule, as the run would follow it."""
     return {
@@ -154,6 +143,30 @@ def _schedule(p: Profile, lr: float, start_step: int, scheduler) -> dict[str, An
         else scheduler.get_last_lr()[0],
         "last_lr": lr * lr_factor(p.train.max_steps - 1, p.train),
     }
+
+
+def datasets(p: Profile, task, kind: str, world_size: int) -> tuple[Any, Any]:
+    """The task's data sets, the training set checked against the batch (batching.py): the
+    check a launch makes too (:func:`check_data`)."""
+    train_set, eval_set = _call(kind, "build_datasets()", task.build_datasets)
+    if problem := batch_problem(len(train_set), world_size, p.data.batch_size):
+        raise TaskBuildError(f"data.batch_size: {problem} (got {show(p.data.batch_size)})")
+    return train_set, eval_set
+
+
+def check_data(p: Profile, device_type: str, world_size: int) -> dict[str, Any]:
+    """A launch's half of :func:`plan`: the task built and its data sets checked, nothing
+    else (no model): how a user task's data is judged before a run directory is written."""
+    kind = p.task_kind
+    try:
+        task_cls = load_task_class(kind)
+    except TaskLoadError as e:
+        raise TaskBuildError(f"task {kind}: {e}") from None
+    p = with_task_config(p, task_cls.Config, SOURCE)
+    task = _call(kind, "its constructor", task_cls, p.task)
+    attach(task, planning(p, world_size, device_type))  # as the loop does, before its data
+    train_set, _ = _call(kind, "build_datasets()", task.build_datasets)
+    return {"train_samples": len(train_set)}  # the console judges it (launch.check_data)
 
 
 def _strategy(p: Profile, task, model, kind: str, device_type: str) -> dict[str, Any]:
@@ -179,7 +192,10 @@ def main() -> int:
     try:
         p = resolve(doc["profile"], SOURCE)
         world, start = int(doc["world_size"]), int(doc.get("start_step") or 0)
-        answer = {"plan": plan(p, doc["device_type"], world, start)}
+        if doc.get("only") == "data":  # a launch's check (launch.check_data)
+            answer = {"data": check_data(p, doc["device_type"], world)}
+        else:
+            answer = {"plan": plan(p, doc["device_type"], world, start)}
     except TaskBuildError as e:
         answer = {"error": str(e)}
     except Exception as e:  # a profile key the task's data cannot meet (batch_size, ...)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..runs import latest_checkpoint
+from ..runs import list_checkpoints, resume_checkpoint
 from . import checkpoint, torch_private
 from .data import DataPosition
 
@@ -90,18 +90,24 @@ def position_of(data: dict, world: int, changes: list[dict], batch_size: int) ->
     return DataPosition.from_state(data, world, old_batch_size(changes, batch_size))
 
 
-def resume_point(run_dir: Path, requested: Path | None, restart: int, d) -> Path | None:
+def resume_point(run_dir: Path, requested: Path | None, restart: int, d, out) -> Path | None:
     """Where to start from, decided by rank 0 and shared with every rank.
 
     After a restart by torchrun, the run's own newest complete checkpoint (else what the run
     was started from); otherwise ``--resume``'s. On several nodes the path is rank 0's: the
-    other nodes must see it (a shared runs directory) or they fail here, saying so.
+    other nodes must see it (a shared runs directory) or they fail here, saying so. One that
+    a rank cannot load gives way to the complete one before it (:func:`loadable`).
     """
     choice: list[str | None] = [None]
     if d.is_main:
         path = requested
         if restart > 0:
-            path = latest_checkpoint(run_dir) or requested
+            path = resume_checkpoint(run_dir)[0] or requested
+        elif requested is not None:
+            # Why the launch chose it over LATEST's, said at launch: said in the run's log too.
+            chosen, why = resume_checkpoint(requested.parent.parent)
+            if why and chosen is not None and chosen.resolve() == requested.resolve():
+                out.log("info", why)
         choice[0] = str(Path(path).resolve()) if path else None
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
@@ -112,7 +118,7 @@ def resume_point(run_dir: Path, requested: Path | None, restart: int, d) -> Path
             f"rank {d.rank} cannot read rank 0's checkpoint {path}: on several nodes, resuming "
             "needs a runs directory every node can read (a shared file system)"
         )
-    return path
+    return loadable(path, d.world_size, lambda m: out.log("warning", m))
 
 
 def apply(back, point: Path, d, p, changes: list[dict], hooks, out) -> tuple:
@@ -130,3 +136,57 @@ def apply(back, point: Path, d, p, changes: list[dict], hooks, out) -> tuple:
         f"(epoch {position.epoch}, sample {position.samples} of its order)",
     )
     return back.step, back.evaluated_at, position
+
+
+class ResumeFailed(RuntimeError):
+    """No checkpoint the run could resume from can be loaded on every rank."""
+
+
+def load_problem(path: Path) -> str | None:
+    """Why this rank cannot load the checkpoint at ``path`` (None: it loads). A truncated or
+    damaged state.pt fails here, in torch's reader, before any of the run's objects change;
+    a sharded checkpoint's shards are read by DCP afterwards."""
+    try:
+        checkpoint.load(path)
+    except Exception as e:  # torch's reader raises RuntimeError, pickle's UnpicklingError...
+        return _one_line(e)
+    return None
+
+
+def _one_line(e: Exception) -> str:
+    """An exception as one line: a weights-only load failure's own reason, not its advice
+    (to load with weights_only=False, which a damaged file would not survive either)."""
+    text = str(e).split("WeightsUnpickler error:", 1)[-1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def loadable(path: Path, world_size: int, log) -> Path:
+    """Collective: the checkpoint every rank can load, ``path`` first, else the complete ones
+    before it, newest first (rank 0's list), each one skipped said in one warning line
+    (``log``); ResumeFailed in one line when none loads. Every rank returns the same one."""
+    older = [
+        Path(c["path"])
+        for c in reversed(list_checkpoints(path.parent.parent))
+        if c["step"] < checkpoint.step_of(path)
+    ]
+    candidates: list[Any] = [[str(path), *map(str, older)]]
+    dist.broadcast_object_list(candidates, src=0)  # rank 0's view of the directory
+    tried = [Path(c) for c in candidates[0]]
+    for i, ckpt in enumerate(tried):
+        problems: list[Any] = [None] * world_size
+        dist.all_gather_object(problems, load_problem(ckpt))
+        problem = next((p for p in problems if p), None)
+        if problem is None:
+            return ckpt
+        rank = problems.index(problem)
+        then = (
+            f"resuming from {tried[i + 1].name}, the previous complete checkpoint"
+            if i + 1 < len(tried)
+            else "no earlier complete checkpoint is left"
+        )
+        log(f"checkpoint {ckpt.name} cannot be loaded on rank {rank} ({problem}); {then}")
+    raise ResumeFailed(
+        f"no checkpoint of {path.parent.parent.name} can be loaded (tried {len(tried)}: "
+        f"{', '.join(c.name for c in tried)})"
+    )

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .. import diskfull
 from ..runs import atomic_write_text, fsync_dir, latest_checkpoint
 from . import checkpoint as plain
 from . import torch_private
@@ -90,7 +91,7 @@ def save(
             tmp.mkdir()
             where[0] = {"tmp": str(tmp)}
         except OSError as e:
-            where[0] = {"error": str(e)}
+            where[0] = {"error": _full_or(e, ckpts)}
     dist.broadcast_object_list(where, src=0, group=group)
     if "error" in where[0]:
         return _failed(run_dir, where[0]["error"])
@@ -102,9 +103,9 @@ def save(
     try:  # DCP gathers every rank's failure: all ranks see one if any rank's write failed
         dcp.save(_sharded_state(model, optimizers), checkpoint_id=tmp, process_group=group)
     except CheckpointException as e:  # a BaseException: never a bare Exception
-        error = _first_failure(e)
+        error = _first_failure(e, tmp)
     except OSError as e:
-        error = str(e)
+        error = _full_or(e, tmp)
     for optimizer in fresh:
         optimizer.state.clear()
     gathered: list[Any] | None = [None] * dist.get_world_size() if is_main else None
@@ -113,7 +114,7 @@ def save(
     if is_main:
         if error is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-            outcome[0] = _failed(run_dir, error)
+            outcome[0] = _failed(run_dir, _freed(error, ckpts))
         else:
             try:
                 event = _finish(ckpts, tmp, step, reason, state, gathered, keep_last, best)
@@ -121,22 +122,38 @@ def save(
                 # Synchronous: training was blocked for all of it (checkpoint.save's fields).
                 event.update(seconds=seconds, blocked_s=seconds, waited_s=0.0)
                 outcome[0] = {"ok": True, "event": event}
-            except OSError as e:
-                outcome[0] = _failed(run_dir, str(e))
+            except OSError as e:  # a full disk among them (_finish)
+                outcome[0] = _failed(run_dir, e)
     dist.broadcast_object_list(outcome, src=0, group=group)
     assert outcome[0] is not None
     return outcome[0]
 
 
-def _first_failure(e: CheckpointException) -> str:
-    """The first failing rank's error in one line (``rank 1: [Errno 28] No space left on
-    device``), not DCP's tracebacks."""
+def _first_failure(e: CheckpointException, tmp: Path) -> str | diskfull.DiskFull:
+    """The first failing rank's error in one line (``rank 1: [Errno 13] Permission denied``),
+    not DCP's tracebacks; a full disk as itself (any rank's: the file system is shared)."""
+    for _rank, (exc, _trace) in sorted(e.failures.items()):
+        if isinstance(exc, Exception) and (full := diskfull.classify(exc, tmp)) is not None:
+            return full
     for rank, (exc, _trace) in sorted(e.failures.items()):
         return f"rank {rank}: {exc}"[:500]
     return str(e).splitlines()[0][:500]
 
 
-def _failed(run_dir: Path, error: str) -> dict[str, Any]:
+def _full_or(e: OSError, where: Path) -> str | diskfull.DiskFull:
+    return diskfull.classify(e, where) or str(e)
+
+
+def _freed(error: str | diskfull.DiskFull, ckpts: Path) -> str | diskfull.DiskFull:
+    """A full disk's free space once the half-written shards are gone."""
+    if isinstance(error, diskfull.DiskFull):
+        error.free = diskfull.free_bytes(ckpts)
+    return error
+
+
+def _failed(run_dir: Path, error: str | OSError) -> dict[str, Any]:
+    if isinstance(error, OSError):
+        return plain.failed_outcome(run_dir, error)
     previous = latest_checkpoint(run_dir)
     return {"ok": False, "error": error, "latest": previous and previous.name}
 
@@ -155,8 +172,7 @@ def _finish(
     assert gathered is not None
     final = ckpts / tmp.name[len(TMP) :].rsplit("-", 1)[0]
     try:
-        torch.save({**state, "ranks": gathered, "sharded": FORMAT}, tmp / STATE)
-        _fsync_file(tmp / STATE)
+        plain._save_state({**state, "ranks": gathered, "sharded": FORMAT}, tmp / STATE)
         meta = {
             "step": step,
             "reason": reason,
@@ -178,9 +194,13 @@ def _finish(
         atomic_write_text(ckpts / "LATEST", final.name + "\n")
         if (best is not None and best["is_best"]) or plain._named(ckpts, BEST) == tmp.name:
             atomic_write_text(ckpts / BEST, final.name + "\n")
-    except BaseException:
+    except BaseException as e:
+        full = plain._as_disk_full(e, ckpts, state, gathered, tmp)
         if tmp.name not in plain._names(ckpts):
             shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            full.free = diskfull.free_bytes(ckpts)
+            raise full from e
         raise
     shutil.rmtree(tmp, ignore_errors=True)
     plain.prune(ckpts, keep_last)

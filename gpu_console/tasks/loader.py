@@ -20,6 +20,14 @@ def load_task_class(kind: str) -> type:
         raise TaskLoadError(
             f"task.kind: cannot import {module_name!r} ({e}) (got {kind!r})"
         ) from None
+    except SyntaxError as e:  # the user's file and line, as Python would point at them
+        where = f"{e.filename}:{e.lineno}" if e.filename else module_name
+        raise TaskLoadError(f"task.kind: {where}: {e.msg} (got {kind!r})") from None
+    except Exception as e:  # the module's own code raised while it was imported
+        raise TaskLoadError(
+            f"task.kind: importing {module_name!r} failed at {_where(e)}: "
+            f"{type(e).__name__}: {e} (got {kind!r})"
+        ) from None
     cls = getattr(module, attr, None)
     if cls is None:
         raise TaskLoadError(f"task.kind: {module_name!r} has no {attr!r} (got {kind!r})")
@@ -30,3 +38,11 @@ def load_task_class(kind: str) -> type:
     if config is None or not dataclasses.is_dataclass(config):
         raise TaskLoadError(f"task.kind: {kind}.Config must be a dataclass (got {kind!r})")
     return cls
+
+
+def _where(e: BaseException) -> str:
+    """``file:line`` of the innermost frame of an exception's traceback."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb else "?"

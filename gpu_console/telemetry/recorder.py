@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..diskfull import append_whole
+
 FILE = "telemetry.jsonl"
 INTERVAL_S = 1.0
 LEVEL_LINES = 1000
@@ -219,7 +221,8 @@ class Recorder:
             return
         line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
         try:
-            os.write(self._fd, line)  # one write per line, O_APPEND: readers see whole lines
+            # One write per line, O_APPEND, and none torn by a full disk: readers see whole lines.
+            append_whole(self._fd, line)
             self.write_error = None
         except OSError as e:
             self.write_error = f"{self.path}: {e.strerror}"
