@@ -64,6 +64,7 @@ app = App(
 )
 
 EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1  # a request the run could not act on (stop or checkpoint to a stalled run)
 
 RunsDirOpt = typer.Option(
     None,
@@ -197,6 +198,7 @@ def run(
 
         built = plan.build(prof, placement, resume_from, folder, profile_arg=profile,
                            devices=devices, overrides=overrides, nodes=nodes)  # fmt: skip
+        launch.release_resumes()  # a dry run starts no session: the run is as it found it
         raise typer.Exit(plan.show(built, as_json))
     from .timings import process_start_time
 
@@ -327,6 +329,7 @@ def stop_cmd(
     """Stop a run gracefully (checkpoint, then exit), or kill it at once with --now."""
     from .commands import runs as command
 
+    # A stalled run: StalledError, one line naming --now (exit 1, main).
     if now:  # exit 0: the kill was delivered (the run's own exit code is 137)
         path, status = command.stop_now(run, _runs_dir(runs_dir))
         if status:
@@ -402,12 +405,16 @@ def dump_cmd(
 
 def main() -> None:
     from .devices import DeviceSpecError
+    from .fold import StalledError
     from .launch import LaunchError
     from .profile import ProfileError
     from .runs import RunDirError
 
     try:
         app()
+    except StalledError as e:  # a request the run cannot reach a step boundary to act on
+        print(f"gpu-console: {e}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
     except ProfileError as e:
         for problem in e.problems:
             print(f"gpu-console: {problem}", file=sys.stderr)

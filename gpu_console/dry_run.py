@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import launch, runs
+from . import launch, runs, strict_json
 from .devices import Placement, parse_devices
 from .format import strategy_text
 from .profile import Profile, find_profile
@@ -335,5 +335,5 @@ def text(plan: dict[str, Any]) -> str:
 
 
 def show(plan: dict[str, Any], as_json: bool) -> int:
-    print(json.dumps(plan, indent=2) if as_json else text(plan))
+    print(strict_json.dumps(plan, indent=2) if as_json else text(plan))
     return 0

@@ -7,7 +7,6 @@ that do not parse or have a kind they do not know are skipped. No torch here.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -15,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from . import diskfull
+from . import diskfull, strict_json
 
 VERSION = 1
 KINDS = {"start", "step", "eval", "progress", "checkpoint", "control", "status", "log", "profile"}
@@ -41,7 +40,7 @@ class EventWriter:
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"v": VERSION, "t": round(time.time(), 3), "kind": kind, **fields}
-        line = json.dumps(event, separators=(",", ":")) + "\n"
+        line = strict_json.dumps(event, separators=(",", ":")) + "\n"
         self._pending.append((kind, line.encode()))
         self.flush()
         return event
@@ -115,7 +114,7 @@ def _parse_lines(data: bytes) -> Iterator[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = strict_json.loads(line)
         except ValueError:
             continue
         if isinstance(obj, dict):
@@ -134,7 +133,7 @@ def append_control(run_dir: Path, cmd: str, **args: Any) -> str:
     if cmd not in CONTROL_COMMANDS:
         raise ValueError(f"unknown control command {cmd!r}")
     cid = uuid.uuid4().hex[:12]
-    line = json.dumps({"id": cid, "cmd": cmd, "t": round(time.time(), 3), **args}) + "\n"
+    line = strict_json.dumps({"id": cid, "cmd": cmd, "t": round(time.time(), 3), **args}) + "\n"
     fd = os.open(Path(run_dir) / "control.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         os.write(fd, line.encode())

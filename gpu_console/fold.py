@@ -9,11 +9,16 @@ show. One rule each, so that they never disagree on the same events:
 - best loss: the lowest finite loss over every session of the run (a NaN is never best);
 - best checkpoint: the newest checkpoint event marked ``best`` (``checkpoint.keep_best``);
 - stall: no step for max(30 s, 10 × the median step time of the current torchrun group),
-  where an eval batch (a ``progress`` event of the eval in progress) counts as a step;
+  where an eval batch (a ``progress`` event of the eval in progress) counts as a step; or,
+  in any phase from the first heartbeat on, a live rank whose heartbeat thread has been
+  silent for 30 s (the thread writes every second whatever the rank does: see
+  :func:`.heartbeats.frozen_ranks`);
 - means (MFU, samples/s): over the current session (a resume may run on other hardware);
   a torchrun restart within a session continues its session;
 - restarts: the newest ``start``'s count (torchrun's, within the session);
-- train metrics: each task metric's newest value (a step event without it keeps the last).
+- train metrics: each task metric's newest value (a step event without it keeps the last);
+- skipped updates (``nan_policy = "skip"``): the sum of the step events' ``skipped`` over
+  every session (None when no step event carries it: another policy).
 
 Imports no torch and nothing heavy: the supervisor folds with it.
 """
@@ -23,9 +28,11 @@ from __future__ import annotations
 import math
 import os
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from .events import KINDS
+from .heartbeats import frozen_ranks
 from .runs import FINAL_STATES
 
 STALL_MIN_S = 30.0
@@ -74,6 +81,7 @@ class RunFold:
         self.last_checkpoint: dict[str, Any] | None = None
         self.best_checkpoint: dict[str, Any] | None = None  # checkpoint.keep_best's newest
         self.train_metrics: dict[str, float] = {}  # the task's, newest value of each
+        self.skipped: int | None = None  # updates skipped for a non-finite gradient
         self.checkpoint_failed: dict[str, Any] | None = None
         self.checkpointed = True  # a stop's checkpoint was written (the engine's word)
         self.final_t = 0.0  # when the engine last said the run ended (a session's end)
@@ -107,6 +115,9 @@ class RunFold:
             v = e.get("step_time_s")
             if type(v) in _NUM:
                 self.step_times.append(v)
+            v = e.get("skipped")
+            if type(v) is int:
+                self.skipped = (self.skipped or 0) + v
             if isinstance(metrics := e.get("metrics"), dict):
                 self.train_metrics.update((k, v) for k, v in metrics.items() if _number(v))
             v = e.get("mfu")
@@ -217,6 +228,8 @@ class RunFold:
         out["compiling_since"] = self.compiling_since
         if self.best_loss is not None:
             out["best_loss"] = self.best_loss
+        if self.skipped is not None:
+            out["skipped_updates"] = self.skipped
         if not self.events:
             return out
         out.update(step=self.step, loss=self.loss, last_step_t=self.last_step_t)
@@ -248,6 +261,9 @@ class RunFold:
         best = previous.get("best_loss")
         if _number(best) and math.isfinite(best):
             self.best_loss = best if self.best_loss is None else min(best, self.best_loss)
+        skipped = previous.get("skipped_updates")
+        if type(skipped) is int:
+            self.skipped = skipped + (self.skipped or 0)
         kept = previous.get("best_checkpoint")
         if self.best_checkpoint is None and isinstance(kept, dict):
             self.best_checkpoint = kept
@@ -281,12 +297,23 @@ def stall_limit_s(step_time_s: float | None) -> float:
     return max(stall_min_s(), STALL_FACTOR * (step_time_s or 0.0))
 
 
-def derived_state(status: dict[str, Any], now: float, step_time_s: float | None = None) -> str:
+class StalledError(Exception):
+    """A request that needs a step boundary, to a run that cannot reach one now."""
+
+
+def derived_state(
+    status: dict[str, Any],
+    now: float,
+    step_time_s: float | None = None,
+    run_dir: Path | None = None,
+) -> str:
     """The state a reader shows: status.json's, or ``lost`` / ``stalled`` (DESIGN.md).
 
     ``lost``: status says the run is live but its supervisor is gone. ``stalled``: running,
     but no step (nor eval batch) for max(30 s, 10× the median step time, which the supervisor
-    keeps in status.json; a reader with its own :class:`RunFold` may pass the same median).
+    keeps in status.json; a reader with its own :class:`RunFold` may pass the same median);
+    or, with ``run_dir``, in any live state, a rank whose heartbeat has been silent for the
+    stall minimum (a rank frozen in start-up has made no step to be late for).
     """
     state = status.get("state", "starting")
     if status.get("ended") or state in FINAL_STATES:
@@ -300,16 +327,23 @@ def derived_state(status: dict[str, Any], now: float, step_time_s: float | None 
     limit = stall_limit_s(step_time_s or status.get("step_time_s"))
     if state == "running" and last and now - last > limit:
         return "stalled"
+    if run_dir is not None and frozen_ranks(run_dir, now, stall_min_s(), status.get("started")):
+        return "stalled"
     return state
 
 
 def shown_state(
-    fold: RunFold, status: dict[str, Any], now: float, started: float | None = None
+    fold: RunFold,
+    status: dict[str, Any],
+    now: float,
+    started: float | None = None,
+    run_dir: Path | None = None,
 ) -> str:
     """The state every console shows for a run: the fold's with status.json, and ``lost`` or
-    ``stalled`` as :func:`derived_state` finds them (``started``: see ``new_session``)."""
+    ``stalled`` as :func:`derived_state` finds them (``started``: see ``new_session``;
+    ``run_dir``: where the heartbeats are)."""
     state, _ = fold.session_state(status, started)
     if not status or status.get("ended"):
         return state
-    derived = derived_state(status, now, fold.step_time_s)
+    derived = derived_state(status, now, fold.step_time_s, run_dir)
     return derived if derived in ("lost", "stalled", *FINAL_STATES) else state

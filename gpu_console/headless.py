@@ -39,9 +39,17 @@ from .format import (
     strategy_text,
     uncut,
 )
+from .heartbeats import all_beating
+from .lost import settle
 from .resume_changes import line as change_line
 from .runs import EXIT_FAILED
-from .state import RunFollower, RunState, describe_stopped, read_heartbeats
+from .state import (
+    HEARTBEAT_SILENT_S,
+    RunFollower,
+    RunState,
+    describe_stopped,
+    read_heartbeats,
+)
 from .summary import print_summary
 
 POLL_S = 0.2
@@ -77,11 +85,29 @@ class Interrupts:
             elif self.acted == 2:
                 if sup:
                     _signal(sup, signal.SIGINT)  # supervisor.KILLS: interrupted, exit 130
-                self.console.print("interrupting: killing the run now, no checkpoint", style="red")
+                self.console.print(f"interrupting: killing the run now; {self._checkpoint()}",
+                                   style="red", highlight=False)  # fmt: skip
             elif self.acted == 3:
                 if sup:
                     kill_tree(sup)
                 self.console.print("killed its processes from this console", style="red")
+
+    def _checkpoint(self) -> str:
+        """What the second Ctrl-C finds of the stop's checkpoint (the end says what was kept:
+        a checkpoint that lands before the kill is the run's, and it ends ``stopped``)."""
+        written = stop_checkpoint(self.follower.state)
+        if written is not None:
+            return f"its stop checkpoint @ step {written.get('step')} is written"
+        return "the stop checkpoint is not written yet"
+
+
+def stop_checkpoint(st: RunState) -> dict | None:
+    """This session's checkpoint of a graceful stop (a request or a signal), once seen."""
+    since = st.status.get("started") or st.session_started or 0
+    for e in reversed(st.checkpoints):
+        if e.get("reason") in ("stop", "signal") and (e.get("t") or 0) >= since:
+            return e
+    return None
 
 
 class SchedulerSignals:
@@ -127,10 +153,11 @@ class Stalls:
         stalled = not st.done and st.shown_state(now) == "stalled"
         if stalled and not self.said:
             self.said = True
-            self.stalled_since = st.status.get("last_step_t") or now
-            quiet = now - self.stalled_since
+            last = st.status.get("last_step_t")
+            self.stalled_since = last or now
             who = describe_stopped(read_heartbeats(self.run_dir), now)
-            text = f"stalled: no step for {quiet:.0f} s"
+            # Frozen before its first step (a silent heartbeat): no step to be late for.
+            text = f"stalled: no step for {now - last:.0f} s" if last else f"stalled ({st.state})"
             if who:
                 text += f"; stopped: {who}"
             self.console.print(Text(text, style="red"), highlight=False)
@@ -139,10 +166,15 @@ class Stalls:
                     Text(f"  each rank's stack: gpu-console dump {self.run_dir}"),
                     highlight=False,
                 )
-        elif not stalled and self.said and st.state == "running":
+        elif not stalled and self.said and self._moving(st, now):
             self.said = False
-            self.console.print(Text("running again"), highlight=False)
+            self.console.print(Text(f"{st.state} again"), highlight=False)
         return stalled
+
+    def _moving(self, st: RunState, now: float) -> bool:
+        """Moving again: every rank there and beating (a stalled step that went on, a frozen
+        rank continued); not a run whose ranks were killed (no longer frozen, not moving)."""
+        return not st.done and all_beating(self.run_dir, now, HEARTBEAT_SILENT_S)
 
 
 def py_spy_available() -> bool:
@@ -251,7 +283,10 @@ def _tick(
         return True
     watch.stalls.check()
     if not follower.supervisor_alive():
-        follower.poll()  # it may have written its last status just before exiting
+        # It may have written its last status just before exiting; if not, this reader
+        # records the run lost in status.json, so that every view says the same (lost.py).
+        settle(follower.run_dir)
+        follower.poll()
         if not st.done:
             st.state, st.reason = "lost", "the supervisor exited without recording an end"
         return True
@@ -316,12 +351,19 @@ def _notable(e: dict, console: Console) -> None:
         say(f"compiling the model ({e.get('reason')}): the first step waits for it")
     elif kind == "status" and type(e.get("compiled_s")) in (int, float):
         say(f"compiled in {e['compiled_s']:.1f} s")
-    elif kind == "status" and e.get("state") in ("paused", "stopping", "failed"):
+    elif kind == "status" and e.get("state") == "stopping":
+        why = STOPPING.get(e.get("reason"), e.get("reason"))
+        say(f"state: stopping ({why})" if why else "state: stopping")
+    elif kind == "status" and e.get("state") in ("paused", "failed"):
         say(f"state: {e.get('state')} {e.get('reason') or ''}".rstrip())
     elif kind == "log" and e.get("level") in ("warning", "error"):
         say(f"{e.get('level')}: {e.get('message')}", "yellow")
     elif kind == "log" and e.get("source") == "task":  # the task's ctx.log, info included
         say(f"{e.get('level')}: {e.get('message')}")
+
+
+# Why the engine stops (its ``stopping`` event's reason), as a line says it.
+STOPPING = {"stop": "on request", "signal": "on a signal", "nan": "non-finite loss"}
 
 
 def auto_batch_line(start: dict) -> str:
@@ -338,7 +380,8 @@ def _progress_text(st: RunState) -> str:
     rate = f"{st.samples_per_s:,.0f} samples/s" if st.samples_per_s else "- samples/s"
     mfu = f"  MFU {st.mfu:.1%}" if st.mfu is not None else ""
     evaluating = f"  {eval_progress_text(st.eval_progress)}" if st.eval_progress else ""
-    return f"loss {fmt(st.loss)}  {rate}{mfu}{evaluating}"
+    skipped = f"  skipped {st.skipped:,}" if st.skipped else ""  # nan_policy = "skip"
+    return f"loss {fmt(st.loss)}  {rate}{mfu}{skipped}{evaluating}"
 
 
 def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watch) -> None:
@@ -357,9 +400,11 @@ def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watc
             shown = "stalled" if watch.stalls.said else st.state
             if shown == "compiling":
                 shown = compiling_text(st.compiling_since, time.time())
-            bar.update(
-                task, total=st.max_steps, completed=st.step, state=shown, info=_progress_text(st)
-            )
+            if st.session_began:  # before it, the figures are an earlier session's
+                info = _progress_text(st)
+                bar.update(task, total=st.max_steps, completed=st.step, state=shown, info=info)
+            else:
+                bar.update(task, state=shown)
             if ended:
                 break
             watch.supervisor_exit.sleep(POLL_S)
@@ -417,7 +462,7 @@ def _follow_plain(
             if compiling.due(now, beat, False):
                 console.print(Text(compiling_text(st.compiling_since, time.time())))
                 compiling.shown(now, beat)
-        if rhythm.due(now, st.step, ended):
+        if st.session_began and rhythm.due(now, st.step, ended):
             eta = human_duration(st.eta_s())
             stalled = "  STALLED" if watch.stalls.said else ""
             console.print(

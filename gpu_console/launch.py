@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from . import diskfull, runs, torchrun
+from . import diskfull, lost, runs, session_lock, torchrun
 from .batching import batch_problem
 from .devices import (
     DeviceSpecError,
@@ -288,41 +288,105 @@ def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int, str]:
     the line saying why it is not LATEST's ("" when it is).
 
     Refused (nothing written) when RUN is not a run, has no complete checkpoint, or may
-    still be live: its status cannot be read, says it is not over, or one of its processes
-    is still alive.
+    still be live: its status cannot be read, another session holds its lock
+    (:mod:`.session_lock`), or one of its processes is still alive. The lock is taken here,
+    before anything is written, and kept (:func:`held_lock`) until :func:`continue_run`
+    hands it to the new supervisor: two resumes at the same instant cannot both pass.
+    A run whose supervisor died unrecorded is recorded ``lost`` once it continues
+    (:func:`continue_run`, :mod:`.lost`): its ``history/status-N.json`` says how it ended.
     """
     try:
         run = runs.find_run(arg, runs_dir)
     except runs.RunDirError as e:
         raise LaunchError(f"--resume: {e}") from None
-    status_path = run / runs.STATUS
-    status: object = {}
-    if status_path.exists():
-        try:
-            status = json.loads(status_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            why = e.strerror if isinstance(e, OSError) else "not valid JSON"
-            raise LaunchError(
-                f"--resume: {status_path}: cannot be read ({why}); "
-                "cannot tell whether the run is still live"
-            ) from None
-        if not isinstance(status, dict):
-            raise LaunchError(
-                f"--resume: {status_path}: not a JSON object; "
-                "cannot tell whether the run is still live"
-            )
-    from .state import pid_alive
+    status = _resume_status(run)
+    legacy = not (run / session_lock.LOCK).exists()
+    if legacy:
+        _refuse_live(run, status)  # a run made before the lock: only its pids can tell
+    try:
+        lock = session_lock.take(run)
+    except session_lock.RunLockedError as e:
+        state = _resume_status(run).get("state")
+        if state and state not in runs.FINAL_STATES:
+            raise _still_live(run, state) from None
+        raise LaunchError(str(e)) from None
+    try:
+        _refuse_live(run, _resume_status(run))  # again, under the lock
+        found = _resume_point(run)
+    except BaseException:
+        _drop(lock, legacy)
+        raise
+    _held[run.resolve()] = (lock, legacy)
+    return found
 
-    if not status.get("ended"):
-        # Not recorded as over: over only if none of its processes is left (a lost run).
-        pids = status.get("pids") if isinstance(status.get("pids"), dict) else {}
-        workers = pids.get("workers") if isinstance(pids.get("workers"), list) else []
-        left = [pids.get("supervisor"), pids.get("torchrun"), *workers]
-        if any(isinstance(p, int) and pid_alive(p) for p in left):
-            raise LaunchError(
-                f"--resume: {run}: the run is still live (state {status.get('state')}); "
-                f"stop it first (gpu-console stop {run})"
-            )
+
+def _drop(lock: session_lock.SessionLock, created: bool) -> None:
+    """A refused resume leaves the run as it found it: a lock file it created goes too."""
+    if created:
+        with contextlib.suppress(OSError):
+            os.unlink(lock.run_dir / session_lock.LOCK)
+    lock.release()
+
+
+def release_resumes() -> None:
+    """Resumes prepared in this process that will not start (a later check failed)."""
+    while _held:
+        _drop(*_held.pop(next(iter(_held))))
+
+
+# The session locks this process took for a resume, by run (and whether it made the lock
+# file): handed to the run's new supervisor by continue_run.
+_held: dict[Path, tuple[session_lock.SessionLock, bool]] = {}
+
+
+def held_lock(run: Path) -> session_lock.SessionLock | None:
+    """The lock :func:`resume_target` took for ``run`` in this process (handed over once)."""
+    held = _held.pop(Path(run).resolve(), None)
+    return held[0] if held is not None else None
+
+
+def _resume_status(run: Path) -> dict:
+    """status.json of a run to resume ({} when absent); refused when it cannot be read."""
+    status_path = run / runs.STATUS
+    if not status_path.exists():
+        return {}
+    try:
+        status = json.loads(status_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not valid JSON"
+        raise LaunchError(
+            f"--resume: {status_path}: cannot be read ({why}); "
+            "cannot tell whether the run is still live"
+        ) from None
+    if not isinstance(status, dict):
+        raise LaunchError(
+            f"--resume: {status_path}: not a JSON object; cannot tell whether the run is still live"
+        )
+    return status
+
+
+def _still_live(run: Path, state: object) -> LaunchError:
+    return LaunchError(
+        f"--resume: {run}: the run is still live (state {state}); "
+        f"stop it first (gpu-console stop {run})"
+    )
+
+
+def _refuse_live(run: Path, status: dict) -> None:
+    """Not recorded as over: over only if none of its processes is left (a lost run)."""
+    if status.get("ended"):
+        return
+    pids = status.get("pids") if isinstance(status.get("pids"), dict) else {}
+    workers = pids.get("workers") if isinstance(pids.get("workers"), list) else []
+    left = [pids.get("supervisor"), pids.get("torchrun"), *workers]
+    if any(lost.running(p) for p in left):  # a zombie is over (lost.running)
+        raise _still_live(run, status.get("state"))
+
+
+def _resume_point(run: Path) -> tuple[Path, Path, int, str]:
+    """The checkpoint to resume from (LATEST's, else the newest complete one that looks
+    loadable: runs.resume_checkpoint), its step, and why it is not LATEST's ("" when it is);
+    refused without one."""
     if not os.access(run, os.W_OK | os.X_OK):
         raise LaunchError(f"--resume: {run}: not writable (a resumed run continues in it)")
     ckpt, note = runs.resume_checkpoint(run)
@@ -367,7 +431,32 @@ def prepare(
     one list of checks ``--dry-run`` makes too (``nodes``: the world is every node's ranks).
 
     ``build_data=False``: a user task's data sets are not built here, because the caller
-    builds them next and applies the same rule (``--dry-run``'s plan: engine/plan.py)."""
+    builds them next and applies the same rule (``--dry-run``'s plan: engine/plan.py).
+
+    A resume's session lock (:func:`resume_target`) is held from the first check on; a
+    launch refused later lets it go."""
+    try:
+        return _prepare(
+            profile_arg, devices=devices, precision=precision, overrides=overrides,
+            resume=resume, runs_dir=runs_dir, name=name, nodes=nodes, build_data=build_data,
+        )  # fmt: skip
+    except BaseException:
+        release_resumes()
+        raise
+
+
+def _prepare(
+    profile_arg: str | None,
+    *,
+    devices: str | None = None,
+    precision: str | None = None,
+    overrides: list[str] | None = None,
+    resume: str | None = None,
+    runs_dir: Path,
+    name: str | None = None,
+    nodes: Nodes | None = None,
+    build_data: bool = True,
+) -> tuple[Profile, Placement, Path | None]:
     resume_from = resume_run = None
     resume_note = ""
     resume_step = 0
@@ -591,12 +680,17 @@ def start(
         return continue_run(
             profile, placement, resume_from.parent.parent, resume_from, argv, launched
         )
+    release_resumes()  # several nodes: a run directory of its own, with a lock of its own
     changes = []
     if resume_from is not None:
         world = placement.nproc * (nodes.max_nodes if nodes else 1)
         changes = resume_changes(profile, resume_from.parent.parent, world)
     run_dir = runs.create_run_dir(runs_dir, profile.profile.name or "run")
+    lock = None
     try:
+        # Before the run is one (run.toml makes it so): its session holds it from the start.
+        lock = session_lock.take(run_dir, "run")
+        lock.claim(os.getpid())
         runs.atomic_write_text(run_dir / "run.toml", profile.to_toml())
         session = _session(
             run_dir, profile, placement, resume_from, argv, nodes, os.getcwd(), launched
@@ -619,10 +713,13 @@ def start(
             "torchrun_compat": session["torchrun_compat"],
         }
         runs.atomic_write_json(run_dir / "meta.json", meta)
-        proc = spawn_supervisor(run_dir, placement)
+        proc = spawn_supervisor(run_dir, placement, lock)
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            lock.release()  # the supervisor holds it now (or the run is gone)
     return Launched(run_dir, proc, placement)
 
 
@@ -695,6 +792,23 @@ def continue_run(
     failure diagnosis does not read; its heartbeats are removed (the new session may have
     fewer ranks). events.jsonl, control.jsonl, checkpoints/ and telemetry go on appending.
     """
+    # The lock resume_target took (a caller that skipped it takes it now): first of all.
+    lock = held_lock(run_dir) or session_lock.take(run_dir)
+    try:
+        return _continue_run(profile, placement, run_dir, resume_from, lock, argv, launched)
+    finally:
+        lock.release()  # the supervisor holds it now (or the resume failed)
+
+
+def _continue_run(
+    profile: Profile,
+    placement: Placement,
+    run_dir: Path,
+    resume_from: Path,
+    lock: session_lock.SessionLock,
+    argv: list[str] | None,
+    launched: float | None,
+) -> Launched:
     meta = runs.read_json(run_dir / "meta.json")
     meta = meta if isinstance(meta, dict) else {"id": run_dir.name}
     sessions = meta.get("sessions")
@@ -707,9 +821,13 @@ def continue_run(
             "torchrun": meta.get("torchrun"),
         }]  # fmt: skip
     n = len(sessions)  # the session that ended
-    changes = resume_changes(profile, run_dir, placement.nproc)  # before run.toml is rewritten
+    # Refused before anything is written (the lock's pid included): a full disk.
     if full := diskfull.short_of_room(run_dir, diskfull.SESSION_ROOM):
         raise runs.RunDirError(f"{run_dir}: cannot continue the run: {full}; free some first")
+    lock.claim(os.getpid())  # the run is this session's from here on
+    # A session whose supervisor died unrecorded: its end (lost) goes to history/ with it.
+    lost.record_lost(run_dir)
+    changes = resume_changes(profile, run_dir, placement.nproc)  # before run.toml is rewritten
     try:
         history = run_dir / "history"
         history.mkdir(mode=0o700, exist_ok=True)
@@ -736,7 +854,7 @@ def continue_run(
         # take the previous session's end (state, exit code, failure) for this one's.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(run_dir / runs.STATUS)
-        proc = spawn_supervisor(run_dir, placement)
+        proc = spawn_supervisor(run_dir, placement, lock)
     except OSError as e:
         why = diskfull.classify(e, run_dir) or e
         raise runs.RunDirError(f"{run_dir}: cannot continue the run ({why})") from None
@@ -748,12 +866,20 @@ def _keep(src: Path, dst: Path) -> None:
     runs.atomic_write_text(dst, src.read_text(encoding="utf-8"))
 
 
-def spawn_supervisor(run_dir: Path, placement: Placement) -> subprocess.Popen:
-    """The supervisor gets a session of its own: a closed terminal never ends the run."""
+def spawn_supervisor(
+    run_dir: Path, placement: Placement, lock: session_lock.SessionLock | None = None
+) -> subprocess.Popen:
+    """The supervisor gets a session of its own: a closed terminal never ends the run.
+
+    ``lock``: the run's session lock, inherited by the supervisor alone (``pass_fds``; it
+    keeps it from torchrun), which holds it until it exits; the caller then closes its copy.
+    """
     log = open(run_dir / "logs" / "supervisor.log", "ab")  # noqa: SIM115 - handed to the child
+    held = [] if lock is None else ["--lock-fd", str(lock.fd)]
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gpu_console.supervisor", str(run_dir)],
+            [sys.executable, "-m", "gpu_console.supervisor", str(run_dir), *held],
+            pass_fds=() if lock is None else (lock.fd,),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

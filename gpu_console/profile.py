@@ -153,6 +153,11 @@ class TrainConfig:
         "stop",
         "non-finite gradient: stop (checkpoint last finite state), skip the update, or ignore",
     )
+    nan_skip_limit: int = opt(
+        100,
+        "nan_policy = skip: fail the run when this many updates in a row were skipped (0 = never)",
+        min=0,
+    )
     deterministic: bool = opt(
         False,
         "reproducible GPU runs: deterministic kernels, CUBLAS_WORKSPACE_CONFIG, no cuDNN "

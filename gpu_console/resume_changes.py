@@ -61,6 +61,7 @@ TABLE: dict[str, tuple[str, str]] = {
     "train.max_steps": (APPLIED, f"the run's end; {_SCHEDULE}"),
     "train.clip_grad_norm": (APPLIED, _EACH_STEP),
     "train.nan_policy": (APPLIED, _EACH_STEP),
+    "train.nan_skip_limit": (APPLIED, _EACH_STEP),
     "train.eval_every": (APPLIED, _EACH_STEP),
     "train.eval_at_start": (APPLIED, "whether this session evaluates before its first step"),
     "train.log_every": (APPLIED, _EACH_STEP),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
 import re
 import tempfile
@@ -17,6 +16,8 @@ import unicodedata
 import zipfile
 from pathlib import Path
 from typing import Any
+
+from . import strict_json
 
 STATUS = "status.json"
 # ``interrupted`` and ``killed``: ended at once on request, no checkpoint (the supervisor's
@@ -88,13 +89,13 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(path, strict_json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return strict_json.loads(f.read())
     except (FileNotFoundError, ValueError):
         return None
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import strict_json
+
 # The writer defines the file format; it imports no torch, so the console may read it here.
-from .engine.heartbeat import DIR as HEARTBEAT_DIR
-from .engine.heartbeat import PHASES as PHASE_ORDER
 from .events import JsonlTail
 
 # THE fold (one for every reader of a run) and the states derived from it, re-exported here.
@@ -26,28 +25,12 @@ from .fold import (  # noqa: F401
     stall_min_s,
     true_step,
 )
+from .heartbeats import PHASES as PHASE_ORDER
+from .heartbeats import read_heartbeats  # noqa: F401 - the readers' import of it
 from .runs import FINAL_STATES, current_session, read_json, read_status, status_exit_code
 
 # A rank's heartbeat thread writes about once a second; this much silence means it is frozen.
 HEARTBEAT_SILENT_S = 5.0
-
-
-def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
-    """Every rank's heartbeat record on this node, by rank (unreadable ones skipped)."""
-    beats = []
-    folder = Path(run_dir) / HEARTBEAT_DIR
-    try:
-        paths = sorted(folder.glob("rank-*.json"))
-    except OSError:
-        return beats
-    for path in paths:
-        for _ in range(3):  # rewritten in place: a read may catch a write half-way
-            try:
-                beats.append(json.loads(path.read_bytes().strip() or b"null"))
-                break
-            except (OSError, ValueError):
-                continue
-    return [b for b in beats if isinstance(b, dict) and isinstance(b.get("rank"), int)]
 
 
 def _progress(beat: dict[str, Any]) -> tuple[int, int]:
@@ -104,6 +87,10 @@ class RunState(RunFold):
         self.status: dict[str, Any] = {}
         self.gpus: list[dict[str, Any]] = []  # per GPU: TelemetryFold.gpus()
         self.session_started: float | None = None  # meta.json's, for a resumed run
+        self.run_dir: Path | None = None  # where the ranks' heartbeats are (a stall's sign)
+        # This session's engine has started (its start event was read): until then the
+        # figures (step, max_steps, rate) are a resumed run's earlier session's.
+        self.session_began = False
 
     def apply(self, e: dict[str, Any]) -> None:
         super().apply(e)
@@ -136,7 +123,7 @@ class RunState(RunFold):
 
     def shown_state(self, now: float) -> str:
         """What every console shows, ``stalled`` and ``lost`` included (:func:`shown_state`)."""
-        return shown_state(self, self.status, now, self.session_started)
+        return shown_state(self, self.status, now, self.session_started, self.run_dir)
 
     # The newest step and start event's figures.
     lr = property(lambda self: self.last_step.get("lr"))
@@ -153,7 +140,10 @@ class RunState(RunFold):
 
     @property
     def done(self) -> bool:
-        return bool(self.status.get("ended")) and self.state in FINAL_STATES
+        """Ended, as status.json records it (``lost`` included: a reader recorded it)."""
+        return bool(self.status.get("ended")) and (
+            self.state in FINAL_STATES or self.state == "lost"
+        )
 
     @property
     def exit_code(self) -> int | None:
@@ -177,6 +167,7 @@ class RunFollower:
         self.run_dir = Path(run_dir)
         self.tail = JsonlTail(self.run_dir / "events.jsonl")
         self.state = RunState()
+        self.state.run_dir = self.run_dir
         self.telemetry = TelemetryFold(self.run_dir)
         # A resumed run's earlier sessions: folded into the state, never reported as news.
         meta = read_json(self.run_dir / "meta.json")
@@ -193,6 +184,8 @@ class RunFollower:
         new = self.tail.read()
         for e in new:
             self.state.apply(e)
+            if e.get("kind") == "start":
+                self.state.session_began = True
         self.state.apply_status(read_status(self.run_dir))
         if self.telemetry.poll():
             self.state.gpus = self.telemetry.gpus()
@@ -388,7 +381,7 @@ class TelemetryFold:
                 size = f.seek(0, os.SEEK_END)
                 f.seek(max(0, size - 2**16))
                 data = f.read()
-            end = json.loads(data[: data.rfind(b"\n")].rpartition(b"\n")[2])
+            end = strict_json.loads(data[: data.rfind(b"\n")].rpartition(b"\n")[2])
         except (OSError, ValueError):
             return False
         if not (isinstance(end, dict) and end.get("kind") == "summary"):

@@ -68,6 +68,7 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "max_steps": first(st.max_steps, st.status.get("max_steps"), known["max_steps"]),
         "loss": st.loss,
         "best_loss": st.best_loss,
+        "skipped_updates": st.skipped,  # nan_policy = "skip" (None under another policy)
         "eval": dict(sorted(st.eval.items())),
         "train_metrics": dict(sorted(st.train_metrics.items())),  # the task's, last values
         "samples_per_s": st.mean_samples_per_s(),
@@ -135,6 +136,12 @@ def held_text(h: dict[str, Any]) -> str:
     )
 
 
+def skipped_text(skipped: int, steps: Any) -> str:
+    """``171 of 200 (non-finite gradient; nan_policy = skip)``."""
+    of = f" of {steps}" if isinstance(steps, int) and steps else ""
+    return f"{skipped:,}{of} (non-finite gradient; nan_policy = skip)"
+
+
 def mfu_text(f: dict[str, Any]) -> str:
     """The summary's MFU: the mean over step events, else why there is none."""
     if f["mfu"] is not None:
@@ -158,6 +165,8 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
         params = f" ({f['params']:,} parameters)" if isinstance(f["params"], int) else ""
         out.append(("task", f"{f['task']}{params}"))
     out += [("final loss", fmt(f["loss"])), ("best loss", fmt(f["best_loss"]))]
+    if (skipped := f.get("skipped_updates")) is not None:
+        out.append(("skipped updates", skipped_text(skipped, f["step"])))
     out += [(f"eval {k}", fmt(v)) for k, v in f["eval"].items()]
     out += [(f"train {k}", fmt(v)) for k, v in f["train_metrics"].items()]
     rate = f["samples_per_s"]

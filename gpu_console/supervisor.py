@@ -44,7 +44,7 @@ from typing import Any
 
 import psutil
 
-from . import diskfull, runs, timings
+from . import diskfull, runs, session_lock, timings
 from .events import JsonlTail
 from .exit_watch import ExitWatch
 from .fold import RunFold
@@ -380,8 +380,16 @@ class Supervisor:
             state = "failed"
             self.status["failure"] = failure_summary(self.run_dir, code)
             self.status["reason"] = self.status["failure"]["summary"]
-        self.status["state"] = state
         checkpointed = state == "stopped" and engine_state == "stopped" and self.engine_checkpointed
+        if self.killed is not None and (written := self.stop_checkpoint()) is not None:
+            # The kill landed after the stop's checkpoint was complete: the run stopped on
+            # request with its checkpoint (exit 0, DESIGN.md), the kill only cut its shutdown.
+            state, checkpointed = "stopped", True
+            self.status["step"] = written["step"]
+            self.status["reason"] = (
+                f"stop checkpoint @ step {written['step']} written, then killed on request"
+            )
+        self.status["state"] = state
         self.status["checkpointed_on_stop"] = checkpointed
         self.status["exit_code"] = runs.exit_code(state, checkpointed)
         self._write_final()
@@ -393,6 +401,19 @@ class Supervisor:
         deadline = time.monotonic() + FINAL_TRIES_S
         while not self.write_status(force=True, last=True) and time.monotonic() < deadline:
             time.sleep(1.0)
+
+    def stop_checkpoint(self) -> dict[str, Any] | None:
+        """The checkpoint a graceful stop (a request or a signal) wrote in this session, as
+        the disk has it: LATEST names it (so it is complete) and it was written after this
+        supervisor started. The disk, not the events: the kill may land between the two."""
+        ckpt = runs.latest_checkpoint(self.run_dir)
+        meta = runs.read_json(ckpt / "meta.json") if ckpt is not None else None
+        if not isinstance(meta, dict) or meta.get("reason") not in ("stop", "signal"):
+            return None
+        t, step = meta.get("t"), meta.get("step")
+        if not isinstance(t, (int, float)) or t < self.status["started"]:
+            return None  # an earlier session's
+        return {"step": step if isinstance(step, int) else self.fold.step, "path": str(ckpt)}
 
 
 def previous_status(run_dir: Path, sessions: Any) -> dict[str, Any]:
@@ -648,10 +669,12 @@ def _signame(n: int) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        print("usage: python -m gpu_console.supervisor RUN_DIR", file=sys.stderr)
+    args = sys.argv[1:]
+    if len(args) not in (1, 3) or (len(args) == 3 and args[1] != "--lock-fd"):
+        print("usage: python -m gpu_console.supervisor RUN_DIR [--lock-fd FD]", file=sys.stderr)
         sys.exit(2)
-    run_dir = Path(sys.argv[1])
+    run_dir = Path(args[0])
+    hold_session_lock(run_dir, int(args[2]) if len(args) == 3 else None)
     supervisor = None
     try:
         supervisor = Supervisor(run_dir)
@@ -659,6 +682,25 @@ def main() -> None:
     except Exception as e:
         code = record_crash(run_dir, supervisor, e)
     sys.exit(code)
+
+
+def hold_session_lock(run_dir: Path, fd: int | None) -> None:
+    """Hold the run's session lock (:mod:`.session_lock`) until this process exits.
+
+    ``fd``: the lock the console took and passed down; kept from torchrun and the ranks
+    (not inheritable), so that the lock is free exactly when this supervisor is gone. Started
+    without one (by hand), the supervisor takes it if it can.
+    """
+    if fd is None:
+        try:
+            lock = session_lock.try_take(run_dir)
+        except OSError:
+            lock = None
+        if lock is None:
+            return
+        fd = lock.fd
+    os.set_inheritable(fd, False)
+    session_lock.SessionLock(run_dir, fd).claim(os.getpid())  # never released: exit does
 
 
 def record_crash(run_dir: Path, supervisor: Supervisor | None, e: BaseException) -> int:

@@ -203,11 +203,11 @@ class Batches:
         return self.batch
 
 
-def engine_step(policy: str, accum: int = 1):
+def engine_step(policy: str, accum: int = 1, **train_keys):
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opts = Optimizers.single(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
-    train = TrainConfig(max_steps=4, grad_accum=accum, nan_policy=policy)
+    train = TrainConfig(max_steps=4, grad_accum=accum, nan_policy=policy, **train_keys)
     step = for_task(Task(), opts, train, CPU, None, None, Beat())
     strategy = Plain(model)
     step.bind(strategy, contextlib.nullcontext())
@@ -235,6 +235,18 @@ def test_the_engine_step_skips_or_stops_on_a_non_finite_gradient(policy):
     update = step.run(0, Batches(torch.tensor([[math.inf, 1.0]])), logger, logging=False)
     assert (update.skipped, update.stop) == ((1, False) if policy == "skip" else (0, True))
     assert torch.equal(model.weight, before)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_the_engine_step_counts_skipped_updates_in_a_row():
+    step, _, _ = engine_step("skip", nan_skip_limit=2)
+    logger = SimpleNamespace(micro_batch=lambda *a: None)
+    bad, good = Batches(torch.tensor([[math.inf, 1.0]])), Batches(torch.ones(1, 2))
+    for n, batches in enumerate([bad, good, bad]):
+        step.run(n, batches, logger, logging=False)
+    assert not step.streak.tripped  # a finite update between broke the streak
+    step.run(3, bad, logger, logging=False)
+    assert step.streak.tripped and "steps 3-4" in step.streak.message(4)
 
 
 def test_the_checkpointer_settles_an_outcome_into_an_event_or_an_error():

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, launch
+from .. import __version__, launch, strict_json
 from ..devices import bf16_native
 from ..telemetry import nvml
 from ..telemetry.host import host_summary
@@ -532,7 +532,7 @@ def main(as_json: bool, runs_dir: Path, timeout: float = TIMEOUT_S) -> int:
             "ok": not any(r.status == FAIL for r in rows),
             "report": text,
         }
-        print(json.dumps(doc, indent=2))
+        print(strict_json.dumps(doc, indent=2))
     else:
         render(rows, facts, text)
     return 1 if any(r.status == FAIL for r in rows) else 0

@@ -7,9 +7,9 @@ NVML it says why and shows what a run would use instead (CPU cores and RAM).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from .. import strict_json
 from ..telemetry import nvml
 from ..telemetry.host import host_summary
 
@@ -181,7 +181,7 @@ def render(doc: dict[str, Any]) -> None:
 def main(as_json: bool = False) -> int:
     doc = collect()
     if as_json:
-        print(json.dumps(doc, indent=2))
+        print(strict_json.dumps(doc, indent=2))
     else:
         render(doc)
     return 0

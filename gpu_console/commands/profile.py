@@ -8,12 +8,12 @@ with its reason (a capture already running, a paused run).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from .. import strict_json
 from ..events import append_control, read_events
 from ..runs import FINAL_STATES, RunDirError, find_run, read_status
 from ..state import derived_state
@@ -73,7 +73,7 @@ def main(run_arg: str, runs_dir: Path, steps_text: str, as_json: bool) -> int:
             out.update({k: v for k, v in ack.items() if k not in ("v", "t", "kind", "id", "cmd")})
             out["state"] = state
             out["files"] = traces(ack) if state == "done" else []
-        print(json.dumps(out, indent=2))
+        print(strict_json.dumps(out, indent=2))
     elif state == "done":
         span = f"steps {ack.get('first_step')}-{ack.get('last_step')}"
         ended = ack.get("ended_by")

@@ -8,7 +8,6 @@ ended run is a bad input.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -21,9 +20,13 @@ from typing import Any
 
 import psutil
 
+from .. import strict_json
 from ..events import append_control, read_events
-from ..runs import FINAL_STATES, RunDirError, find_run, read_status, status_exit_code
-from ..state import derived_state, gpu_figures, read_heartbeats
+from ..fold import StalledError
+from ..lost import settle
+from ..runs import FINAL_STATES, RunDirError, find_run, read_json, read_status, status_exit_code
+from ..session_lock import is_held
+from ..state import derived_state, describe_stopped, gpu_figures, read_heartbeats
 
 DUMP_TIMEOUT_S = 30.0
 
@@ -40,23 +43,28 @@ def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
         return []
     runs = [run for run in sorted(Path(runs_dir).iterdir()) if (run / "run.toml").is_file()]
     rows = run_rows(runs)
-    rows.sort(key=lambda r: r["started"], reverse=True)
+    # The newest session first: a run resumed now is the one ``attach`` opens by default.
+    rows.sort(key=lambda r: r["session_started"], reverse=True)
     return rows
 
 
 def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
     """One row per run, from its status.json: what ``ls`` shows and ``status`` starts from.
 
-    ``started``: when the run began; ``updated``: its newest word (the last step, or its end);
-    ``age_s``: seconds since ``updated``.
+    A run whose supervisor died without recording its end is recorded ``lost`` here first
+    (:func:`lost.settle`), so status.json, ``ls`` and ``status`` give one state and step.
+    ``started``: when the run began (its first session); ``session_started``: when its
+    latest session (a resume) began; ``updated``: its newest word (the last step, or its
+    end); ``age_s``: seconds since ``updated``.
     """
     now = time.time()
     rows = []
     for run in runs:
-        status = read_status(run)
-        started = status.get("started") or run.stat().st_mtime
-        last = status.get("ended") or status.get("last_step_t") or started
-        state = derived_state(status, now)
+        status = settle(run)
+        session_started = status.get("started") or run.stat().st_mtime
+        started = _first_start(run) or session_started
+        last = status.get("ended") or status.get("last_step_t") or session_started
+        state = derived_state(status, now, run_dir=run)
         rows.append(
             {
                 "name": run.name,
@@ -67,12 +75,14 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
                 "max_steps": status.get("max_steps"),
                 "loss": status.get("loss"),
                 "best_loss": status.get("best_loss"),  # finite losses, every session's
+                "skipped_updates": status.get("skipped_updates"),  # nan_policy = "skip"
                 "best_checkpoint": status.get("best_checkpoint"),  # checkpoint.keep_best
                 "exit_code": status_exit_code(status, state),  # None while live
                 "restarts": status.get("restarts") or 0,
                 "mfu": status.get("mfu_mean"),  # the session's mean; None with the reason:
                 "mfu_not_shown": status.get("mfu_not_shown"),
                 "started": started,
+                "session_started": session_started,
                 "updated": last,
                 "age_s": round(now - last, 1),
             }
@@ -80,28 +90,74 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
     return rows
 
 
+def _first_start(run: Path) -> float | None:
+    """When the run began: meta.json's ``created`` (its first session's start)."""
+    meta = read_json(run / "meta.json")
+    created = meta.get("created") if isinstance(meta, dict) else None
+    return created if isinstance(created, (int, float)) and not isinstance(created, bool) else None
+
+
 def _live(run: Path) -> dict[str, Any]:
-    status = read_status(run)
+    """status.json of a run a session is running; else a command to it would be read by no
+    one: refused (:class:`RunEndedError`), nothing appended.
+
+    Live means a session holds the run's lock (:mod:`.session_lock`), whatever status.json
+    says (a supervisor that was SIGKILLed cannot say it); a run made before the lock is
+    judged by its supervisor's pid.
+    """
+    status = settle(run)
+    held = is_held(run)
     state = derived_state(status, time.time())
+    if held is True and not status.get("ended"):
+        return status  # starting (no status.json yet), or running
+    if held is False and state not in FINAL_STATES and state != "lost":
+        raise RunEndedError(f"{run}: no session is running the run (state {state}); nothing sent")
     if state in FINAL_STATES or state == "lost":
         raise RunEndedError(f"{run}: the run has already ended (state {state})")
     return status
 
 
 def request(run_arg: str, runs_dir: Path, cmd: str, wait_s: float = ACK_TIMEOUT_S):
-    """Append ``cmd`` and wait for the engine's acknowledgement; return (run, ack events)."""
+    """Append ``cmd`` and wait for the engine's acknowledgement; return (run, ack events).
+
+    Every command is acted on at a step boundary, which a stalled run cannot reach: to one,
+    :class:`StalledError` at once (nothing sent), or as soon as it stalls while waiting.
+    """
     run = find_run(run_arg, runs_dir)
-    _live(run)
+    if derived_state(_live(run), time.time(), run_dir=run) == "stalled":
+        raise StalledError(stalled_text(run, cmd, sent=False))
     cid = append_control(run, cmd)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         acks = [e for e in read_events(run / "events.jsonl") if e.get("id") == cid]
         if any(a.get("state") in ("done", "rejected") for a in acks):
             return run, cid, acks
-        if derived_state(read_status(run), time.time()) in (*FINAL_STATES, "lost"):
+        state = derived_state(read_status(run), time.time(), run_dir=run)
+        if state in (*FINAL_STATES, "lost"):
             return run, cid, acks
+        if state == "stalled":
+            raise StalledError(stalled_text(run, cmd, sent=True))
         time.sleep(0.1)
     return run, cid, []
+
+
+def stalled_text(run: Path, cmd: str, sent: bool) -> str:
+    """``RUN is stalled: rank 1 (no heartbeat for 42 s); a graceful stop needs a step
+    boundary; use gpu-console stop RUN --now``: the one line a request to a stalled run gets."""
+    now = time.time()
+    status = read_status(run)
+    who = describe_stopped(read_heartbeats(run), now)
+    if not who and status.get("last_step_t"):
+        who = f"no step for {now - status['last_step_t']:.0f} s"
+    what = {"stop": "a graceful stop", "checkpoint": "a checkpoint"}.get(cmd, f"'{cmd}'")
+    text = f"{run.name} is stalled: {who or 'no sign of life'}; {what} needs a step boundary"
+    if sent:  # it stays queued: a run that moves again acts on it
+        text += f" (the {cmd} request is queued for when it moves again)"
+    if cmd == "stop":
+        text += f"; use gpu-console stop {run.name} --now"
+    else:
+        text += f"; gpu-console dump {run.name} shows where each rank is"
+    return text
 
 
 # The supervisor's kill on request (supervisor.KILLS): ``killed``, exit 137, no checkpoint.
@@ -153,7 +209,7 @@ def checkpoint_after(run: Path, cid: str) -> dict[str, Any] | None:
 def to_json(rows: list[dict[str, Any]]) -> str:
     """``ls --json``: each run with its GPUs' figures (``[]`` without GPUs), read here only:
     the table, ``attach`` and the runs screen list runs without them."""
-    return json.dumps([json_row(r) for r in rows], indent=2)
+    return strict_json.dumps([json_row(r) for r in rows], indent=2)
 
 
 def json_row(row: dict[str, Any]) -> dict[str, Any]:

@@ -7,10 +7,10 @@ run's ``ls --json`` entry with the summary's fields added. The state is the one 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from .. import strict_json
 from ..runs import find_run
 from ..state import RunFollower
 from ..summary import summary_fields
@@ -41,7 +41,7 @@ def to_json(run: Path, follower: RunFollower, row: dict[str, Any]) -> dict[str, 
 def main(run_arg: str, runs_dir: Path, as_json: bool) -> int:
     run, follower, row = status(run_arg, runs_dir)
     if as_json:
-        print(json.dumps(to_json(run, follower, row), indent=2))
+        print(strict_json.dumps(to_json(run, follower, row), indent=2))
         return 0
     from rich.console import Console
 

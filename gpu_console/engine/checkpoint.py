@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import diskfull
+from .. import diskfull, strict_json
 from ..runs import atomic_write_text, fsync_dir, latest_checkpoint
 
 STATE = "state.pt"
@@ -210,7 +210,7 @@ def _write(
         meta = {"step": step, "reason": reason, "world_size": len(gathered), "t": time.time()}
         if best is not None:
             meta.update(best_so_far=best["so_far"], best=best["is_best"])
-        (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
+        (tmp / "meta.json").write_text(strict_json.dumps(meta) + "\n")
         _fsync_file(tmp / "meta.json")
         fsync_dir(tmp)
         _test_delay()

@@ -19,29 +19,17 @@ This is not a writer of ``events.jsonl`` (rank 0 alone writes that). No torch he
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import threading
 import time
 from pathlib import Path
 
-DIR = "heartbeats"
+from .. import strict_json
+from ..heartbeats import DIR, ENDED, PHASES  # noqa: F401 - the file's contract, one place
+
 INTERVAL_S = 1.0
 RECORD_BYTES = 512
-# Order of the phases within one step: a rank in an earlier phase is behind.
-PHASES = (
-    "starting",
-    "data",
-    "compute",
-    "update",
-    "sync",
-    "eval",
-    "checkpoint",
-    "control",
-    "paused",
-)
-ENDED = ("done", "failed")
 
 
 def path_for(run_dir: Path, rank: int) -> Path:
@@ -85,7 +73,7 @@ class Heartbeat:
             "since": round(self.since, 3),
             "t": round(time.time(), 3),
         }
-        data = json.dumps(doc, separators=(",", ":")).encode()
+        data = strict_json.dumps(doc, separators=(",", ":")).encode()
         return data.ljust(RECORD_BYTES - 1)[: RECORD_BYTES - 1] + b"\n"
 
     def _write(self) -> None:

@@ -1,4 +1,5 @@
-"""``train.nan_policy = "stop"`` tripping: the last finite state checkpointed, then the run fails.
+"""``train.nan_policy`` ending a run: ``stop`` tripping (the last finite state checkpointed,
+then the run fails), and ``skip`` skipping every update for ``nan_skip_limit`` steps.
 
 Every rank reaches these together (the gradient norm is all-reduced, a log step's loss is
 every rank's), saves together, and raises :class:`NonFiniteLoss`, which the run records as
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from . import checkpoint, fsdp
 from .data import DataPosition
-from .nonfinite import NonFiniteLoss, Trip, rewind_schedule
+from .nonfinite import NonFiniteLoss, SkipStreak, Trip, rewind_schedule
 
 
 class NanStop:
@@ -72,3 +73,10 @@ class NanStop:
                 ) from None
         self.checkpointer.save(None)  # the write in flight ends first
         raise error
+
+    def check_streak(self, step: int, streak: SkipStreak) -> None:
+        """``nan_skip_limit``: a run whose updates are all skipped learns nothing: it fails
+        (every rank counts the same streak, the verdicts being of all-reduced norms)."""
+        if streak.tripped:
+            self.checkpointer.save(None)  # the write in flight ends first
+            raise NonFiniteLoss(streak.message(step))

@@ -28,7 +28,7 @@ included: the tests run the deferred path through real torchrun that way).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,6 +57,40 @@ class Trip:
 class Settled:
     skipped: int = 0  # updates skipped since the last boundary (``skip``)
     trip: Trip | None = None  # ``stop``: the first bad update, if any
+    verdicts: list[bool] = field(default_factory=list)  # ``skip``: each step's, True = skipped
+
+
+class SkipStreak:
+    """``train.nan_skip_limit``: a ``skip`` run whose updates are all skipped learns nothing,
+    so after that many in a row it fails rather than "finish".
+
+    Every verdict is of the all-reduced gradient norm, the same on every rank, so every rank
+    counts the same streak and trips at the same step with no collective of its own.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.count = 0  # updates skipped in a row, up to the newest recorded
+        self.first = 0  # the step of the streak's first skipped update
+
+    def record(self, step: int, skipped: bool) -> None:
+        if not skipped:
+            self.count = 0
+            return
+        if not self.count:
+            self.first = step
+        self.count += 1
+
+    @property
+    def tripped(self) -> bool:
+        return 0 < self.limit <= self.count
+
+    def message(self, step: int) -> str:
+        return (
+            f"the last {self.count} updates (steps {self.first}-{step}) were all skipped for a "
+            f"non-finite gradient: the run is learning nothing "
+            f"(train.nan_policy = 'skip', train.nan_skip_limit = {self.limit})"
+        )
 
 
 def deferrable(optimizer, scaler, device_type: str) -> bool:
@@ -110,6 +144,8 @@ class Guard:
             return Settled()
         finite = torch.isfinite(torch.stack(self._norms)).tolist()
         out = Settled(skipped=finite.count(False) if self.skip else 0)
+        if self.skip:
+            out.verdicts = [not ok for ok in finite]
         if self.stop and False in finite:
             i = finite.index(False)
             out.trip = Trip(

@@ -14,7 +14,6 @@ every rank writes to (the runs directory rank 0 names).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -25,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import diskfull
+from .. import diskfull, strict_json
 from ..runs import atomic_write_text, fsync_dir, latest_checkpoint
 from . import checkpoint as plain
 from . import torch_private
@@ -182,7 +181,7 @@ def _finish(
         }
         if best is not None:
             meta.update(best_so_far=best["so_far"], best=best["is_best"])
-        (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
+        (tmp / "meta.json").write_text(strict_json.dumps(meta) + "\n")
         _fsync_file(tmp / "meta.json")
         fsync_dir(tmp)
         nbytes = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())

@@ -53,7 +53,7 @@ class Trainer:
                 b.compiled.first_step_done(out.status, out.log)
                 b.logger.step_done(update.last_loss, update.skipped)
                 # Verdicts gated on the device, read where the host syncs anyway (nonfinite.py).
-                settled = b.update.settle(b.cadence.boundary(state.step))
+                settled = b.update.settle(b.cadence.boundary(state.step), state.step)
                 b.logger.window.skipped += settled.skipped
                 if settled.trip is not None:  # stop: back to the last finite step, then stop
                     b.nan.rewind(state, settled.trip)
@@ -75,13 +75,16 @@ class Trainer:
 
     def log(self, update: Update) -> list[Row]:
         """A log step: every rank's numbers, the step event; a non-finite loss under
-        ``nan_policy = "stop"`` keeps the weights if they are still finite, then fails."""
+        ``nan_policy = "stop"`` keeps the weights if they are still finite, then fails; too
+        many skipped updates in a row (``nan_skip_limit``) fail the run."""
         b = self.b
         try:
-            return b.logger.log(b.state.step, b.state.batches.position, update)
+            rows = b.logger.log(b.state.step, b.state.batches.position, update)
         except NonFiniteLoss as e:
             b.nan.fail(b.state.step, e)
             raise
+        b.nan.check_streak(b.state.step, b.update.streak)  # judged here: the event has the count
+        return rows
 
     def stop(self, reason: str) -> None:
         """A stop command or a scheduler signal: every rank at the same step."""

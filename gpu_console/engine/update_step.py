@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .data import move
-from .nonfinite import Guard, Settled
+from .nonfinite import Guard, Settled, SkipStreak
 
 
 @dataclass
@@ -45,6 +45,8 @@ class UpdateStep:
         self.accum = train.grad_accum
         self.max_norm = train.clip_grad_norm if train.clip_grad_norm > 0 else math.inf
         self.nan_policy = train.nan_policy
+        # train.nan_skip_limit: skipped updates in a row, judged at log steps (the trainer).
+        self.streak = SkipStreak(train.nan_skip_limit if train.nan_policy == "skip" else 0)
         self.scalers = scalers  # what a checkpoint saves: one scaler, one per optimizer, None
         self.strategy: Any = None
         self.autocast: Any = contextlib.nullcontext()
@@ -71,16 +73,21 @@ class UpdateStep:
                 self.backward(loss)
         self.beat.set(step + 1, "update")
         update = self.update(last_loss, output, batches.position, logging)
+        self.record(step + 1, update)
         if not update.stop:
             self.opts.schedule()
             self.opts.zero_grad()
         return update
 
-    def settle(self, boundary: bool) -> Settled:
-        """At a boundary: what the updates gated on the device did (nonfinite.py)."""
+    def settle(self, boundary: bool, step: int) -> Settled:
+        """At a boundary (``step``): what the updates gated on the device did (nonfinite.py)."""
         return Settled()
 
     # -- what an implementation says -----------------------------------------------------
+    def record(self, step: int, update: Update) -> None:
+        """Step ``step``'s verdict into the skip streak, where it is known now."""
+        self.streak.record(step, update.skipped > 0)
+
     def sync(self, final: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
@@ -141,10 +148,17 @@ class EngineStep(UpdateStep):
             self.opts.step(scaler)
         return done
 
-    def settle(self, boundary: bool) -> Settled:
+    def record(self, step: int, update: Update) -> None:
+        if self.guard.skip and not self.guard.deferred:  # deferred: known at settle()
+            self.streak.record(step, update.skipped > 0)
+
+    def settle(self, boundary: bool, step: int) -> Settled:
         if not (self.guard.deferred and boundary):
             return Settled()
-        return self.guard.settle()
+        settled = self.guard.settle()
+        for i, skipped in enumerate(settled.verdicts):
+            self.streak.record(step - len(settled.verdicts) + 1 + i, skipped)
+        return settled
 
 
 def for_task(task, opts, train, d, scaler, ctx, beat) -> UpdateStep:

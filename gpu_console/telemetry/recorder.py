@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import threading
 import time
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import strict_json
 from ..diskfull import append_whole
 
 FILE = "telemetry.jsonl"
@@ -219,7 +219,7 @@ class Recorder:
     def _write_line(self, obj: dict[str, Any]) -> None:
         if self._fd is None:
             return
-        line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+        line = (strict_json.dumps(obj, separators=(",", ":")) + "\n").encode()
         try:
             # One write per line, O_APPEND, and none torn by a full disk: readers see whole lines.
             append_whole(self._fd, line)

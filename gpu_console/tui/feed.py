@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from ..events import JsonlTail
-from ..fold import RunFold, shown_state
+from ..fold import RunFold, pid_alive, shown_state
 from ..format import human_bytes, optimizer_line, strategy_text
+from ..lost import settle
 from ..runs import FINAL_STATES, current_session, list_checkpoints, read_json, read_status
 from . import reader
 from .devices import DeviceFeed, DeviceView
@@ -88,6 +89,7 @@ class RunSnapshot:
     eval_progress: dict[str, Any] | None = None  # the eval in progress: step, done, total
     compiling_since: float | None = None  # train.compile: when the first step's compile began
     strategy: str | None = None  # "fsdp (2 blocks + root)"; None under DDP (format.py)
+    skipped: int | None = None  # updates skipped for a non-finite gradient (nan_policy skip)
 
     @property
     def ended(self) -> bool:
@@ -272,10 +274,20 @@ class RunFeed:
             written |= e.get("kind") == "checkpoint"
         changed |= self._read_checkpoints(written)
         changed |= self._read_status()
+        if self._supervisor_gone():
+            settle(self.run_dir)  # records lost in status.json (lost.py): every view agrees
+            changed |= self._read_status()
         changed |= self._read_logs()
         self._take_model_logs()
         changed |= self.devices.update(self.live, self.model.last_step)
         return changed or bool(self._new_logs)
+
+    def _supervisor_gone(self) -> bool:
+        """status.json says the run is live, but its supervisor is not (it was killed)."""
+        if not self.status or self.status.get("ended"):
+            return False
+        pids = self.status.get("pids")
+        return not pid_alive(pids.get("supervisor") if isinstance(pids, dict) else None)
 
     def _read_status(self) -> bool:
         try:
@@ -349,7 +361,8 @@ class RunFeed:
         sup = self.supervisor
         if not self.status and sup is not None and sup.returncode is not None:
             return "lost"  # the supervisor this console started died before writing a status
-        return shown_state(self.model, self.status, self.clock(), self.session.get("started"))
+        started = self.session.get("started")
+        return shown_state(self.model, self.status, self.clock(), started, self.run_dir)
 
     @property
     def live(self) -> bool:
@@ -420,7 +433,16 @@ class RunFeed:
             metric_series={k: _frozen(v) for k, v in sorted(m.metric_series.items())},
             train_metrics=dict(m.train_metrics),
             compiling_since=m.compiling_since if state == "compiling" else None,
+            skipped=_skipped(m.skipped, st.get("skipped_updates")),
         )
+
+
+def _skipped(folded: int | None, recorded: Any) -> int | None:
+    """The fold's count, or status.json's where that is higher: a big file's first read
+    samples its step events, while the supervisor folded every one."""
+    if type(recorded) is not int:
+        return folded
+    return recorded if folded is None else max(folded, recorded)
 
 
 def _stalled_ranks(run_dir: Path, now: float) -> str:

@@ -14,13 +14,13 @@ are in the file; torn and malformed lines are skipped as :mod:`gpu_console.event
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import re
 from pathlib import Path
 from typing import Any
 
+from .. import strict_json
 from ..events import KINDS
 
 SMALL_BYTES = 4 * 2**20  # files up to this size are parsed in full
@@ -37,7 +37,7 @@ def _parse(line: bytes) -> dict[str, Any] | None:
     if not line.strip():
         return None
     try:
-        obj = json.loads(line)
+        obj = strict_json.loads(line)
     except ValueError:
         return None
     return obj if isinstance(obj, dict) and obj.get("kind") in KINDS else None
@@ -183,7 +183,7 @@ def tail_jsonl(path: Path, max_bytes: int) -> tuple[list[dict[str, Any]], int]:
     out = []
     for line in data[:end].splitlines():
         try:
-            obj = json.loads(line)
+            obj = strict_json.loads(line)
         except ValueError:
             continue
         if isinstance(obj, dict):

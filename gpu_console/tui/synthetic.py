@@ -15,12 +15,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .. import strict_json
+
 T0 = 1_800_000_000.0  # a fixed clock: pictures and snapshots do not change between runs
 MIB = 2**20
 
 
 def _dump(obj: dict[str, Any]) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+    return strict_json.dumps(obj, separators=(",", ":"))
 
 
 def loss_at(step: int, rng: random.Random, floor: float = 0.35) -> float:
@@ -186,7 +188,7 @@ def write_run(
         status["reason"] = status["failure"]["summary"]
     if last_ckpt:
         status["last_checkpoint"] = {k: last_ckpt[k] for k in ("step", "path", "reason", "t")}
-    (run_dir / "status.json").write_text(json.dumps(status, indent=2))
+    (run_dir / "status.json").write_text(strict_json.dumps(status, indent=2))
     return run_dir
 
 
@@ -291,5 +293,5 @@ def write_big_events(path: Path, n: int, world_size: int = 2, t0: float = T0) ->
 def write_status(run_dir: Path, status: dict[str, Any]) -> None:
     """status.json, written atomically as the supervisor does."""
     tmp = Path(run_dir) / ".status.json.tmp"
-    tmp.write_text(json.dumps(status))
+    tmp.write_text(strict_json.dumps(status))
     os.replace(tmp, Path(run_dir) / "status.json")

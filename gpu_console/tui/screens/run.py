@@ -29,6 +29,7 @@ from textual.widgets import Footer, RichLog
 from textual.worker import get_current_worker
 
 from ...events import append_control
+from ...session_lock import is_held
 from ..feed import RunFeed, RunSnapshot
 from ..messages import ControlSent, Notice, RunUpdated
 from ..widgets.chart import BrailleChart, Line
@@ -288,6 +289,9 @@ class RunScreen(Screen):
 
     @work(thread=True, group="control", exit_on_error=False)
     def _append(self, cmd: str, args: dict[str, Any]) -> None:
+        if is_held(self.run_dir) is False:  # no session reads control.jsonl (lock.py)
+            self.post_message(ControlSent(cmd, None, "no session is running the run"))
+            return
         try:
             cid = append_control(self.run_dir, cmd, **args)
         except OSError as e:
@@ -323,13 +327,14 @@ class RunScreen(Screen):
             if yes:
                 self.send("stop")
 
-        self.app.push_screen(
-            ConfirmScreen(
-                "Stop the run?",
-                "It finishes the step, writes a checkpoint and exits (state stopped).",
-            ),
-            answer,
-        )
+        why = "It finishes the step, writes a checkpoint and exits (state stopped)."
+        s = self.snapshot
+        if s is not None and s.state == "stalled":  # the step may never end: say so now
+            why = (
+                f"The run is stalled ({s.reason}): a graceful stop waits for a step boundary "
+                "it may never reach. k kills it now (no checkpoint)."
+            )
+        self.app.push_screen(ConfirmScreen("Stop the run?", why), answer)
 
     def action_kill(self) -> None:
         def answer(yes: bool | None) -> None:

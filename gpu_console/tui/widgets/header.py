@@ -43,6 +43,8 @@ def header_text(s: RunSnapshot, command: Text | None = None, readonly: bool = Fa
     t.append(num(s.loss), style="bold #5fafff")
     if s.best_loss is not None:
         t.append(f" (best {num(s.best_loss)})", style="dim")
+    if s.skipped:  # nan_policy = "skip": updates not made
+        t.append(f"  skipped {s.skipped:,}", style="#ffaf5f")
     if s.tokens_per_s:
         t.append(f"  {s.tokens_per_s:,.0f} tok/s")
     if s.samples_per_s:

@@ -1,0 +1,139 @@
+"""A run whose supervisor died without recording an end: the next reader records ``lost``.
+
+A supervisor killed outright (SIGKILL, the OOM killer, a reboot) leaves status.json saying
+``running`` at the step of its last tick. Deriving ``lost`` in each reader left every view
+with its own step; so the first reader that finds the run over records it, once, in
+status.json itself: under the session lock (:mod:`.session_lock`: it can be taken only when
+no session is live, and it keeps a resume from starting meanwhile), with the step and loss
+of THE fold (:mod:`.fold`) over the session's events, ``ended`` and exit code 1. Every later
+reader (``ls``, ``status``, the consoles, ``--resume``) then reads the same record.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from . import session_lock
+from .events import JsonlTail
+from .fold import RunFold
+from .runs import EXIT_FAILED, STATUS, current_session, read_json, read_status, write_status
+
+LOST_REASON = "the supervisor exited without recording an end"
+READER_WAIT_S = 1.0
+
+
+def settle(run_dir: Path, status: dict[str, Any] | None = None) -> dict[str, Any]:
+    """status.json as it stands; or, when the run's supervisor is gone without recording an
+    end, status.json with ``lost`` recorded in it by this reader."""
+    run_dir = Path(run_dir)
+    status = read_status(run_dir) if status is None else status
+    if status.get("ended") or _processes_left(status) or _elsewhere(status):
+        return status
+    legacy = not (run_dir / session_lock.LOCK).exists()
+    if legacy and (not status or running(_pids(status).get("supervisor"))):
+        # A run made before the lock: its supervisor's pid is all there is (and without a
+        # status.json, nothing says a session ever ran: it is left as found).
+        return status
+    lock = _take(run_dir, legacy, running(_pids(status).get("supervisor")))
+    if lock is None:
+        return read_status(run_dir)  # a session holds the run: it is live (or starting)
+    with lock:
+        return record_lost(run_dir)
+
+
+def _take(run_dir: Path, legacy: bool, supervisor_alive: bool) -> session_lock.SessionLock | None:
+    """The run's lock, if no session holds it. Where status.json's supervisor is gone, the
+    holder may be another reader recording the end this moment: it is given a moment (its
+    record is then read, not written again)."""
+    deadline = time.monotonic() + (0.0 if supervisor_alive else READER_WAIT_S)
+    while True:
+        try:
+            lock = session_lock.try_take(run_dir, create=legacy)
+        except OSError:  # a read-only run directory: nothing can be recorded
+            return None
+        if lock is not None or time.monotonic() >= deadline:
+            return lock
+        time.sleep(0.05)
+
+
+def record_lost(run_dir: Path) -> dict[str, Any]:
+    """Record ``lost`` in status.json unless it says the run ended; the caller holds the
+    session lock. Returns status.json as it now stands."""
+    status = read_status(run_dir)  # again, under the lock: another reader may have been first
+    if status.get("ended"):
+        return status
+    meta = read_json(run_dir / "meta.json")
+    session = current_session(meta) if isinstance(meta, dict) else {}
+    start = session.get("events_from")
+    fold = RunFold()
+    fold.carry(status)  # the earlier sessions' best loss, which the supervisor carried
+    for e in JsonlTail(run_dir / "events.jsonl", start if isinstance(start, int) else 0).read():
+        fold.apply(e)
+    status.update(fold.to_status())
+    status.update(
+        state="lost",
+        reason=LOST_REASON,
+        # Its last sign of life (the newest event, or its last status.json), not this read.
+        ended=max(fold.last_t, _mtime(run_dir / STATUS), _number(status.get("started"))),
+        exit_code=EXIT_FAILED,
+        checkpointed_on_stop=False,
+        lost_recorded={"t": time.time(), "pid": os.getpid()},
+    )
+    status.setdefault("pids", {})["workers"] = []
+    status.setdefault("started", session.get("started"))
+    # Unwritable (a full disk, a read-only copy): every reader still derives lost.
+    with contextlib.suppress(OSError):
+        write_status(run_dir, status)
+    return status
+
+
+def _pids(status: dict[str, Any]) -> dict[str, Any]:
+    pids = status.get("pids")
+    return pids if isinstance(pids, dict) else {}
+
+
+def _elsewhere(status: dict[str, Any]) -> bool:
+    """The session ran on another machine (a runs directory on a shared file system, read
+    from a login node): its pids mean nothing here, and a lock taken here may not be its
+    lock (flock on NFS or Lustre can be local to each client). Only a reader on the run's
+    own host records its end."""
+    host = status.get("host")
+    return isinstance(host, str) and bool(host) and host != socket.gethostname()
+
+
+def _processes_left(status: dict[str, Any]) -> bool:
+    """torchrun or a rank still alive (they die with the supervisor, a moment later): their
+    last events are not written yet, so the end is recorded by a later reader."""
+    pids = _pids(status)
+    workers = pids.get("workers") if isinstance(pids.get("workers"), list) else []
+    return any(isinstance(p, int) and running(p) for p in [pids.get("torchrun"), *workers])
+
+
+def running(pid: Any) -> bool:
+    """A live process: a zombie is not one (where no init reaps orphans, as in many
+    containers, a dead rank stays a zombie for good and would keep the end unrecorded)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _number(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
