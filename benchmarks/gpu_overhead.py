@@ -101,7 +101,7 @@ def make_setup(
     checkpoint_every: int = 0,
 ) -> Setup:
     """Resolve the profile once; both sides get the same values from it."""
-    from gpu_console.engine.optimizer import resolve_impl
+    from gpu_console.engine.optim_build import resolve_impl
     from gpu_console.profile import load_profile
     from gpu_console.tasks.transformer import TransformerTask
 

@@ -147,7 +147,7 @@ class Setup:
 
 def make_setup(profile_name: str, steps: int, log_every: int | None) -> Setup:
     """Resolve the profile once; both sides get the same values from it."""
-    from gpu_console.engine.optimizer import resolve_impl
+    from gpu_console.engine.optim_build import resolve_impl
     from gpu_console.profile import load_profile
 
     base = load_profile(profile_name)

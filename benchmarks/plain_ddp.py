@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from gpu_console.engine.optimizer import adamw_kwargs
+from gpu_console.engine.optim_build import adamw_kwargs
 from gpu_console.tasks.base import batch_collate
 from gpu_console.tasks.configs import MLPConfig, TransformerConfig
 from gpu_console.tasks.mlp import MLPTask

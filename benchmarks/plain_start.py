@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
-from gpu_console.engine.optimizer import adamw_kwargs, resolve_impl  # noqa: E402
+from gpu_console.engine.optim_build import adamw_kwargs, resolve_impl  # noqa: E402
 from gpu_console.tasks.base import batch_collate  # noqa: E402
 from gpu_console.tasks.configs import MLPConfig  # noqa: E402
 from gpu_console.tasks.mlp import MLPTask  # noqa: E402

@@ -343,7 +343,7 @@ def _notable(e: dict, console: Console) -> None:
             + (f" (training blocked {e['blocked_s']:.2f}s)" if "blocked_s" in e else "")
             + (f", best {e.get('metric')} {fmt(e.get('value'))}" if e.get("best") else "")
         )
-    elif kind == "profile":  # the profile command's traces (engine/profiling.py)
+    elif kind == "profile":  # the profile command's traces (engine/torch_profiler.py)
         say(f"profile: steps {e.get('first_step')}-{e.get('last_step')} traced: {e.get('path')}")
     elif kind == "status" and e.get("state") == "restarting":
         say(f"a rank failed; torchrun restarts the ranks: {e.get('reason') or ''}", "yellow")

@@ -26,9 +26,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from gpu_console import headless, summary, supervisor
 from gpu_console.engine import checkpoint, precision
-from gpu_console.engine import optimizer as optim
+from gpu_console.engine import optim_build as optim
 from gpu_console.engine.data import Batches, DataPosition, ShardSampler, make_loader
-from gpu_console.engine.optimizers import Optimizers
+from gpu_console.engine.optim_set import Optimizers
 from gpu_console.engine.schedule import lr_factor, scaled_lr
 from gpu_console.profile import DataConfig, TrainConfig
 from gpu_console.state import RunState

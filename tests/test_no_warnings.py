@@ -78,4 +78,4 @@ def test_the_installed_torchs_ddp_takes_the_buffer_setting_without_a_warning(one
         warnings.simplefilter("error")
         ddp = distmod.wrap(model, DistributedConfig(broadcast_buffers=sync), d)
     assert isinstance(ddp, DDP)
-    assert ddp.broadcast_buffers is sync  # what the start event reads back (loop._ddp_settings)
+    assert ddp.broadcast_buffers is sync  # what the start event reads back (strategy_ddp.settings)

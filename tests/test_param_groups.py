@@ -9,7 +9,7 @@ from conftest import events_of, fast_profile, only_run, task_profile
 from torch import nn
 
 from gpu_console.engine import checkpoint
-from gpu_console.engine import optimizer as optim
+from gpu_console.engine import optim_build as optim
 from gpu_console.profile import TrainConfig
 from gpu_console.tasks.configs import MLPConfig, TransformerConfig
 from gpu_console.tasks.mlp import MLPTask

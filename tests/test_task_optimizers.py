@@ -14,7 +14,7 @@ from conftest import events_of, fast_profile, only_run, task_profile
 from torch import nn
 
 from gpu_console.engine import checkpoint
-from gpu_console.engine.optimizers import Optimizers, OptimizerSetupError
+from gpu_console.engine.optim_set import Optimizers, OptimizerSetupError
 from gpu_console.engine.schedule import lr_factor
 from gpu_console.profile import ProfileError, TrainConfig, resolve
 

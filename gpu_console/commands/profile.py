@@ -1,7 +1,7 @@
 """``profile``: trace the next K steps of a live run with torch.profiler (no torch here).
 
 The command rides in ``control.jsonl`` with its steps; every rank captures the same steps
-and writes its own trace (engine/profiling.py). The engine acknowledges it ``received`` at
+and writes its own trace (engine/torch_profiler.py). The engine acknowledges it ``received`` at
 once and ``done`` (with the trace directory) once every rank has written, or ``rejected``
 with its reason (a capture already running, a paused run).
 """

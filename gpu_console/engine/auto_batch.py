@@ -48,7 +48,7 @@ from torch.utils.data import default_collate
 
 from ..runs import atomic_write_text
 from . import checkpoint
-from .data import collate_of
+from .data import collate_of, move
 from .task_step import StepOptimizers
 
 FAKE_OOM_ENV = "GPU_CONSOLE_FAKE_OOM_ABOVE"
@@ -262,8 +262,6 @@ class Trials:
         return code, seconds, peak, error
 
     def _batch(self, size: int) -> Any:
-        from .loop import move
-
         n = len(self.dataset)
         indices = [i % n for i in range(size)]
         getitems = getattr(self.dataset, "__getitems__", None)

@@ -346,7 +346,7 @@ def resume(path: Path, model, optimizers, scaler, rank: int, world_size: int) ->
     """Load a checkpoint into the run's objects and drop it: nothing of it stays referenced.
 
     The file is memory-mapped, so no rank holds a second copy of it in memory while loading
-    (the mapped pages are the page cache's). ``optimizers``: the run's (optimizers.py), which
+    (the mapped pages are the page cache's). ``optimizers``: the run's (optim_set.py), which
     read the layout by name and the one before it (a single ``optimizer``).
     """
     state = load(path)

@@ -284,3 +284,16 @@ class Batches:
         every rank) that epoch counts, before the next draw moves the position on."""
         s, at = self.sampler, self.position
         return at.epoch + ((s.n - at.samples) // s.world < s.batch_size)
+
+
+def move(batch: Any, device: torch.device) -> Any:
+    """A batch on the device (tensors in lists, tuples and dicts too); on CPU as it is."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: move(v, device) for k, v in batch.items()}
+    return batch

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .data import move
+
 PROGRESS_EVERY_S = 1.0
 
 
@@ -37,13 +39,13 @@ def metric_name(split: str, name: str) -> str:
     return f"{split}/{name}" if split else name
 
 
-def evaluate(out, d, task, ddp, loaders, autocast, step: int, move, beat) -> dict[str, float]:
+def evaluate(out, d, task, wrapped, loaders, autocast, step: int, move, beat) -> dict[str, float]:
     """Collective: every split's metrics, averaged over every rank's eval (on every rank), as
     one ``eval`` event."""
     metrics: dict[str, float] = {}
     derived = getattr(task, "derived_metrics", None) or {}
     for split, loader in loaders.items():
-        got = _evaluate_split(out, d, task, ddp, loader, autocast, step, move, beat, split)
+        got = _evaluate_split(out, d, task, wrapped, loader, autocast, step, move, beat, split)
         for name, derive in derived.items():
             got[name] = float(derive(dict(got)))
         metrics.update((metric_name(split, k), v) for k, v in got.items())
@@ -54,7 +56,7 @@ def evaluate(out, d, task, ddp, loaders, autocast, step: int, move, beat) -> dic
 
 @torch.no_grad()
 def _evaluate_split(
-    out, d, task, ddp, loader, autocast, step: int, move, beat, split: str
+    out, d, task, wrapped, loader, autocast, step: int, move, beat, split: str
 ) -> dict[str, float]:
     """One split's metrics, averaged over every rank's samples (collective).
 
@@ -64,13 +66,13 @@ def _evaluate_split(
     not). The task's ``derived_metrics`` (name: function of the averaged metrics), e.g.
     ``perplexity = exp(loss)``, are added by :func:`evaluate`.
     """
-    ddp.eval()
+    wrapped.eval()
     totals: dict[str, float] = {}
     weight = 0  # tokens, else samples
     total = len(loader)
     said = 0.0
     where = {"split": split} if split else {}
-    extra = _shortfall(d, total) if getattr(ddp, "same_forwards", False) else 0
+    extra = _shortfall(d, total) if getattr(wrapped, "same_forwards", False) else 0
     for i, batch in enumerate(loader):
         # A stuck eval names its batch, and for how long.
         beat.set(step, "eval", f"{split + ' ' if split else ''}{i}/{total}")
@@ -80,15 +82,15 @@ def _evaluate_split(
             said = now
         batch = move(batch, d.device)
         with autocast:
-            result = task.compute(ddp.module, batch)
+            result = task.compute(wrapped.module, batch)
         n = result.tokens or result.samples
         weight += n
         totals["loss"] = totals.get("loss", 0.0) + float(result.loss) * n
         for name, value in result.metrics.items():
             totals[name] = totals.get(name, 0.0) + float(value) * n
     if extra:
-        _pad(d, task, ddp, loader, autocast, move, extra)
-    ddp.train()
+        _pad(d, task, wrapped, loader, autocast, move, extra)
+    wrapped.train()
     # A rank with no eval batch (fewer samples than ranks) knows no metric names: agree on
     # them first, so every rank's buffer has the same shape. Eval is rare; this is cheap.
     every: list[list[str] | None] = [None] * d.world_size
@@ -111,7 +113,7 @@ def _shortfall(d, batches: int) -> int:
     return int(most.item()) - batches
 
 
-def _pad(d, task, ddp, loader, autocast, move, extra: int) -> None:
+def _pad(d, task, wrapped, loader, autocast, move, extra: int) -> None:
     """The forwards this rank lacks (:func:`_shortfall`), on a batch read from the dataset
     directly, their results dropped."""
     from .flops import sample_batch
@@ -119,7 +121,7 @@ def _pad(d, task, ddp, loader, autocast, move, extra: int) -> None:
     batch = move(sample_batch(loader), d.device)
     for _ in range(extra):
         with autocast:
-            task.compute(ddp.module, batch)
+            task.compute(wrapped.module, batch)
 
 
 def at_start(enabled: bool, step: int, evaluated_at: int | None, eval_every: int) -> bool:
@@ -135,3 +137,34 @@ def at_start(enabled: bool, step: int, evaluated_at: int | None, eval_every: int
     if evaluated_at is not None:
         return evaluated_at != step
     return step == 0 or not (eval_every and step % eval_every == 0)
+
+
+class Evaluator:
+    """The run's evals: at their steps, their metrics to the schedules, the task's hook and
+    the best checkpoint's judge."""
+
+    def __init__(self, out, d, task, model, loaders, beat, compiled, opts, hooks, best) -> None:
+        self.out, self.d, self.task, self.loaders, self.beat = out, d, task, loaders, beat
+        self.model = model  # the bare model, for the task's eval_end hook
+        self.compiled, self.opts, self.hooks, self.best = compiled, opts, hooks, best
+        self.strategy: Any = None
+        self.autocast: Any = None
+
+    def bind(self, strategy, autocast) -> None:
+        """What an eval runs: the strategy's wrapped model, under the step's autocast."""
+        self.strategy, self.autocast = strategy, autocast
+
+    def run(self, state) -> bool:
+        """Collective: one eval at ``state.step``; whether its metric improved on the best."""
+        step = state.step
+        state.evaluated_at = step
+        self.beat.set(step, "eval")
+        wrapped = self.strategy.wrapped
+        with self.compiled.eager():
+            metrics = evaluate(
+                self.out, self.d, self.task, wrapped, self.loaders, self.autocast, step, move,
+                self.beat,
+            )  # fmt: skip
+        self.opts.after_eval(metrics)
+        self.hooks.eval_end(self.model, metrics)
+        return self.best.observe(step, metrics, lambda m: self.out.log("warning", m))

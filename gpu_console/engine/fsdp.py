@@ -59,8 +59,9 @@ def policy(precision: str):
 
 
 class Sharded:
-    """The sharded model where the loop holds DDP: called, switched train/eval, its
-    gradient sync held back on all but a step's last micro-batch."""
+    """The sharded model, as the trainer holds a wrapped one (DDP's under the DDP strategy):
+    called, switched train/eval, its gradient sync held back on all but a step's last
+    micro-batch."""
 
     same_forwards = True  # each forward all-gathers: every rank must run as many (evaluate.py)
 

@@ -37,6 +37,10 @@ from . import torch_private
 ENV = "GPU_CONSOLE_NONFINITE_CHECK"
 
 
+class NonFiniteLoss(RuntimeError):
+    """``nan_policy = "stop"`` tripped: every rank stops at the same step (nan_stop.py)."""
+
+
 @dataclass
 class Trip:
     """The first non-finite update of a ``stop`` run, found at a boundary."""

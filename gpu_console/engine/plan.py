@@ -3,7 +3,7 @@
 The console never imports torch, so it asks this subprocess. It reads ``{"profile": ...,
 "device_type": ..., "world_size": ...}`` (the resolved profile as run.toml would hold it) on
 stdin, builds the task's model, datasets, optimizer and schedule once on the CPU with the
-engine's own builders (the ones loop.py calls), and prints one JSON line: ``{"plan": {...}}``,
+engine's own builders (the ones build.py calls), and prints one JSON line: ``{"plan": {...}}``,
 or ``{"error": "..."}`` naming the task and its exception's last line. Nothing is written.
 """
 
@@ -25,7 +25,7 @@ from .context import planning
 from .data import make_loader
 from .evaluate import splits as eval_splits
 from .hooks import attach
-from .optimizers import Optimizers
+from .optim_set import Optimizers
 from .schedule import decay_steps, floor_ratio, lr_factor, scaled_lr
 
 SOURCE = "the resolved profile"
@@ -55,7 +55,7 @@ def capability(device_type: str) -> tuple[int, int] | None:
 
 
 def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> dict[str, Any]:
-    """The facts a run would start from, built as loop.py builds them (model on the CPU)."""
+    """The facts a run would start from, built as build.py builds them (model on the CPU)."""
     kind = p.task_kind
     try:
         task_cls = load_task_class(kind)
@@ -80,15 +80,8 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
     )  # fmt: skip
     scheduler = opts.entries[0].scheduler
 
-    # The blocks activation checkpointing would wrap (the task's blocks()).
     mode = p.train.activation_checkpointing
-    blocks = 0
-    if mode != "none":
-        try:
-            blocks = len(activation_checkpoint.blocks_of(task, model))
-        except activation_checkpoint.NoBlocks as e:
-            raise TaskBuildError(f"task {kind}: {e}") from None
-
+    blocks = _checkpointed_blocks(task, model, mode, kind)
     train_set, eval_set = datasets(p, task, kind, world_size)
     # Rank 0's loader: every rank's has the same number of batches (ShardSampler). With
     # data.batch_size = "auto" the size is searched at the run's start: not known here.
@@ -117,25 +110,38 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
         # The first optimizer's groups; each one's lr is the peak.
         "param_groups": opts.describe()[0]["param_groups"],
         # The profile's schedule; a task's own are in "optimizers".
-        "schedule": None
-        if opts.source == "task"
-        else {
-            "kind": p.train.schedule,
-            "warmup_steps": p.train.warmup_steps,
-            "min_lr_ratio": floor_ratio(p.train),
-            "decay_end": p.train.warmup_steps + decay_steps(p.train),
-            "max_steps": p.train.max_steps,
-            "start_step": start_step,
-            # The lr of the first update this run makes (a resumed one: after start_step).
-            "first_lr": lr * lr_factor(start_step, p.train)
-            if start_step
-            else scheduler.get_last_lr()[0],
-            "last_lr": lr * lr_factor(p.train.max_steps - 1, p.train),
-        },
+        "schedule": None if opts.source == "task" else _schedule(p, lr, start_step, scheduler),
         "compile": mode_of(p.train.compile) or False,
         "activation_checkpointing": {"mode": mode, "blocks": blocks},
         "versions": {"torch": torch.__version__},
         "strategy": _strategy(p, task, model, kind, device_type),
+    }
+
+
+def _checkpointed_blocks(task, model, mode: str, kind: str) -> int:
+    """The blocks activation checkpointing would wrap (the task's blocks())."""
+    if mode == "none":
+        return 0
+    try:
+        return len(activation_checkpoint.blocks_of(task, model))
+    except activation_checkpoint.NoBlocks as e:
+        raise TaskBuildError(f"task {kind}: {e}") from None
+
+
+def _schedule(p: Profile, lr: float, start_step: int, scheduler) -> dict[str, Any]:
+    """The profile's schedule, as the run would follow it."""
+    return {
+        "kind": p.train.schedule,
+        "warmup_steps": p.train.warmup_steps,
+        "min_lr_ratio": floor_ratio(p.train),
+        "decay_end": p.train.warmup_steps + decay_steps(p.train),
+        "max_steps": p.train.max_steps,
+        "start_step": start_step,
+        # The lr of the first update this run makes (a resumed one: after start_step).
+        "first_lr": lr * lr_factor(start_step, p.train)
+        if start_step
+        else scheduler.get_last_lr()[0],
+        "last_lr": lr * lr_factor(p.train.max_steps - 1, p.train),
     }
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..runs import list_checkpoints
+from ..runs import list_checkpoints, resume_checkpoint
 from . import checkpoint, torch_private
 from .data import DataPosition
 
@@ -88,6 +88,54 @@ def data_position(state: dict, changes: list[dict], batch_size: int) -> DataPosi
 def position_of(data: dict, world: int, changes: list[dict], batch_size: int) -> DataPosition:
     """A saved position (``data``, written by ``world`` ranks) in samples."""
     return DataPosition.from_state(data, world, old_batch_size(changes, batch_size))
+
+
+def resume_point(run_dir: Path, requested: Path | None, restart: int, d, out) -> Path | None:
+    """Where to start from, decided by rank 0 and shared with every rank.
+
+    After a restart by torchrun, the run's own newest complete checkpoint (else what the run
+    was started from); otherwise ``--resume``'s. On several nodes the path is rank 0's: the
+    other nodes must see it (a shared runs directory) or they fail here, saying so. One that
+    a rank cannot load gives way to the complete one before it (:func:`loadable`).
+    """
+    choice: list[str | None] = [None]
+    if d.is_main:
+        path = requested
+        if restart > 0:
+            path = resume_checkpoint(run_dir)[0] or requested
+        elif requested is not None:
+            # Why the launch chose it over LATEST's, said at launch: said in the run's log too.
+            chosen, why = resume_checkpoint(requested.parent.parent)
+            if why and chosen is not None and chosen.resolve() == requested.resolve():
+                out.log("info", why)
+        choice[0] = str(Path(path).resolve()) if path else None
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    path = Path(choice[0])
+    if not (path / checkpoint.STATE).is_file():
+        raise FileNotFoundError(
+            f"rank {d.rank} cannot read rank 0's checkpoint {path}: on several nodes, resuming "
+            "needs a runs directory every node can read (a shared file system)"
+        )
+    return loadable(path, d.world_size, lambda m: out.log("warning", m))
+
+
+def apply(back, point: Path, d, p, changes: list[dict], hooks, out) -> tuple:
+    """A loaded checkpoint's step, newest eval and data position; its task state and RNG
+    restored."""
+    position = position_of(back.data, back.world_size, changes, p.data.batch_size)
+    hooks.restore(back.task, d.world_size, lambda m: out.log("warning", m))
+    if back.rng is not None:
+        checkpoint.restore_rng(back.rng, d.device)
+    else:
+        out.log("warning", f"resumed on {d.world_size} ranks from {back.ranks}: RNG reseeded")
+    out.log(
+        "info",
+        f"resumed from {point} at step {back.step} "
+        f"(epoch {position.epoch}, sample {position.samples} of its order)",
+    )
+    return back.step, back.evaluated_at, position
 
 
 class ResumeFailed(RuntimeError):

@@ -29,7 +29,7 @@ from ..runs import atomic_write_text, fsync_dir, latest_checkpoint
 from . import checkpoint as plain
 from . import torch_private
 from .checkpoint import BEST, STATE, TMP, Resumed, _fsync_file, step_dir_name
-from .optimizer import ParamGroupError
+from .optim_build import ParamGroupError
 
 WHOLE = ("model", "optimizers", "optimizer", "scheduler")
 FORMAT = "dcp"  # state.pt's "sharded": how the model and optimizers are stored

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .optimizers import Optimizers
+from .optim_set import Optimizers
+from .update_step import Update, UpdateStep
 
 
 class StepOptimizers(Mapping):
@@ -164,11 +165,9 @@ def average(params: list[torch.Tensor], world_size: int) -> None:
         offset += n
 
 
-def for_task(task, opts: Optimizers, train, d, scaler) -> StepOptimizers | None:
-    """The task's step, when it has ``train_step``; one GradScaler per optimizer where the
-    run has one (fp16 on CUDA)."""
-    if getattr(task, "train_step", None) is None:
-        return None
+def step_optimizers(task, opts: Optimizers, train, d, scaler) -> StepOptimizers:
+    """What the task's ``train_step`` is handed; one GradScaler per optimizer where the run
+    has one (fp16 on CUDA)."""
     scalers = None
     if scaler is not None:
         # The run's kind of scaler (FSDP's sharded one agrees on an overflow over the ranks).
@@ -182,3 +181,29 @@ def for_task(task, opts: Optimizers, train, d, scaler) -> StepOptimizers | None:
         train.nan_policy in ("skip", "stop"),
         scalers,
     )
+
+
+class TaskStep(UpdateStep):
+    """The update step of a task with ``train_step``: its backward and updates happen in it
+    (through :class:`StepOptimizers`), with the bare model; the engine then schedules."""
+
+    owner = "task"
+
+    def __init__(self, task, opts, train, d, scaler, ctx, beat) -> None:
+        self.step_optimizers = step_optimizers(task, opts, train, d, scaler)
+        super().__init__(task, opts, train, d, self.step_optimizers.scalers, ctx, beat)
+
+    def bind(self, strategy, autocast) -> None:
+        super().bind(strategy, autocast)
+        # FSDP: gradients arrive reduced, as shards; DDP: the step averages them itself.
+        self.step_optimizers.sharded = strategy.sharded_gradients
+
+    def forward(self, batch, final: bool, step: int) -> Any:
+        # A task's own step averages at its end (under FSDP: reduces every backward), so no
+        # micro-batch runs without gradient sync.
+        return self.step_optimizers.run(self.task, self.strategy.wrapped.module, batch, final,
+                                        self.ctx, step)  # fmt: skip
+
+    def update(self, last_loss, output, position, logging: bool) -> Update:
+        grad_norm, grad_norms, skipped = self.step_optimizers.finish()
+        return Update(last_loss, output, grad_norm, grad_norms, skipped)

@@ -1,5 +1,5 @@
 """The profile's optimizer (``train.optimizer``: AdamW, Adam or SGD), its kernel chosen for
-the device. A task's ``configure_optimizers()`` replaces it (engine/optimizers.py).
+the device. A task's ``configure_optimizers()`` replaces it (engine/optim_set.py).
 
 PyTorch's optimizers pick their own implementation only on GPUs (foreach); on CPU they fall to
 a Python loop over parameters, which for a small model costs more than the step's forward

@@ -2,7 +2,7 @@
 
 A task with ``configure_optimizers(model, ctx)`` owns its optimizers and their schedules
 (tasks/base.py: :class:`OptimizerSpec`); without it, the profile's ``train.optimizer`` with
-its groups (optimizer.py) and its schedule (schedule.py) is the one optimizer, ``main``.
+its groups (optim_build.py) and its schedule (schedule.py) is the one optimizer, ``main``.
 Around each optimizer the engine still does the same work, in a fixed order each step:
 (fp16) unscale, clip its own parameters to ``train.clip_grad_norm``, the ``nan_policy``
 check, step (through the GradScaler under fp16), step its schedule, ``zero_grad``.
@@ -25,7 +25,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
 from ..tasks.base import OptimizerSpec
-from . import optimizer as optim
+from . import optim_build as optim
 from .resume import Settings
 from .schedule import decay_steps, floor_ratio, lr_factor, scaled_lr
 

@@ -1,0 +1,132 @@
+"""The step events: what each step adds to the window, and the event at a log step.
+
+The numbers of a window (loss, samples, tokens, the task's train-time metrics) stay on the
+device between log steps. At a log step every rank's row rides with the gradients'
+all-reduce (exchange.py), filled before the last micro-batch's backward; rank 0 then writes
+one ``step`` event from every rank's numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .exchange import Row
+from .metrics import memory_sample
+from .nonfinite import NonFiniteLoss
+
+
+@dataclass
+class Window:
+    """What happened since the last step event; kept on the device, synced at log time."""
+
+    loss_sum: torch.Tensor
+    steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    skipped: int = 0  # updates skipped for a non-finite gradient (nan_policy = "skip")
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Parts:
+    """What a step event is made of, besides the ranks' rows."""
+
+    out: Any  # reporter.Reporter
+    d: Any  # distributed.Dist
+    train: Any  # the profile's [train]
+    opts: Any  # optim_set.Optimizers
+    exchange: Any  # exchange.Exchange
+    control: Any  # control.Control (a log step's row carries its proposal)
+    mfu: Any  # flops.MFU
+    watch: Any  # timings.Stopwatch
+    metrics: Any  # train_metrics.TrainMetrics
+    compiled: Any  # compile.Compiled
+    beat: Any  # heartbeat.Heartbeat
+
+
+class StepLogger:
+    def __init__(self, parts: Parts) -> None:
+        self.p = parts
+        self.window = self.new_window()
+
+    def new_window(self) -> Window:
+        self.window = Window(loss_sum=torch.zeros((), device=self.p.d.device))
+        return self.window
+
+    def micro_batch(self, result, last_loss: torch.Tensor, fill_row: bool, step: int) -> None:
+        """A micro-batch's numbers; on a log step's last one (``fill_row``), this rank's row
+        is filled before its backward (``step``: the steps completed)."""
+        w, p = self.window, self.p
+        w.samples += result.samples
+        w.tokens += result.tokens
+        p.metrics.add(result)
+        if fill_row:
+            p.exchange.prepare(
+                [last_loss, w.loss_sum + last_loss],
+                [w.samples, w.tokens, *memory_sample(p.d.device)]
+                + list(p.control.proposal(step + 1)),
+                p.metrics.columns(),
+            )
+
+    def step_done(self, last_loss: torch.Tensor, skipped: int) -> None:
+        self.window.loss_sum += last_loss
+        self.window.steps += 1
+        self.window.skipped += skipped
+
+    def log(self, step: int, position, update) -> list[Row]:
+        """Collective: every rank's row, and rank 0's step event; a new window. Raises
+        NonFiniteLoss when the loss is not finite under ``nan_policy = "stop"``."""
+        self.p.beat.set(step, "sync")
+        rows = self.p.exchange.gather()
+        self.p.compiled.check(self.p.out.log)
+        self.event(step, position, rows, update)
+        self.new_window()
+        self.p.metrics.reset()
+        return rows
+
+    def event(self, step: int, position, rows: list[Row], update) -> None:
+        """A step event from every rank's numbers, which came with the step's exchange."""
+        p, w, world = self.p, self.window, self.p.d.world_size
+        loss = sum(r.last_loss for r in rows) / world
+        samples = sum(r.samples for r in rows)
+        tokens = sum(r.tokens for r in rows)
+        elapsed = max(time.perf_counter() - w.started, 1e-9)
+        if not math.isfinite(loss) and p.train.nan_policy == "stop":
+            first = step - w.steps + 1
+            where = f"step {step}" if first == step else f"steps {first}-{step}"
+            raise NonFiniteLoss(f"loss is {loss} in {where} (train.nan_policy = 'stop')")
+        if not p.out.active:
+            return
+        lrs = p.opts.lrs()
+        fields = {
+            "step": step,
+            "epoch": position.epoch,
+            "loss": loss,
+            "loss_avg": sum(r.loss_sum for r in rows) / world / max(w.steps, 1),
+            "lr": lrs[p.opts.entries[0].name],
+            "grad_norm": float(update.grad_norm),
+            "samples_per_s": samples / elapsed,
+            "step_time_s": elapsed / max(w.steps, 1),
+            "memory": [
+                {"rank": i, "allocated": r.allocated, "reserved": r.reserved, "peak": r.peak}
+                for i, r in enumerate(rows)
+            ],
+        }
+        if len(lrs) > 1:  # several optimizers: each one's lr and gradient norm
+            fields["lrs"] = lrs
+            fields["grad_norms"] = {k: float(v) for k, v in update.grad_norms.items()}
+        if tokens:
+            fields["tokens_per_s"] = tokens / elapsed
+        if (util := p.mfu.of(samples / elapsed)) is not None:
+            fields["mfu"] = util
+        if p.train.nan_policy == "skip":
+            fields["skipped"] = w.skipped
+        if metrics := p.metrics.reduced([r.extra for r in rows]):
+            fields["metrics"] = metrics  # the task's, reduced as it declares (train_metrics.py)
+        fields.update(p.compiled.step_fields())
+        p.out.event("step", **fields, **p.watch.first_step_fields())  # the first: its timings

@@ -1,0 +1,115 @@
+"""The parallel strategy: how the model is spread over the ranks, as one interface.
+
+The trainer never asks which strategy it runs: it calls these methods, and a strategy is a
+class that answers them (``distributed.strategy`` picks it, :func:`for_profile`). Today two:
+
+- ``ddp`` (strategy_ddp.py): every rank holds the whole model; DDP all-reduces gradients,
+  and a log step's table rides the gradient all-reduce through a communication hook;
+  checkpoints are plain files of the whole state, written by rank 0 (in the background).
+- ``fsdp`` (strategy_fsdp.py): FSDP2 shards parameters, gradients and optimizer state;
+  mixed precision is FSDP's (no autocast); the log table takes a collective of its own;
+  every rank writes its shards through ``torch.distributed.checkpoint``.
+
+A new strategy (expert parallelism) is a new class here, not branches in the trainer: see
+ARCHITECTURE.md, "Where new pieces go".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+
+@dataclass
+class SaveJob:
+    """One checkpoint to write, with what every strategy's writer may need."""
+
+    run_dir: Path
+    step: int
+    reason: str
+    state: dict[str, Any]  # the shared state (model, optimizers, step, data, ...)
+    rank_state: dict[str, Any]  # this rank's own (RNG, task state)
+    best: dict[str, Any] | None  # the best eval so far, kept beside the checkpoint
+    requested: float  # perf_counter when the save was asked for
+    waited: float  # seconds spent waiting for the write before it
+    model: nn.Module
+    optimizers: Any
+    writer: Any  # checkpoint_writer.Writer
+    group: Any  # the checkpoint writes' process group
+    keep_last: int
+    is_main: bool
+
+
+class Strategy:
+    """The interface; each method's default is what a strategy that does nothing there does."""
+
+    name = ""
+    # A task's own train_step (task_step.py): its gradients arrive reduced, as shards.
+    sharded_gradients = False
+    # What the trainer trains: called, train()/eval(), ``.module`` the bare model, no_sync().
+    wrapped: Any = None
+
+    def make_scaler(self, precision: str, device_type: str) -> Any:
+        """The GradScaler (fp16 on a GPU), or None."""
+        raise NotImplementedError
+
+    def load_before_wrap(self, point: Path, model, optimizers, scalers, d) -> Any:
+        """A checkpoint loaded into the bare model (a ``checkpoint.Resumed``), or None when
+        this strategy loads after wrapping."""
+        return None
+
+    def wrap(self, model: nn.Module, task, precision: str, optimizers, warn) -> None:
+        """Spread the model over the ranks; sets :attr:`wrapped`."""
+        raise NotImplementedError
+
+    def load_after_wrap(self, point: Path, model, optimizers, scalers, d) -> Any:
+        """A checkpoint loaded into the wrapped model, or None (loaded before, or not here)."""
+        return None
+
+    def autocast(self, autocast: contextlib.AbstractContextManager) -> Any:
+        """The autocast the step runs under, given the precision's."""
+        return autocast
+
+    @property
+    def compute_model(self) -> Any:
+        """What a task's ``compute`` is handed."""
+        return self.wrapped
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """A micro-batch that is not the step's last: gradients accumulate, unreduced."""
+        return self.wrapped.no_sync()
+
+    def clip(self, optimizers, max_norm: float) -> tuple[Any, dict[str, Any]]:
+        """Clip every optimizer's gradients: the norm over all, and each one's."""
+        raise NotImplementedError
+
+    def gradient_reduce(self, d, cfg, run_dir: Path) -> tuple[Any, str]:
+        """How gradients are summed: a ``SharedReduce`` (or None), and why not one."""
+        raise NotImplementedError
+
+    def carry_table(self, exchange) -> None:
+        """Let a log step's table ride the gradient reduction; by default it does not (then
+        ``Exchange.gather`` makes a collective of its own)."""
+
+    def save(self, job: SaveJob) -> dict[str, Any] | None:
+        """Write a checkpoint: its outcome, or None while a background write is in flight."""
+        raise NotImplementedError
+
+    def start_fields(self) -> dict[str, Any]:
+        """The start event's ``ddp`` and ``fsdp`` fields (the other one None)."""
+        raise NotImplementedError
+
+
+def for_profile(cfg, d) -> Strategy:
+    """The strategy ``distributed.strategy`` names."""
+    if cfg.strategy == "fsdp":
+        from .strategy_fsdp import FsdpStrategy
+
+        return FsdpStrategy(cfg, d)
+    from .strategy_ddp import DdpStrategy
+
+    return DdpStrategy(cfg, d)

@@ -1,0 +1,57 @@
+"""``distributed.strategy = "fsdp"``: FSDP2 shards the model (the mechanics: fsdp.py).
+
+What differs from DDP, all here: FSDP's own mixed precision in place of autocast, the
+sharded GradScaler, clipping over shards, no communication hook (a log step's table takes a
+collective of its own), and checkpoints written and loaded as shards by every rank
+(sharded_checkpoint.py), loaded after sharding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from . import fsdp, sharded_checkpoint
+from .strategy import SaveJob, Strategy
+
+
+class FsdpStrategy(Strategy):
+    name = "fsdp"
+    sharded_gradients = True
+
+    def __init__(self, cfg, d) -> None:
+        self.cfg, self.d = cfg, d
+
+    def make_scaler(self, precision: str, device_type: str) -> Any:
+        return fsdp.make_scaler(precision, device_type)
+
+    def wrap(self, model, task, precision: str, optimizers, warn) -> None:
+        self.wrapped = fsdp.shard(model, task, self.cfg, precision, optimizers, warn)
+
+    def load_after_wrap(self, point: Path, model, optimizers, scalers, d) -> Any:
+        return sharded_checkpoint.resume(point, model, optimizers, scalers, d.rank, d.world_size)
+
+    def autocast(self, autocast) -> Any:
+        return contextlib.nullcontext()  # FSDP's mixed precision casts instead (fsdp.py)
+
+    @property
+    def compute_model(self) -> Any:
+        return self.wrapped.module
+
+    def clip(self, optimizers, max_norm: float) -> tuple[Any, dict[str, Any]]:
+        return fsdp.clip(optimizers, max_norm)  # each optimizer's on its own, over shards
+
+    def gradient_reduce(self, d, cfg, run_dir: Path) -> tuple[Any, str]:
+        return None, "distributed.strategy = fsdp: gradients are reduce-scattered by FSDP"
+
+    def save(self, job: SaveJob) -> dict[str, Any] | None:
+        # Every rank writes its shards through DCP, synchronously.
+        outcome = sharded_checkpoint.save(
+            job.run_dir, job.step, job.reason, job.model, job.optimizers, job.state,
+            job.rank_state, job.keep_last, job.is_main, job.group, job.best,
+        )  # fmt: skip
+        return {**outcome, "step": job.step, "reason": job.reason}
+
+    def start_fields(self) -> dict[str, Any]:
+        return {"ddp": None, "fsdp": self.wrapped.settings()}

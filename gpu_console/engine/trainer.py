@@ -1,0 +1,116 @@
+"""A rank's training, top to bottom: build, resume, then per step: update, log, evaluate,
+checkpoint, control; then the end.
+
+Each concern is a part with a small interface, in its own module; :meth:`Trainer.run` only
+calls them, in order. It never asks which parallel strategy runs (strategy.py) nor who
+makes the updates (update_step.py). Rank 0 alone writes events (on several nodes: the first
+rank of each node, into its node's run directory).
+"""
+
+from __future__ import annotations
+
+from .build import Built, Setup, build
+from .evaluate import at_start as eval_at_start
+from .exchange import Row
+from .nonfinite import NonFiniteLoss
+from .start_event import write as write_start_event
+from .update_step import Update
+
+
+class Trainer:
+    def __init__(self, setup: Setup) -> None:
+        self.s = setup
+        self.b: Built | None = None
+
+    def run(self) -> None:
+        s, p, out = self.s, self.s.p, self.s.out
+        out.status("starting")
+        # Build and resume: the model, its strategy, the update step, the data, the loop's
+        # parts; a checkpoint loaded where the strategy loads one (build.py).
+        b = self.b = build(s)
+        state = b.state
+        write_start_event(s, b)
+        b.compiled.begin(out.status)  # "compiling" until the first step completes
+        if b.eval_loaders and eval_at_start(
+            p.train.eval_at_start, state.step, state.evaluated_at, p.train.eval_every
+        ):
+            b.evaluator.run(state)  # train.eval_at_start: before this session's first step
+
+        while state.step < p.train.max_steps:
+            b.checkpointer.settle_finished()  # a background write that ended: its event
+            if state.paused:
+                rows = b.control.paused(state.step)
+            else:
+                # Update: every micro-batch's forward and backward, then the update. A log
+                # step's numbers ride with its gradients' reduction: every rank knows the
+                # log steps beforehand, so a resumed run carries them at the same steps.
+                logging = b.cadence.logs(state.step + 1)
+                update = b.update.run(state.step, state.batches, b.logger, logging)
+                if update.stop:  # nan_policy = "stop": the last finite state saved, then fail
+                    b.nan.stop(state.step, update.last_loss, update.grad_norm)
+                state.step += 1
+                s.watch.step_done()
+                b.compiled.first_step_done(out.status, out.log)
+                b.logger.step_done(update.last_loss, update.skipped)
+                # Verdicts gated on the device, read where the host syncs anyway (nonfinite.py).
+                settled = b.update.settle(b.cadence.boundary(state.step), state.step)
+                b.logger.window.skipped += settled.skipped
+                if settled.trip is not None:  # stop: back to the last finite step, then stop
+                    b.nan.rewind(state, settled.trip)
+                b.hooks.step_end(state.step, state.batches, b.model, update.output)
+                b.profiler.step_end(state.step)  # a capture moves on, or ends and is written
+                # Log, evaluate, checkpoint.
+                rows = self.log(update) if logging else None
+                improved = b.cadence.evaluates(state.step) and b.evaluator.run(state)
+                if why := b.cadence.checkpoints(state.step, improved):
+                    b.checkpointer.save(why, wait=False)
+                # Control: at a log step its proposals came with the rows; else a check of
+                # its own where one is due.
+                rows = rows if rows is not None else b.control.check(state.step)
+                if rows is None:
+                    continue
+            if (reason := b.control.obey(state, rows)) is not None:
+                return self.stop(reason)
+        self.end()
+
+    def log(self, update: Update) -> list[Row]:
+        """A log step: every rank's numbers, the step event; a non-finite loss under
+        ``nan_policy = "stop"`` keeps the weights if they are still finite, then fails; too
+        many skipped updates in a row (``nan_skip_limit``) fail the run."""
+        b = self.b
+        try:
+            rows = b.logger.log(b.state.step, b.state.batches.position, update)
+        except NonFiniteLoss as e:
+            b.nan.fail(b.state.step, e)
+            raise
+        b.nan.check_streak(b.state.step, b.update.streak)  # judged here: the event has the count
+        return rows
+
+    def stop(self, reason: str) -> None:
+        """A stop command or a scheduler signal: every rank at the same step."""
+        b, s = self.b, self.s
+        exchanges = b.exchange.counts()
+        s.out.status("stopping", reason=reason)
+        saved = b.checkpointer.save(reason if s.p.checkpoint.on_stop else None)
+        b.hooks.train_end(b.model, "signal" if reason == "signal" else "stopped")
+        # ``checkpointed`` is false only when a checkpoint was due and could not be written:
+        # the supervisor then records the stop as interrupted (exit 130), not a clean stop.
+        s.out.status("stopped", reason=reason, step=b.state.step, checkpointed=saved,
+                     exchanges=exchanges)  # fmt: skip
+
+    def end(self) -> None:
+        """``max_steps`` reached: what the last step's boundaries did not do already."""
+        b, s = self.b, self.s
+        step = b.state.step
+        b.profiler.finish(step, "end")
+        improved = False
+        if b.eval_loaders and not b.cadence.evaluates(step):
+            improved = b.evaluator.run(b.state)
+        if s.p.checkpoint.at_end:
+            b.checkpointer.save("end")
+        elif improved:
+            b.checkpointer.save("best")
+        b.checkpointer.save(None)  # a write still in flight ends before the run does
+        b.hooks.train_end(b.model, "finished")
+        s.out.status("finished", reason="max_steps reached", step=step,
+                     exchanges=b.exchange.counts())  # fmt: skip
