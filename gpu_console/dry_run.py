@@ -25,6 +25,10 @@ from .resume_changes import line as change_line
 PLAN_TIMEOUT_S = 300
 
 
+class PlanTimeout(Exception):
+    """The plan's subprocess ran past a caller's own (short) time limit: nothing is judged."""
+
+
 def engine_plan(
     profile: Profile,
     placement: Placement,
@@ -32,6 +36,7 @@ def engine_plan(
     cwd: str,
     start_step: int = 0,
     only: str | None = None,
+    timeout_s: float | None = None,
 ) -> dict:
     """The engine's half of the plan, or LaunchError naming the task and what went wrong.
 
@@ -55,9 +60,12 @@ def engine_plan(
             text=True,
             cwd=cwd,
             env=env,
-            timeout=PLAN_TIMEOUT_S,
+            timeout=timeout_s or PLAN_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
+        if timeout_s is not None:
+            why = f"task {kind}: its data sets took over {timeout_s:.0f} s to build"
+            raise PlanTimeout(why) from None
         raise launch.LaunchError(
             f"task {kind}: building the model and data took longer than {PLAN_TIMEOUT_S} s"
         ) from None

@@ -529,6 +529,18 @@ def _prepare(
     return profile, placement, resume_from
 
 
+# How long a launch waits for a user task's data sets to check their size (batching.py);
+# $GPU_CONSOLE_DATA_CHECK_S sets it (tests).
+DATA_CHECK_S = 20.0
+
+
+def data_check_s() -> float:
+    try:
+        return max(0.1, float(os.environ.get("GPU_CONSOLE_DATA_CHECK_S", DATA_CHECK_S)))
+    except ValueError:
+        return DATA_CHECK_S
+
+
 def check_data(
     profile: Profile, placement: Placement, world: int, cwd: str, bad, build: bool = True
 ) -> None:
@@ -540,9 +552,19 @@ def check_data(
     if profile.task_kind not in BUILTIN or not isinstance(samples, int):
         if not build:
             return
-        from .dry_run import engine_plan
+        from .dry_run import PlanTimeout, engine_plan
 
-        answer = engine_plan(profile, placement, world, cwd, only="data")
+        try:
+            answer = engine_plan(
+                profile, placement, world, cwd, only="data", timeout_s=data_check_s()
+            )
+        except PlanTimeout as e:
+            # A data set that takes minutes to load must not hold (or refuse) the launch
+            # twice over: the ranks apply the same rule once they have built it.
+            profile.notes.append(
+                f"data.batch_size: not checked before launch ({e}); the ranks check it"
+            )
+            return
         samples = answer["train_samples"]
     if problem := batch_problem(samples, world, profile.data.batch_size):
         raise bad("data.batch_size", problem, profile.data.batch_size)

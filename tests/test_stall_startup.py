@@ -24,14 +24,17 @@ from gpu_console.tui.feed import RunFeed
 STALL_S = 5.0
 
 # Every rank spends minutes building its datasets: a long start-up phase, its heartbeat alive.
+# Only in a rank: the launch's own data check (a subprocess outside torchrun) builds them fast.
 SLOW_START = """
+import os
 import time
 from gpu_console.tasks.mlp import MLPTask
 
 
 class SlowStart(MLPTask):
     def build_datasets(self):
-        time.sleep(600)
+        if "LOCAL_RANK" in os.environ:
+            time.sleep(600)
         return super().build_datasets()
 """
 

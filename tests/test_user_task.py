@@ -43,3 +43,36 @@ def test_user_task_keys_are_checked_against_its_config(procs, runs_dir):
     ]
     assert "Traceback" not in result.stdout + result.stderr
     assert not runs_dir.exists() or not list(runs_dir.iterdir())
+
+
+# Its data sets take long to build outside a rank (what the launch's own check runs).
+SLOW_DATA = """
+import os
+import time
+from gpu_console.tasks.mlp import MLPTask
+
+
+class SlowData(MLPTask):
+    def build_datasets(self):
+        if "LOCAL_RANK" not in os.environ:
+            time.sleep(120)
+        return super().build_datasets()
+"""
+
+
+def test_a_slow_data_set_does_not_hold_the_launch(procs, runs_dir, tmp_path):
+    # The launch checks a user task's data set size within a time limit; past it the launch
+    # goes on, says so, and the ranks apply the same rule (launch.check_data).
+    from conftest import task_profile, test_env
+
+    profile = task_profile(tmp_path, "slowdata", SLOW_DATA, "SlowData", max_steps=5)
+    env = test_env(GPU_CONSOLE_DATA_CHECK_S="2")
+    result = procs.cli(
+        "run", str(profile), "--headless", "--devices", "cpu:2", "--runs-dir", str(runs_dir),
+        cwd=tmp_path, env=env, timeout=100,
+    )  # fmt: skip
+    both = result.stdout + result.stderr
+    assert result.returncode == 0, both
+    assert "data.batch_size: not checked before launch" in both, both
+    assert "took over 2 s to build" in both, both
+    assert events_of(only_run(runs_dir), "step")[-1]["step"] == 5
