@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .events import KINDS
-from .heartbeats import frozen_ranks
+from .heartbeats import frozen_ranks, pid_alive  # noqa: F401 - pid_alive: the readers import it here
 from .runs import FINAL_STATES
 
 STALL_MIN_S = 30.0
@@ -267,18 +267,6 @@ class RunFold:
 
 
 # -- the state a reader shows ------------------------------------------------------------------
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def stall_min_s() -> float:

@@ -48,11 +48,8 @@ def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
     return [b for b in beats if isinstance(b, dict) and isinstance(b.get("rank"), int)]
 
 
-def _alive_here(beat: dict[str, Any]) -> bool:
-    """The rank's process exists (a stopped one does). A rank on another host: assumed so."""
-    pid = beat.get("pid")
-    if beat.get("host") not in (None, socket.gethostname()):
-        return True
+def pid_alive(pid: int | None) -> bool:
+    """A process with this pid exists on this machine (a stopped one does)."""
     if type(pid) is not int or pid <= 0:
         return False
     try:
@@ -62,6 +59,13 @@ def _alive_here(beat: dict[str, Any]) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _alive_here(beat: dict[str, Any]) -> bool:
+    """The rank's process exists (a stopped one does). A rank on another host: assumed so."""
+    if beat.get("host") not in (None, socket.gethostname()):
+        return True
+    return pid_alive(beat.get("pid"))
 
 
 def all_beating(run_dir: Path, now: float, within_s: float) -> bool:
