@@ -136,6 +136,24 @@ def test_a_reader_records_lost_once_no_session_holds_the_run(tmp_path):
     assert is_held(run) is False
 
 
+def test_a_command_to_a_run_winding_down_is_refused_as_ended(tmp_path):
+    """The engine has said ``stopped`` and its session still holds the lock while it winds
+    down (no ``ended`` yet): no rank will read a command again, so none is appended."""
+    from gpu_console.commands.runs import RunEndedError, _live
+
+    run = tmp_path / "run"
+    run.mkdir()
+    status = {"state": "running", "step": 3, "started": time.time(), "host": socket.gethostname()}
+    status["pids"] = {"supervisor": os.getpid(), "torchrun": os.getpid(), "workers": []}
+    (run / "status.json").write_text(json.dumps(status))
+    with take(run, "run"):
+        assert _live(run)["state"] == "running"  # live: a command would be read
+        (run / "status.json").write_text(json.dumps({**status, "state": "stopped"}))
+        with pytest.raises(RunEndedError, match=r"the run has already ended \(state stopped\)"):
+            _live(run)
+    assert not (run / "control.jsonl").exists()
+
+
 def test_a_reader_on_another_host_records_nothing(tmp_path):
     """A run directory on a shared file system, read from another machine: the session's
     pids mean nothing here and its lock may be local to each client, so nothing is recorded."""

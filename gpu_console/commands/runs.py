@@ -108,8 +108,10 @@ def _live(run: Path) -> dict[str, Any]:
     status = settle(run)
     held = is_held(run)
     state = derived_state(status, time.time())
-    if held is True and not status.get("ended"):
+    if held is True and not status.get("ended") and state not in FINAL_STATES:
         return status  # starting (no status.json yet), or running
+    # A final state without ``ended``: the engine has ended the run and its session is
+    # winding down (the lock is still held): no rank will read a command again.
     if held is False and state not in FINAL_STATES and state != "lost":
         raise RunEndedError(f"{run}: no session is running the run (state {state}); nothing sent")
     if state in FINAL_STATES or state == "lost":
