@@ -7,6 +7,7 @@ exists removes it, so a user mistake never leaves a half-made run behind. No tor
 from __future__ import annotations
 
 import contextlib
+import functools
 import getpass
 import json
 import math
@@ -412,6 +413,21 @@ def run_cwd(run: Path) -> str | None:
     return cwd if isinstance(cwd, str) and os.path.isdir(cwd) else None
 
 
+def _resumes_let_go_on_failure(fn):
+    """A launch refused after its resume's session lock was taken lets the lock go."""
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            release_resumes()
+            raise
+
+    return checked
+
+
+@_resumes_let_go_on_failure
 def prepare(
     profile_arg: str | None,
     *,
@@ -432,28 +448,6 @@ def prepare(
 
     A resume's session lock (:func:`resume_target`) is held from the first check on; a
     launch refused later lets it go."""
-    try:
-        return _prepare(
-            profile_arg, devices=devices, precision=precision, overrides=overrides,
-            resume=resume, runs_dir=runs_dir, name=name, nodes=nodes, build_data=build_data,
-        )  # fmt: skip
-    except BaseException:
-        release_resumes()
-        raise
-
-
-def _prepare(
-    profile_arg: str | None,
-    *,
-    devices: str | None = None,
-    precision: str | None = None,
-    overrides: list[str] | None = None,
-    resume: str | None = None,
-    runs_dir: Path,
-    name: str | None = None,
-    nodes: Nodes | None = None,
-    build_data: bool = True,
-) -> tuple[Profile, Placement, Path | None]:
     resume_from = resume_run = None
     resume_note = ""
     resume_step = 0

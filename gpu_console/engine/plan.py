@@ -54,15 +54,21 @@ def capability(device_type: str) -> tuple[int, int] | None:
     return None
 
 
-def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> dict[str, Any]:
-    """The facts a run would start from, built as build.py builds them (model on the CPU)."""
+def _task(p: Profile) -> tuple[Profile, Any]:
+    """The profile with its task's typed config, and the task constructed from it."""
     kind = p.task_kind
     try:
         task_cls = load_task_class(kind)
     except TaskLoadError as e:
         raise TaskBuildError(f"task {kind}: {e}") from None
     p = with_task_config(p, task_cls.Config, SOURCE)
-    task = _call(kind, "its constructor", task_cls, p.task)
+    return p, _call(kind, "its constructor", task_cls, p.task)
+
+
+def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> dict[str, Any]:
+    """The facts a run would start from, built as build.py builds them (model on the CPU)."""
+    kind = p.task_kind
+    p, task = _task(p)
     ctx = planning(p, world_size, device_type)
     ctx.resumed, ctx.start_step, ctx.step = bool(start_step), start_step, start_step
     attach(task, ctx)  # as the loop does, before build_model
@@ -92,7 +98,7 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
     micro_steps = p.train.max_steps * p.train.grad_accum
     return {
         "task": kind,
-        "task_class": f"{task_cls.__module__}:{task_cls.__qualname__}",
+        "task_class": f"{type(task).__module__}:{type(task).__qualname__}",
         "precision": prec,
         "capability": list(capability(device_type) or []) or None,
         "params": sum(q.numel() for q in model.parameters()),
@@ -158,12 +164,7 @@ def check_data(p: Profile, device_type: str, world_size: int) -> dict[str, Any]:
     """A launch's half of :func:`plan`: the task built and its data sets checked, nothing
     else (no model): how a user task's data is judged before a run directory is written."""
     kind = p.task_kind
-    try:
-        task_cls = load_task_class(kind)
-    except TaskLoadError as e:
-        raise TaskBuildError(f"task {kind}: {e}") from None
-    p = with_task_config(p, task_cls.Config, SOURCE)
-    task = _call(kind, "its constructor", task_cls, p.task)
+    p, task = _task(p)
     attach(task, planning(p, world_size, device_type))  # as the loop does, before its data
     train_set, _ = _call(kind, "build_datasets()", task.build_datasets)
     return {"train_samples": len(train_set)}  # the console judges it (launch.check_data)
