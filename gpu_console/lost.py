@@ -24,7 +24,15 @@ import psutil
 from . import session_lock
 from .events import JsonlTail
 from .fold import RunFold
-from .runs import EXIT_FAILED, STATUS, current_session, read_json, read_status, write_status
+from .runs import (
+    EXIT_FAILED,
+    STATUS,
+    current_session,
+    previous_status,
+    read_json,
+    read_status,
+    write_status,
+)
 
 LOST_REASON = "the supervisor exited without recording an end"
 READER_WAIT_S = 1.0
@@ -74,7 +82,9 @@ def record_lost(run_dir: Path) -> dict[str, Any]:
     session = current_session(meta) if isinstance(meta, dict) else {}
     start = session.get("events_from")
     fold = RunFold()
-    fold.carry(status)  # the earlier sessions' best loss, which the supervisor carried
+    # What the earlier sessions left, as the supervisor carried it: their last status.json,
+    # not this one (which already counts this session's skips, folded again below).
+    fold.carry(previous_status(run_dir, meta.get("sessions") if isinstance(meta, dict) else None))
     for e in JsonlTail(run_dir / "events.jsonl", start if isinstance(start, int) else 0).read():
         fold.apply(e)
     status.update(fold.to_status())

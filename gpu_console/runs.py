@@ -371,3 +371,13 @@ def _why_not_a_run(path: Path, is_path: bool, runs_dir: Path) -> str:
     if is_path:
         return "no such run directory"
     return f"no such run (looked for a directory and under {runs_dir})"
+
+
+def previous_status(run_dir: Path, sessions: Any) -> dict[str, Any]:
+    """The status.json a resumed run's last session ended with (``launch.continue_run`` keeps
+    it as ``history/status-N.json``), else {}."""
+    n = len(sessions) - 1 if isinstance(sessions, list) else 0
+    if n < 1:
+        return {}
+    found = read_json(run_dir / "history" / f"status-{n}.json")
+    return found if isinstance(found, dict) else {}

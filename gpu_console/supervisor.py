@@ -108,7 +108,7 @@ class Supervisor:
         self.reap: set[int] = set()  # peers of a crashed rank, killed at reap_at
         self.fold = RunFold()
         # A resumed run's earlier sessions: their best loss, from their last status.json.
-        self.fold.carry(previous_status(run_dir, self.meta.get("sessions")))
+        self.fold.carry(runs.previous_status(run_dir, self.meta.get("sessions")))
         self.engine_checkpointed = True
         self.recorder = Recorder(run_dir)  # telemetry.jsonl, from start to the final status
         self.torchrun_log_offset = 0
@@ -414,16 +414,6 @@ class Supervisor:
         if not isinstance(t, (int, float)) or t < self.status["started"]:
             return None  # an earlier session's
         return {"step": step if isinstance(step, int) else self.fold.step, "path": str(ckpt)}
-
-
-def previous_status(run_dir: Path, sessions: Any) -> dict[str, Any]:
-    """The status.json a resumed run's last session ended with (``launch.continue_run`` keeps
-    it as ``history/status-N.json``), else {}."""
-    n = len(sessions) - 1 if isinstance(sessions, list) else 0
-    if n < 1:
-        return {}
-    found = runs.read_json(run_dir / "history" / f"status-{n}.json")
-    return found if isinstance(found, dict) else {}
 
 
 def is_engine_cmdline(cmd: list[str]) -> bool:

@@ -112,14 +112,19 @@ def test_a_reader_records_lost_once_no_session_holds_the_run(tmp_path):
     run.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
+    # The supervisor's last write counted this session's 2 skipped updates already.
     status = {"state": "running", "step": 3, "started": 100.0, "best_loss": 0.5}
+    status["skipped_updates"] = 2
     status["pids"] = {"supervisor": dead.pid, "torchrun": dead.pid, "workers": [dead.pid]}
     (run / "status.json").write_text(json.dumps(status))
     (run / "meta.json").write_text(json.dumps({"sessions": [{"events_from": 0}]}))
     events = [
         {"v": 1, "t": 101.0, "kind": "start", "world_size": 2, "max_steps": 50},
         {"v": 1, "t": 102.0, "kind": "status", "state": "running"},
-        *({"v": 1, "t": 102.0 + s, "kind": "step", "step": s, "loss": 1.0 / s} for s in (1, 5)),
+        *(
+            {"v": 1, "t": 102.0 + s, "kind": "step", "step": s, "loss": 1.0 / s, "skipped": s // 4}
+            for s in (1, 5)
+        ),  # fmt: skip
     ]
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     held = take(run, "run")  # a session holds it: nothing is recorded
@@ -132,6 +137,7 @@ def test_a_reader_records_lost_once_no_session_holds_the_run(tmp_path):
     assert (on_disk["state"], on_disk["exit_code"], on_disk["step"]) == ("lost", 1, 5)
     assert on_disk["loss"] == 0.2 and on_disk["best_loss"] == 0.2 and on_disk["ended"] >= 107.0
     assert on_disk["reason"] == lost.LOST_REASON and on_disk["pids"]["workers"] == []
+    assert on_disk["skipped_updates"] == 1  # this session's, counted once
     assert lost.settle(run) == on_disk  # once: a later reader reads the record
     assert is_held(run) is False
 
@@ -151,6 +157,33 @@ def test_a_command_to_a_run_winding_down_is_refused_as_ended(tmp_path):
         (run / "status.json").write_text(json.dumps({**status, "state": "stopped"}))
         with pytest.raises(RunEndedError, match=r"the run has already ended \(state stopped\)"):
             _live(run)
+    assert not (run / "control.jsonl").exists()
+
+
+def test_a_command_to_a_starting_run_waits_for_its_supervisor(tmp_path, monkeypatch):
+    """The lock is taken before the supervisor writes status.json: a command in that moment
+    waits for the supervisor's pid (never reads the empty status as lost, never sends a kill
+    to no one); a supervisor that never comes is one line, nothing sent."""
+    import threading
+
+    from gpu_console.commands import runs as command
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.toml").write_text("")
+    status = {"state": "starting", "started": time.time(), "host": socket.gethostname()}
+    status["pids"] = {"supervisor": os.getpid(), "torchrun": None, "workers": []}
+    with take(run, "run"):
+        writer = threading.Timer(0.5, lambda: (run / "status.json").write_text(json.dumps(status)))
+        writer.start()
+        try:
+            assert command._live(run)["pids"]["supervisor"] == os.getpid()
+        finally:
+            writer.cancel()
+        (run / "status.json").unlink()
+        monkeypatch.setattr(command, "SUPERVISOR_WAIT_S", 0.3)
+        with pytest.raises(command.RunEndedError, match="the run is starting .* nothing sent"):
+            command.stop_now(str(run), tmp_path)
     assert not (run / "control.jsonl").exists()
 
 

@@ -109,7 +109,9 @@ def _live(run: Path) -> dict[str, Any]:
     held = is_held(run)
     state = derived_state(status, time.time())
     if held is True and not status.get("ended") and state not in FINAL_STATES:
-        return status  # starting (no status.json yet), or running
+        # Running, or starting: the lock is taken before the supervisor's first status.json
+        # (and a resume removes the last session's), so its pid is waited for, not guessed.
+        return status if _supervisor_pid(status) else _await_supervisor(run)
     # A final state without ``ended``: the engine has ended the run and its session is
     # winding down (the lock is still held): no rank will read a command again.
     if held is False and state not in FINAL_STATES and state != "lost":
@@ -117,6 +119,31 @@ def _live(run: Path) -> dict[str, Any]:
     if state in FINAL_STATES or state == "lost":
         raise RunEndedError(f"{run}: the run has already ended (state {state})")
     return status
+
+
+# How long a command waits for a starting session's supervisor to write status.json.
+SUPERVISOR_WAIT_S = 15.0
+
+
+def _supervisor_pid(status: dict[str, Any]) -> int | None:
+    pids = status.get("pids")
+    pid = pids.get("supervisor") if isinstance(pids, dict) else None
+    return pid if type(pid) is int and pid > 0 else None
+
+
+def _await_supervisor(run: Path) -> dict[str, Any]:
+    deadline = time.monotonic() + SUPERVISOR_WAIT_S
+    while time.monotonic() < deadline:
+        status = read_status(run)
+        if _supervisor_pid(status):
+            return status
+        if is_held(run) is False:
+            break  # the launch gave up before its supervisor started: nothing runs it
+        time.sleep(0.05)
+    raise RunEndedError(
+        f"{run}: the run is starting and its supervisor has not written status.json yet "
+        f"({SUPERVISOR_WAIT_S:.0f} s); nothing sent, try again"
+    )
 
 
 def request(run_arg: str, runs_dir: Path, cmd: str, wait_s: float = ACK_TIMEOUT_S):
