@@ -212,7 +212,8 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path | None, str]:
     latest = latest_checkpoint(run_dir)
     complete = [Path(c["path"]) for c in reversed(list_checkpoints(run_dir))]  # newest first
     if latest is not None:
-        order = [latest] + [c for c in complete if _step(c) < _step(latest)]
+        at = _step(latest)  # None: LATEST names a directory by hand, not step-N
+        order = [latest] + [c for c in complete if c != latest and (at is None or _step(c) < at)]
         why = ""
     else:
         order = complete
@@ -237,8 +238,11 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path | None, str]:
     return None, f"no complete checkpoint can be loaded: {first.name} {problem}{more}"
 
 
-def _step(ckpt: Path) -> int:
-    return int(ckpt.name[5:])
+def _step(ckpt: Path) -> int | None:
+    """The step in a checkpoint's name: ``step-N``, or ``.tmp-step-N`` (which LATEST names for a
+    moment while the same step is saved again, engine/checkpoint.py ``_replace``)."""
+    found = re.fullmatch(r"(?:\.tmp-)?step-(\d+)", ckpt.name)
+    return int(found[1]) if found else None
 
 
 def _latest_problem(run_dir: Path) -> str:

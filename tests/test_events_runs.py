@@ -258,6 +258,26 @@ def test_latest_checkpoint_needs_a_complete_one(tmp_path):
     assert runs.latest_checkpoint(run) == ck
 
 
+def test_a_latest_named_by_hand_resumes_from_what_it_names_or_the_newest_before(tmp_path):
+    """LATEST may name any complete directory (edited by hand, or ``.tmp-step-N`` for a moment
+    while a step is saved again): never a traceback, and the fallback is the newest other."""
+    import zipfile
+
+    run = runs.create_run_dir(tmp_path, "r")
+    ckpts = run / "checkpoints"
+    for name in ("step-00000010", "step-00000020", "mine"):
+        (ckpts / name).mkdir()
+        (ckpts / name / "meta.json").write_text("{}")
+        with zipfile.ZipFile(ckpts / name / "state.pt", "w") as z:
+            z.writestr("data.pkl", b"x")
+    (ckpts / "LATEST").write_text("mine\n")
+    assert runs.resume_checkpoint(run) == (ckpts / "mine", "")
+    (ckpts / "mine" / "state.pt").write_bytes(b"cut short")
+    found, why = runs.resume_checkpoint(run)
+    assert found == ckpts / "step-00000020"
+    assert why.startswith("mine cannot be loaded: its state.pt is not a whole torch file")
+
+
 def _fake_run(runs_dir: Path, name: str) -> Path:
     run = runs_dir / name
     run.mkdir(parents=True)
