@@ -196,9 +196,11 @@ def run(
     if dry_run:
         from . import dry_run as plan
 
-        built = plan.build(prof, placement, resume_from, folder, profile_arg=profile,
-                           devices=devices, overrides=overrides, nodes=nodes)  # fmt: skip
-        launch.release_resumes()  # a dry run starts no session: the run is as it found it
+        try:
+            built = plan.build(prof, placement, resume_from, folder, profile_arg=profile,
+                               devices=devices, overrides=overrides, nodes=nodes)  # fmt: skip
+        finally:
+            launch.release_resumes()  # a dry run starts no session: the run is as it found it
         raise typer.Exit(plan.show(built, as_json))
     from .timings import process_start_time
 

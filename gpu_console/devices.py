@@ -78,7 +78,7 @@ class Placement:
 
         torchrun's own default is one thread per rank however many cores there are.
         """
-        return max(1, len(os.sched_getaffinity(0)) // max(self.nproc, 1))
+        return max(1, usable_cores() // max(self.nproc, 1))
 
     def describe(self) -> str:
         if self.device_type == "cpu":
@@ -236,7 +236,7 @@ def check_cpu_ranks(spec: DeviceSpec, oversubscribe: bool, cores: int | None = N
 
 def default_cpu_ranks() -> int:
     """Two ranks by default: enough to exercise DDP, and one per core on small machines."""
-    return max(1, min(2, len(os.sched_getaffinity(0))))
+    return max(1, min(2, usable_cores()))
 
 
 def _cuda(gpus: Sequence[GrantedGpu]) -> Placement:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ class EventWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._pending: list[tuple[str, bytes]] = []
         self.failing: tuple[float, diskfull.DiskFull] | None = None  # (since, why)
-        self.dropped = 0  # step events given up for want of room to keep them
+        self.dropped: Counter[str] = Counter()  # events given up for want of room, by kind
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"v": VERSION, "t": round(time.time(), 3), "kind": kind, **fields}
@@ -67,17 +68,23 @@ class EventWriter:
         return len(self._pending)
 
     def _bound(self) -> None:
-        while len(self._pending) > MAX_PENDING:
-            steps = [i for i, (kind, _) in enumerate(self._pending) if kind == "step"]
-            self._pending.pop(steps[0] if steps else 0)
-            self.dropped += 1
+        """Past MAX_PENDING, the oldest of the events a reader can do without goes: progress,
+        then step, then log lines; never a start, status, eval, checkpoint, control or
+        profile event (the run's story; they are few, so the queue stays small)."""
+        for kind in DROPPABLE:
+            while len(self._pending) > MAX_PENDING:
+                i = next((i for i, (k, _) in enumerate(self._pending) if k == kind), None)
+                if i is None:
+                    break
+                self._pending.pop(i)
+                self.dropped[kind] += 1
 
     def drop_steps(self) -> None:
         """Give up the step events waiting but the newest (the run's end is at stake)."""
         steps = [i for i, (kind, _) in enumerate(self._pending) if kind == "step"]
         for i in reversed(steps[:-1]):
             self._pending.pop(i)
-            self.dropped += 1
+            self.dropped["step"] += 1
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -86,6 +93,7 @@ class EventWriter:
 
 
 MAX_PENDING = 10_000
+DROPPABLE = ("progress", "step", "log")  # in the order a full queue gives them up
 
 
 class JsonlTail:

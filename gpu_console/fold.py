@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .events import KINDS
-from .heartbeats import frozen_ranks, pid_alive  # noqa: F401 - pid_alive: the readers import it here
+from .heartbeats import elsewhere, frozen_ranks, pid_alive
 from .runs import FINAL_STATES
 
 STALL_MIN_S = 30.0
@@ -303,7 +303,8 @@ def derived_state(
     state = status.get("state", "starting")
     if status.get("ended") or state in FINAL_STATES:
         return state
-    if not pid_alive(status.get("pids", {}).get("supervisor")):
+    # A session on another machine: its pids mean nothing here (its own host judges it).
+    if not elsewhere(status) and not pid_alive(status.get("pids", {}).get("supervisor")):
         return "lost"
     last = status.get("last_step_t")
     evaluating = status.get("eval_progress") or {}

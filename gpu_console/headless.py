@@ -275,7 +275,7 @@ def _tick(
     watch.interrupts.act()
     watch.scheduler.act()
     if supervisor is not None:
-        supervisor.poll()  # reap it, so a dead supervisor is not a live zombie
+        supervisor.poll()  # reap our child, so no zombie piles up
     for e in follower.poll():
         _notable(e, console)
     st = follower.state

@@ -7,14 +7,14 @@ rank from a slow one.
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 # The file's contract, shared with its writer (engine/heartbeat.py imports it from here).
 DIR = "heartbeats"
-HEARTBEAT_DIR = DIR
 # Order of the phases within one step: a rank in an earlier phase is behind.
 PHASES = (
     "starting",
@@ -33,7 +33,7 @@ ENDED = ("done", "failed")
 def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
     """Every rank's heartbeat record on this node, by rank (unreadable ones skipped)."""
     beats = []
-    folder = Path(run_dir) / HEARTBEAT_DIR
+    folder = Path(run_dir) / DIR
     try:
         paths = sorted(folder.glob("rank-*.json"))
     except OSError:
@@ -49,16 +49,24 @@ def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def pid_alive(pid: int | None) -> bool:
-    """A process with this pid exists on this machine (a stopped one does)."""
+    """A live process with this pid on this machine (a stopped one is; a zombie is not: where
+    no init reaps orphans, as in many containers, a dead process stays a zombie for good).
+    The one liveness rule of the console: runs' states, lost records and heartbeats."""
     if type(pid) is not int or pid <= 0:
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.AccessDenied:
+        return True  # another user's process: it exists
+    except psutil.Error:
         return False
-    except PermissionError:
-        return True
-    return True
+
+
+def elsewhere(status: dict[str, Any]) -> bool:
+    """The session ran on another machine (a runs directory on a shared file system, read
+    from a login node): its pids mean nothing here."""
+    host = status.get("host")
+    return isinstance(host, str) and bool(host) and host != socket.gethostname()
 
 
 def _alive_here(beat: dict[str, Any]) -> bool:

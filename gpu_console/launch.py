@@ -310,12 +310,19 @@ def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int, str]:
         raise LaunchError(str(e)) from None
     try:
         _refuse_live(run, _resume_status(run))  # again, under the lock
+        _room_to_continue(run)
         found = _resume_point(run)
     except BaseException:
         _drop(lock, legacy)
         raise
     _held[run.resolve()] = (lock, legacy)
     return found
+
+
+def _room_to_continue(run: Path) -> None:
+    """Refused before anything is written (the lock's pid included): a full disk."""
+    if full := diskfull.short_of_room(run, diskfull.SESSION_ROOM):
+        raise runs.RunDirError(f"{run}: cannot continue the run: {full}; free some first")
 
 
 def _drop(lock: session_lock.SessionLock, created: bool) -> None:
@@ -337,10 +344,10 @@ def release_resumes() -> None:
 _held: dict[Path, tuple[session_lock.SessionLock, bool]] = {}
 
 
-def held_lock(run: Path) -> session_lock.SessionLock | None:
-    """The lock :func:`resume_target` took for ``run`` in this process (handed over once)."""
-    held = _held.pop(Path(run).resolve(), None)
-    return held[0] if held is not None else None
+def held_lock(run: Path) -> tuple[session_lock.SessionLock, bool] | None:
+    """The lock :func:`resume_target` took for ``run`` in this process, and whether it made
+    the lock file (handed over once)."""
+    return _held.pop(Path(run).resolve(), None)
 
 
 def _resume_status(run: Path) -> dict:
@@ -374,10 +381,7 @@ def _refuse_live(run: Path, status: dict) -> None:
     """Not recorded as over: over only if none of its processes is left (a lost run)."""
     if status.get("ended"):
         return
-    pids = status.get("pids") if isinstance(status.get("pids"), dict) else {}
-    workers = pids.get("workers") if isinstance(pids.get("workers"), list) else []
-    left = [pids.get("supervisor"), pids.get("torchrun"), *workers]
-    if any(lost.running(p) for p in left):  # a zombie is over (lost.running)
+    if lost.live_pids(status):
         raise _still_live(run, status.get("state"))
 
 
@@ -802,11 +806,14 @@ def continue_run(
     fewer ranks). events.jsonl, control.jsonl, checkpoints/ and telemetry go on appending.
     """
     # The lock resume_target took (a caller that skipped it takes it now): first of all.
-    lock = held_lock(run_dir) or session_lock.take(run_dir)
+    lock, created = held_lock(run_dir) or (session_lock.take(run_dir), False)
     try:
-        return _continue_run(profile, placement, run_dir, resume_from, lock, argv, launched)
-    finally:
-        lock.release()  # the supervisor holds it now (or the resume failed)
+        launched_run = _continue_run(profile, placement, run_dir, resume_from, lock, argv, launched)
+    except BaseException:
+        _drop(lock, created)  # refused: the run as it was found, a lock file made here gone
+        raise
+    lock.release()  # the supervisor holds it now
+    return launched_run
 
 
 def _continue_run(
@@ -830,13 +837,12 @@ def _continue_run(
             "torchrun": meta.get("torchrun"),
         }]  # fmt: skip
     n = len(sessions)  # the session that ended
-    # Refused before anything is written (the lock's pid included): a full disk.
-    if full := diskfull.short_of_room(run_dir, diskfull.SESSION_ROOM):
-        raise runs.RunDirError(f"{run_dir}: cannot continue the run: {full}; free some first")
+    _room_to_continue(run_dir)  # again: the disk may have filled since the checks
     lock.claim(os.getpid())  # the run is this session's from here on
     # A session whose supervisor died unrecorded: its end (lost) goes to history/ with it.
     lost.record_lost(run_dir)
     changes = resume_changes(profile, run_dir, placement.nproc)  # before run.toml is rewritten
+    before = dict(meta)  # as it was (the sessions list is replaced below, not changed)
     try:
         history = run_dir / "history"
         history.mkdir(mode=0o700, exist_ok=True)
@@ -864,10 +870,27 @@ def _continue_run(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(run_dir / runs.STATUS)
         proc = spawn_supervisor(run_dir, placement, lock)
-    except OSError as e:
+    except BaseException as e:
+        _undo_continue(run_dir, n, before)
+        if not isinstance(e, OSError):
+            raise
         why = diskfull.classify(e, run_dir) or e
         raise runs.RunDirError(f"{run_dir}: cannot continue the run ({why})") from None
     return Launched(run_dir, proc, placement)
+
+
+def _undo_continue(run_dir: Path, n: int, meta: dict) -> None:
+    """A session that could not start leaves the run as the last one ended it: its run.toml,
+    status.json and meta.json back from what was kept (moved logs stay under session-N/)."""
+    history = run_dir / "history"
+    with contextlib.suppress(OSError):
+        if (history / f"run-{n}.toml").is_file():
+            _keep(history / f"run-{n}.toml", run_dir / "run.toml")
+    with contextlib.suppress(OSError):
+        if (history / f"status-{n}.json").is_file() and not (run_dir / runs.STATUS).exists():
+            _keep(history / f"status-{n}.json", run_dir / runs.STATUS)
+    with contextlib.suppress(OSError):
+        runs.atomic_write_json(run_dir / "meta.json", meta)
 
 
 def _keep(src: Path, dst: Path) -> None:

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from . import session_lock
 from .events import JsonlTail
 from .fold import RunFold
+from .heartbeats import elsewhere, pid_alive
 from .runs import (
     EXIT_FAILED,
     STATUS,
@@ -43,14 +41,14 @@ def settle(run_dir: Path, status: dict[str, Any] | None = None) -> dict[str, Any
     end, status.json with ``lost`` recorded in it by this reader."""
     run_dir = Path(run_dir)
     status = read_status(run_dir) if status is None else status
-    if status.get("ended") or _processes_left(status) or _elsewhere(status):
+    if status.get("ended") or _processes_left(status) or elsewhere(status):
         return status
     legacy = not (run_dir / session_lock.LOCK).exists()
-    if legacy and (not status or running(_pids(status).get("supervisor"))):
+    if legacy and (not status or pid_alive(_pids(status).get("supervisor"))):
         # A run made before the lock: its supervisor's pid is all there is (and without a
         # status.json, nothing says a session ever ran: it is left as found).
         return status
-    lock = _take(run_dir, legacy, running(_pids(status).get("supervisor")))
+    lock = _take(run_dir, legacy, pid_alive(_pids(status).get("supervisor")))
     if lock is None:
         return read_status(run_dir)  # a session holds the run: it is live (or starting)
     with lock:
@@ -110,32 +108,18 @@ def _pids(status: dict[str, Any]) -> dict[str, Any]:
     return pids if isinstance(pids, dict) else {}
 
 
-def _elsewhere(status: dict[str, Any]) -> bool:
-    """The session ran on another machine (a runs directory on a shared file system, read
-    from a login node): its pids mean nothing here, and a lock taken here may not be its
-    lock (flock on NFS or Lustre can be local to each client). Only a reader on the run's
-    own host records its end."""
-    host = status.get("host")
-    return isinstance(host, str) and bool(host) and host != socket.gethostname()
-
-
 def _processes_left(status: dict[str, Any]) -> bool:
     """torchrun or a rank still alive (they die with the supervisor, a moment later): their
     last events are not written yet, so the end is recorded by a later reader."""
+    return bool(live_pids(status, supervisor=False))
+
+
+def live_pids(status: dict[str, Any], supervisor: bool = True) -> list[int]:
+    """The run's processes status.json names that are alive here (a zombie is not)."""
     pids = _pids(status)
     workers = pids.get("workers") if isinstance(pids.get("workers"), list) else []
-    return any(isinstance(p, int) and running(p) for p in [pids.get("torchrun"), *workers])
-
-
-def running(pid: Any) -> bool:
-    """A live process: a zombie is not one (where no init reaps orphans, as in many
-    containers, a dead rank stays a zombie for good and would keep the end unrecorded)."""
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    named = [pids.get("supervisor")] if supervisor else []
+    return [p for p in [*named, pids.get("torchrun"), *workers] if pid_alive(p)]
 
 
 def _mtime(path: Path) -> float:

@@ -21,8 +21,11 @@ from .fold import (  # noqa: F401
     stall_min_s,
     true_step,
 )
+from .heartbeats import (
+    ENDED,
+    read_heartbeats,  # noqa: F401 - the readers' import of it
+)
 from .heartbeats import PHASES as PHASE_ORDER
-from .heartbeats import read_heartbeats  # noqa: F401 - the readers' import of it
 from .runs import FINAL_STATES, current_session, read_json, read_status, status_exit_code
 
 # What each GPU of the run did: the telemetry fold lives beside its writer (telemetry/).
@@ -46,7 +49,7 @@ def stopped_ranks(beats: list[dict[str, Any]], now: float) -> list[dict[str, Any
     stuck; its peers wait for it in a collective. When all are at the same point (a hang
     inside a collective, or a deadlock in the same phase on every rank) all are named.
     """
-    live = [b for b in beats if b.get("phase") not in ("done", "failed")]
+    live = [b for b in beats if b.get("phase") not in ENDED]
     if not live:
         return []
     silent = [b for b in live if now - float(b.get("t") or 0) > HEARTBEAT_SILENT_S]

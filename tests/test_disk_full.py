@@ -146,6 +146,8 @@ def test_a_long_full_disk_loses_old_step_events_first_and_says_so(small_disk, mo
     ballast = small_disk.fill()
     for step in range(1, 6):  # each larger than its page's rest: no room at all
         out.event("step", step=step, pad="x" * 5000)
+        if step == 2:
+            out.status("paused", reason="requested")  # the run's story: never given up
     out.log("error", "checkpoint @ step 5 (interval) not written")
     ballast.unlink()
     out.event("step", step=6)
@@ -153,13 +155,13 @@ def test_a_long_full_disk_loses_old_step_events_first_and_says_so(small_disk, mo
     lines = [json.loads(line) for line in (small_disk.path / "events.jsonl").open()]
     assert [(e["kind"], e.get("step"), e.get("level")) for e in lines] == [
         ("status", None, None),
-        ("step", 4, None),  # 1 to 3 gave way (3 kept at most, the log kept over steps)
+        ("status", None, None),  # 1 to 4 gave way, the status kept (3 kept at most)
         ("step", 5, None),
         ("log", None, "error"),
         ("step", 6, None),
         ("log", None, "warning"),
     ]
-    assert lines[-1]["message"] == "3 step events were lost while the disk was full"
+    assert lines[-1]["message"] == "4 events were lost while the disk was full (4 step)"
 
 
 def test_the_final_status_lands_on_a_full_disk_through_the_reserve(small_disk):

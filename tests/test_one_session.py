@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import conftest
+import psutil
 import pytest
 from conftest import (
     events_of,
@@ -30,7 +31,8 @@ from conftest import (
     wait_for,
 )
 
-from gpu_console import lost, session_lock
+from gpu_console import heartbeats, lost, session_lock
+from gpu_console.fold import derived_state
 from gpu_console.session_lock import RunLockedError, is_held, take, try_take
 
 # -- the lock ----------------------------------------------------------------------------------
@@ -200,9 +202,29 @@ def test_a_reader_on_another_host_records_nothing(tmp_path):
     (run / session_lock.LOCK).write_text("")
     assert lost.settle(run) == status
     assert read_status(run) == status
+    assert derived_state(status, time.time()) == "running"  # every view agrees: not lost here
     status["host"] = socket.gethostname()  # the same run read on its own host: recorded
+    assert derived_state(status, time.time()) == "lost"
     (run / "status.json").write_text(json.dumps(status))
     assert lost.settle(run)["state"] == "lost"
+
+
+def test_a_zombie_is_not_alive_for_any_reader():
+    """Where nothing reaps orphans (many containers), a dead supervisor stays a zombie: the
+    one liveness rule says dead, so a reader's state and the lost record agree."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        wait_for(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 30, "zombie")
+        assert not pid_alive(child.pid)
+        status = {
+            "state": "running",
+            "host": socket.gethostname(),
+            "pids": {"supervisor": child.pid},
+        }
+        assert derived_state(status, time.time()) == "lost"
+        assert heartbeats.pid_alive(os.getpid())
+    finally:
+        child.wait()
 
 
 # -- through the CLI ---------------------------------------------------------------------------

@@ -192,3 +192,26 @@ def test_no_loadable_checkpoint_is_refused_at_launch_in_one_line(
         f"{step_name(30)} its state.pt is not a whole torch file (truncated?) (and 2 older)"
     ]
     assert sorted(p.name for p in run.iterdir()) == before, "nothing written"
+
+
+def test_a_session_that_cannot_start_leaves_the_run_as_it_ended(reference, tmp_path, monkeypatch):
+    """The fork of the new supervisor fails (EAGAIN: no process to be had): run.toml,
+    status.json and meta.json are as the last session left them, the lock is free, one line."""
+    import errno
+
+    from gpu_console import launch, runs, session_lock
+
+    run = at_step_20(copy_of(reference, tmp_path / "runs"))
+    kept = {f: (run / f).read_bytes() for f in ("run.toml", "status.json", "meta.json")}
+    profile, placement, resume_from = launch.prepare(
+        None, resume=str(run), runs_dir=tmp_path / "runs", devices="cpu:2"
+    )
+
+    def no_fork(*args, **kwargs):
+        raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+    monkeypatch.setattr(launch, "spawn_supervisor", no_fork)
+    with pytest.raises(runs.RunDirError, match="cannot continue the run"):
+        launch.continue_run(profile, placement, run, resume_from)
+    assert {f: (run / f).read_bytes() for f in kept} == kept
+    assert session_lock.is_held(run) is False

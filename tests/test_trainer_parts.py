@@ -138,8 +138,7 @@ def handler_of(decision: Decision, out: Out):
     profiler.finish = lambda step, why: profiler.finished.append(why)
     profiler.request = lambda step, n, paused, ack: profiler.requested.append((n, paused))
     ckpt = SimpleNamespace(requested=lambda step: {"checkpoint": {"step": step}})
-    logger = SimpleNamespace(windows=0)
-    logger.new_window = lambda: setattr(logger, "windows", logger.windows + 1)
+    logger = logger_of(out, TrainConfig(max_steps=10, log_every=5))
     control = Control(decision)
     h = ControlHandler(out, CPU, Beat(), control, None, profiler, ckpt, logger)
     return h, control, profiler, logger
@@ -152,8 +151,11 @@ def test_the_control_handler_pauses_resumes_and_acknowledges():
     assert h.obey(state, [row(0, 0)]) is None
     assert state.paused and profiler.finished == ["pause"]
     h, _, _, logger = handler_of(Decision("resume", "c2", False), out)
+    logger.step_done(torch.tensor(0.5), skipped=2)  # before the pause, since the last log
+    before = logger.window
     assert h.obey(state, [row(0, 0)]) is None
-    assert not state.paused and logger.windows == 1  # the window starts again on resume
+    assert not state.paused and logger.window is not before  # the window starts again...
+    assert logger.window.steps == 0 and logger.window.skipped == 2  # ...its skips still due
     acks = [(f["id"], f["state"]) for k, f in out.events if k == "control"]
     assert acks == [("c1", "received"), ("c1", "done"), ("c2", "received"), ("c2", "done")]
 

@@ -157,7 +157,7 @@ def due(step: int, cfg, max_steps: int, improved: bool) -> str | None:
     return None
 
 
-def failed_outcome(run_dir: Path, e: OSError) -> dict[str, Any]:
+def failed_outcome(run_dir: Path, e: OSError | str) -> dict[str, Any]:
     """A write that failed (every writer's): why, in one line, and what LATEST still names."""
     previous = latest_checkpoint(run_dir)
     out = {"ok": False, "error": str(e), "latest": previous and previous.name}

@@ -88,7 +88,7 @@ class ControlHandler:
     def resume(self, state) -> None:
         if state.paused:
             state.paused = False
-            self.logger.new_window()
+            self.logger.new_window(keep_skipped=True)  # paused time is no step's
             self.out.status("running", reason="resumed")
 
     def ack(self, decision, state: str, step: int, **fields) -> None:

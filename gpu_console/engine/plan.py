@@ -153,14 +153,14 @@ def _schedule(p: Profile, lr: float, start_step: int, scheduler) -> dict[str, An
 
 def datasets(p: Profile, task, kind: str, world_size: int) -> tuple[Any, Any]:
     """The task's data sets, the training set checked against the batch (batching.py): the
-    check a launch makes too (:func:`check_data`)."""
+    check a launch makes too (:func:`data_size`, judged by ``launch.check_data``)."""
     train_set, eval_set = _call(kind, "build_datasets()", task.build_datasets)
     if problem := batch_problem(len(train_set), world_size, p.data.batch_size):
         raise TaskBuildError(f"data.batch_size: {problem} (got {show(p.data.batch_size)})")
     return train_set, eval_set
 
 
-def check_data(p: Profile, device_type: str, world_size: int) -> dict[str, Any]:
+def data_size(p: Profile, device_type: str, world_size: int) -> dict[str, Any]:
     """A launch's half of :func:`plan`: the task built and its data sets checked, nothing
     else (no model): how a user task's data is judged before a run directory is written."""
     kind = p.task_kind
@@ -194,7 +194,7 @@ def main() -> int:
         p = resolve(doc["profile"], SOURCE)
         world, start = int(doc["world_size"]), int(doc.get("start_step") or 0)
         if doc.get("only") == "data":  # a launch's check (launch.check_data)
-            answer = {"data": check_data(p, doc["device_type"], world)}
+            answer = {"data": data_size(p, doc["device_type"], world)}
         else:
             answer = {"plan": plan(p, doc["device_type"], world, start)}
     except TaskBuildError as e:

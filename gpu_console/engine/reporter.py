@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ def end_torn_line(path: Path) -> None:
 class Reporter:
     def __init__(self, run_dir: Path, active: bool):
         self._w = None
-        self._dropped_said = 0
+        self._dropped_said: Counter[str] = Counter()
         self.run_dir = Path(run_dir)
         if active:
             path = Path(run_dir) / "events.jsonl"
@@ -65,8 +66,9 @@ class Reporter:
         assert self._w is not None
         lost = self._w.dropped - self._dropped_said
         if lost and not self._w.pending:
-            self._dropped_said = self._w.dropped
-            message = f"{lost} step events were lost while the disk was full"
+            self._dropped_said = self._w.dropped.copy()
+            kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(lost.items()))
+            message = f"{lost.total()} events were lost while the disk was full ({kinds})"
             self._w.emit("log", level="warning", message=message)
 
     def start(self, **fields: Any) -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import diskfull, strict_json
-from ..runs import atomic_write_text, fsync_dir, latest_checkpoint
+from ..runs import atomic_write_text, fsync_dir
 from . import checkpoint as plain
 from . import torch_private
 from .checkpoint import BEST, STATE, TMP, Resumed, _fsync_file, step_dir_name
@@ -93,7 +93,7 @@ def save(
             where[0] = {"error": _full_or(e, ckpts)}
     dist.broadcast_object_list(where, src=0, group=group)
     if "error" in where[0]:
-        return _failed(run_dir, where[0]["error"])
+        return plain.failed_outcome(run_dir, where[0]["error"])
     tmp = Path(where[0]["tmp"])
     error = None
     # Before the first update DCP gives an optimizer state by stepping it with zero
@@ -113,7 +113,7 @@ def save(
     if is_main:
         if error is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-            outcome[0] = _failed(run_dir, _freed(error, ckpts))
+            outcome[0] = plain.failed_outcome(run_dir, _freed(error, ckpts))
         else:
             try:
                 event = _finish(ckpts, tmp, step, reason, state, gathered, keep_last, best)
@@ -122,7 +122,7 @@ def save(
                 event.update(seconds=seconds, blocked_s=seconds, waited_s=0.0)
                 outcome[0] = {"ok": True, "event": event}
             except OSError as e:  # a full disk among them (_finish)
-                outcome[0] = _failed(run_dir, e)
+                outcome[0] = plain.failed_outcome(run_dir, e)
     dist.broadcast_object_list(outcome, src=0, group=group)
     assert outcome[0] is not None
     return outcome[0]
@@ -148,13 +148,6 @@ def _freed(error: str | diskfull.DiskFull, ckpts: Path) -> str | diskfull.DiskFu
     if isinstance(error, diskfull.DiskFull):
         error.free = diskfull.free_bytes(ckpts)
     return error
-
-
-def _failed(run_dir: Path, error: str | OSError) -> dict[str, Any]:
-    if isinstance(error, OSError):
-        return plain.failed_outcome(run_dir, error)
-    previous = latest_checkpoint(run_dir)
-    return {"ok": False, "error": error, "latest": previous and previous.name}
 
 
 def _finish(

@@ -54,9 +54,16 @@ class StepLogger:
         self.p = parts
         self.window = self.new_window()
 
-    def new_window(self) -> Window:
-        self.window = Window(loss_sum=torch.zeros((), device=self.p.d.device))
+    def new_window(self, keep_skipped: bool = False) -> Window:
+        """A fresh window (its clock starts now); ``keep_skipped``: after a pause, the updates
+        skipped since the last log step are still to be counted at the next one."""
+        skipped = self.window.skipped if keep_skipped else 0
+        self.window = Window(loss_sum=torch.zeros((), device=self.p.d.device), skipped=skipped)
         return self.window
+
+    def add_skipped(self, n: int) -> None:
+        """Updates found skipped later than their step (a deferred verdict, nonfinite.py)."""
+        self.window.skipped += n
 
     def micro_batch(self, result, last_loss: torch.Tensor, fill_row: bool, step: int) -> None:
         """A micro-batch's numbers; on a log step's last one (``fill_row``), this rank's row

@@ -64,8 +64,8 @@ def fused_kernel_devices() -> list[str]:
 def set_last_lr(scheduler: Any, lrs: list[float]) -> None:
     """What ``get_last_lr()`` (the step events' lr) reads, set as the scheduler sets it.
 
-    ``_last_lr`` is private; a torch without it keeps the lr in ``get_last_lr`` only, so the
-    attribute is set all the same and ``get_last_lr`` is checked to read it."""
+    ``_last_lr`` is private: set all the same on a torch without it (harmless there);
+    ``tests/test_torch_private.py`` checks that ``get_last_lr`` reads what is set here."""
     scheduler._last_lr = list(lrs)
 
 

@@ -54,7 +54,7 @@ class Trainer:
                 b.logger.step_done(update.last_loss, update.skipped)
                 # Verdicts gated on the device, read where the host syncs anyway (nonfinite.py).
                 settled = b.update.settle(b.cadence.boundary(state.step), state.step)
-                b.logger.window.skipped += settled.skipped
+                b.logger.add_skipped(settled.skipped)
                 if settled.trip is not None:  # stop: back to the last finite step, then stop
                     b.nan.rewind(state, settled.trip)
                 b.hooks.step_end(state.step, state.batches, b.model, update.output)

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from ..events import JsonlTail
-from ..fold import RunFold, pid_alive, shown_state
+from ..fold import RunFold, shown_state
 from ..format import human_bytes, optimizer_line, strategy_text
+from ..heartbeats import pid_alive
 from ..lost import settle
 from ..runs import FINAL_STATES, current_session, list_checkpoints, read_json, read_status
 from . import reader
@@ -256,7 +257,7 @@ class RunFeed:
     def poll(self) -> bool:
         """Read what is new; True if anything the screen shows may have changed."""
         if self.supervisor is not None:
-            self.supervisor.poll()  # reap it, so an ended supervisor is not a live zombie
+            self.supervisor.poll()  # reap our child, so no zombie piles up
         changed = written = False
         for e in self._tail.read():
             self.model.apply(e)
