@@ -72,8 +72,11 @@ def compiling_text(since: float | None, now: float) -> str:
 
 
 def strategy_text(start: dict[str, Any]) -> str:
-    """How the model is spread over the ranks, from the start event: ``ddp``, or ``fsdp (2
+    """How the model is spread over the ranks, from the start event: ``ddp``, ``single
+    device`` (ddp on one rank), or ``fsdp (2
     blocks + root)`` / ``fsdp (root only)`` with its offload (engine/fsdp.py)."""
+    if start.get("strategy") == "single":
+        return "single device (one rank: no DDP)"
     if start.get("strategy") != "fsdp":
         return start.get("strategy") or "ddp"
     f = start.get("fsdp") or {}

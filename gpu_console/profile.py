@@ -183,7 +183,9 @@ class TrainConfig:
 class DistributedConfig:
     backend: Literal["auto", "nccl", "gloo"] = opt("auto", "auto: nccl on GPUs, gloo on CPU")
     strategy: Literal["ddp", "fsdp"] = opt(
-        "ddp", "ddp: every rank holds the whole model; fsdp: FSDP2 shards it over the ranks"
+        "ddp",
+        "ddp: every rank holds the whole model (on one rank, no DDP wrapper at all); "
+        "fsdp: FSDP2 shards it over the ranks",
     )
     fsdp_reshard_after_forward: bool = opt(
         True, "fsdp: free gathered parameters after forward (less memory, one more all-gather)"

@@ -120,7 +120,7 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
         "compile": mode_of(p.train.compile) or False,
         "activation_checkpointing": {"mode": mode, "blocks": blocks},
         "versions": {"torch": torch.__version__},
-        "strategy": _strategy(p, task, model, kind, device_type),
+        "strategy": _strategy(p, task, model, kind, device_type, world_size),
     }
 
 
@@ -170,11 +170,12 @@ def data_size(p: Profile, device_type: str, world_size: int) -> dict[str, Any]:
     return {"train_samples": len(train_set)}  # the console judges it (launch.check_data)
 
 
-def _strategy(p: Profile, task, model, kind: str, device_type: str) -> dict[str, Any]:
-    """``distributed.strategy`` and, under fsdp, what would be sharded (fsdp.py)."""
+def _strategy(p: Profile, task, model, kind: str, device_type: str, world: int) -> dict:
+    """The strategy the ranks would pick (strategy.for_profile) and, under fsdp, what would
+    be sharded (fsdp.py)."""
     d = p.distributed
     if d.strategy != "fsdp":
-        return {"strategy": d.strategy}
+        return {"strategy": "single" if world == 1 else d.strategy}
     blocks = _call(kind, "blocks()", fsdp.blocks_of, task, model)
     on_gpu = device_type == "cuda"  # CPU ranks ignore the offload, saying so (fsdp.py)
     return {

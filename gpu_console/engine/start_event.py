@@ -39,7 +39,7 @@ def write(s, b) -> None:
         optimizers=b.opts.describe(),  # what was built: classes, groups, schedules
         train_step=b.update.owner,  # who runs backward and step
         weight_decay=b.opts.decay.fields() if b.opts.decay else None,
-        strategy=p.distributed.strategy,
+        strategy=b.strategy.name,  # ddp, fsdp, or single (ddp asked for, one rank)
         **b.strategy.start_fields(),  # ddp: its settings read back; fsdp: what was sharded
         reduce=facts.reduce,  # how gradients are summed
         threads=torch.get_num_threads(),

@@ -1,7 +1,7 @@
 """The parallel strategy: how the model is spread over the ranks, as one interface.
 
 The trainer never asks which strategy it runs: it calls these methods, and a strategy is a
-class that answers them (``distributed.strategy`` picks it, :func:`for_profile`). Today two:
+class that answers them (``distributed.strategy`` picks it, :func:`for_profile`). Today three:
 
 - ``ddp`` (strategy_ddp.py): every rank holds the whole model; DDP all-reduces gradients,
   and a log step's table rides the gradient all-reduce through a communication hook;
@@ -9,6 +9,7 @@ class that answers them (``distributed.strategy`` picks it, :func:`for_profile`)
 - ``fsdp`` (strategy_fsdp.py): FSDP2 shards parameters, gradients and optimizer state;
   mixed precision is FSDP's (no autocast); the log table takes a collective of its own;
   every rank writes its shards through ``torch.distributed.checkpoint``.
+- ``single`` (strategy_single.py): ``ddp`` on one rank, without the DDP wrapper.
 
 A new strategy (expert parallelism) is a new class here, not branches in the trainer: see
 ARCHITECTURE.md, "Where new pieces go".
@@ -105,11 +106,15 @@ class Strategy:
 
 
 def for_profile(cfg, d) -> Strategy:
-    """The strategy ``distributed.strategy`` names."""
+    """The strategy ``distributed.strategy`` names (``ddp`` on one rank: ``single``)."""
     if cfg.strategy == "fsdp":
         from .strategy_fsdp import FsdpStrategy
 
         return FsdpStrategy(cfg, d)
+    if d.world_size == 1:
+        from .strategy_single import SingleStrategy
+
+        return SingleStrategy(cfg, d)
     from .strategy_ddp import DdpStrategy
 
     return DdpStrategy(cfg, d)
