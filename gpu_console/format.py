@@ -3,6 +3,7 @@ and a Rich console for command output that never cuts a line."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # Off a terminal, tables render at their natural width: a pipe or a log file has no edge.
@@ -29,7 +30,15 @@ def human_duration(s: float | None) -> str:
 
 
 def fmt(x: float | None, spec: str = ".4f") -> str:
-    return "-" if x is None else format(x, spec)
+    """A loss or metric (headless lines, summary, ``ls``): four decimals while they carry its
+    meaning (|x| >= 0.01), else four significant digits (``0.001234``, ``1.234e-05``), so a
+    small loss never prints as 0. Another ``spec`` is used as it is."""
+    if x is None:
+        return "-"
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return str(x)  # a field a task put beside its metrics: shown, never a traceback
+    small = isinstance(x, float) and math.isfinite(x) and x != 0 and abs(x) < 0.01
+    return format(x, ".4g" if spec == ".4f" and small else spec)
 
 
 def uncut(console: Any) -> Any:

@@ -331,7 +331,7 @@ def _notable(e: dict, console: Console) -> None:
             )
     elif kind == "eval":
         metrics = "  ".join(
-            f"{k} {v:.4f}" for k, v in e.items() if k not in ("v", "t", "kind", "step")
+            f"{k} {fmt(v)}" for k, v in e.items() if k not in ("v", "t", "kind", "step")
         )
         say(f"eval @ step {e.get('step')}: {metrics}")
     elif kind == "progress" and e.get("phase") == "eval":

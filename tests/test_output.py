@@ -220,3 +220,42 @@ def test_a_fast_profile_summary_off_a_terminal_has_the_checkpoint_whole(procs, r
     assert re.search(rf"^checkpoint: {re.escape(str(latest))} \(step 12, \w+\)$",
                      result.stdout, re.M), result.stdout  # fmt: skip
     assert f"run dir: {run}" in result.stdout.splitlines()
+
+
+TINY_LOSS_TASK = """
+from gpu_console.tasks.mlp import MLPTask
+
+
+class TinyLoss(MLPTask):
+    def compute(self, model, batch):
+        out = super().compute(model, batch)
+        out.loss = out.loss * 1e-5  # a loss near 1e-5, as an LBFGS fit's
+        out.metrics["tiny"] = out.loss.detach() * 0.01
+        return out
+"""
+
+
+def test_losses_near_1e_5_print_with_their_digits_everywhere(procs, runs_dir, tmp_path):
+    """Four decimals would print them as 0.0000: headless lines, summary and ls keep four
+    significant digits instead; a loss of 2.03 still prints as 2.0300."""
+    from conftest import task_profile
+
+    from gpu_console.format import fmt
+
+    assert [fmt(v) for v in (2.03, 0.0523, 0.001234, 1.2345e-5, 0.0, None, float("nan"))] == [
+        "2.0300", "0.0523", "0.001234", "1.234e-05", "0.0000", "-", "nan"
+    ]  # fmt: skip
+    profile = task_profile(tmp_path, "tiny_loss", TINY_LOSS_TASK, "TinyLoss", max_steps=6)
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                       cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run(runs_dir)
+    final = events_of(run, "step")[-1]["loss"]
+    assert 1e-6 < final < 1e-4
+    shown = fmt(final)
+    assert re.fullmatch(r"\d\.\d{3}e-0[56]", shown), shown
+    assert f"loss {shown}" in result.stdout  # the progress line
+    assert re.search(rf"final loss:? +{re.escape(shown)}", result.stdout), result.stdout
+    assert "0.0000" not in result.stdout.split("eval @")[0]  # no loss or metric shown as 0
+    table = procs.cli("ls", "--runs-dir", str(runs_dir)).stdout
+    assert shown in table, table
