@@ -167,3 +167,29 @@ def test_a_checkpoint_with_other_groups_is_refused_with_the_way_to_resume_it():
     again = optim.build(optim.default_groups(model, 0.01, "all"), 1e-3, 0.01, "auto", "cpu")
     optim.load_state(again, old.state_dict())
     assert again.param_groups[0]["weight_decay"] == 0.01
+
+
+def test_a_tasks_groups_are_clipped_in_the_models_order_to_the_scripts_bits():
+    """decay/no-decay groups list the parameters out of the model's order; the engine clips
+    in the model's order, so its total norm is clip_grad_norm_(model.parameters())'s, bit
+    for bit (summed in another order, it differs in the last bits)."""
+    from gpu_console.engine.optim_set import Optimizers
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(40, 40) for _ in range(6)))
+    decay = [q for q in model.parameters() if q.dim() > 1]
+    no_decay = [q for q in model.parameters() if q.dim() == 1]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+    opts = Optimizers.from_task(opt, model)
+    assert opts.entries[0].params == list(model.parameters())
+    grads = [torch.randn_like(q) * (10.0 ** (i % 5 - 2)) for i, q in enumerate(model.parameters())]
+
+    def with_grads():
+        for q, g in zip(model.parameters(), grads, strict=True):
+            q.grad = g.clone()
+
+    with_grads()
+    script = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    with_grads()
+    engine, _ = opts.clip(0.1)
+    assert torch.equal(engine, script)

@@ -95,6 +95,11 @@ class Optimizers:
             raise OptimizerSetupError("task.configure_optimizers: returned no optimizer")
         entries = [_entry(str(name), spec) for name, spec in named.items()]
         _check_coverage(entries, model)
+        # Clipped in the model's parameter order, as a script's clip_grad_norm_(model
+        # .parameters()) clips: the total norm's sum is then the same to the last bit.
+        order = {id(q): i for i, q in enumerate(model.parameters())}
+        for e in entries:
+            e.params.sort(key=lambda q: order.get(id(q), len(order)))
         return cls(entries, "task", None)
 
     @classmethod
