@@ -167,9 +167,9 @@ def run(
     if as_json and not dry_run:
         raise launch.LaunchError("--json: only with --dry-run (a run reports with --headless)")
 
-    if precision is not None and precision not in ("auto", "fp32", "bf16", "fp16"):
+    if precision is not None and precision not in ("auto", "fp32", "bf16", "fp16", "fp64"):
         raise launch.LaunchError(
-            f"--precision: expected one of auto, fp32, bf16, fp16 (got {precision!r})"
+            f"--precision: expected one of auto, fp32, bf16, fp16, fp64 (got {precision!r})"
         )
     if devices is not None:
         from .devices import DeviceSpecError, parse_devices

@@ -138,8 +138,10 @@ class TrainConfig:
     )
     grad_accum: int = opt(1, "micro-batches per optimizer step", min=1)
     clip_grad_norm: float = opt(1.0, "clip the global gradient norm to this (0 = off)", min=0.0)
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = opt(
-        "auto", "auto: bf16 where supported, fp16 + GradScaler on older GPUs, fp32 on CPU"
+    precision: Literal["auto", "fp32", "bf16", "fp16", "fp64"] = opt(
+        "auto",
+        "auto: bf16 where supported, fp16 + GradScaler on older GPUs, fp32 on CPU; fp64: "
+        "the model and its batches' floating tensors in float64, losses reported unrounded",
     )
     eval_every: int = opt(0, "evaluate every N steps (0 = only at the end)", min=0)
     eval_at_start: bool = opt(

@@ -166,7 +166,7 @@ def _model(s: Setup, facts: Facts) -> _Model:
     attach(task, ctx)
     hooks = Hooks(task, ctx)
     torch.manual_seed(p.train.seed)  # identical init on every rank
-    model = task.build_model().to(d.device)
+    model = precision.cast_model(task.build_model().to(d.device), facts.prec)
     facts.lr = scaled_lr(p.train.lr, d.world_size, p.distributed.lr_scaling)
     # The task's configure_optimizers(), else train.optimizer: every one by name.
     opts = Optimizers.build(task, model, p, d.world_size, d.device.type, ctx)
@@ -200,11 +200,21 @@ def _data(s: Setup, m: _Model, facts: Facts) -> None:
         if d.local_rank == 0:
             auto_batch.write_run_toml(s.run_dir, p.data.batch_size)
         s.out.log("info", auto_batch.describe(facts.batch_search))
-    m.train_loader = make_loader(train_set, p.data, d.rank, d.world_size, True, cuda, collate)
+    m.train_loader = make_loader(
+        train_set, p.data, d.rank, d.world_size, True, cuda, collate, prec=facts.prec
+    )
     m.eval_loaders = {  # by split (evaluate.py); empty: no eval
         split: make_loader(
-            ds, p.data, d.rank, d.world_size, False, cuda, collate, p.data.eval_batch_size
-        )
+            ds,
+            p.data,
+            d.rank,
+            d.world_size,
+            False,
+            cuda,
+            collate,
+            p.data.eval_batch_size,
+            facts.prec,
+        )  # fmt: skip
         for split, ds in eval_splits(eval_set).items()
     }
 
@@ -255,7 +265,7 @@ def _loop_parts(s: Setup, m: _Model, facts: Facts, start: _Start, compiled, auto
     shared, why_not = m.strategy.gradient_reduce(d, p.distributed, s.run_dir)
     # How gradients are summed: what a CPU run's speed depends on most.
     facts.reduce = "shared memory" if shared else f"{d.backend} ({why_not})"
-    exchange = Exchange(d.rank, d.world_size, d.device, shared)
+    exchange = Exchange(d.rank, d.world_size, d.device, shared, precision.table_dtype(facts.prec))
     # The task's train-time metrics ride in the log step's exchange (train_metrics.py).
     metrics = TrainMetrics(s.task, d.rank, d.world_size, d.device, lambda w: out.log("warning", w))
     m.strategy.carry_table(exchange)

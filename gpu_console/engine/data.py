@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 from ..batching import batch_problem, batches_per_epoch
 from ..profile import DataConfig
 from ..tasks.base import TensorSet, batch_collate
+from . import precision
 
 
 @dataclass
@@ -223,9 +224,11 @@ def make_loader(
     cuda: bool,
     collate: Callable[[Any], Any] | None = None,
     batch_size: int = 0,
+    prec: str = "fp32",
 ) -> DataLoader:
     """``collate``: the task's ``collate(samples)`` if it has one (tasks/base.py).
-    ``batch_size``: the eval's (``data.eval_batch_size``); 0 = ``data.batch_size``."""
+    ``batch_size``: the eval's (``data.eval_batch_size``); 0 = ``data.batch_size``.
+    ``prec``: the run's precision (fp64: the batches' floating tensors in float64)."""
     n = len(dataset)  # type: ignore[arg-type]
     size = batch_size or cfg.batch_size
     sampler = ShardSampler(n, rank, world, size, cfg.seed, train, cfg.order)
@@ -235,7 +238,7 @@ def make_loader(
     return DataLoader(
         SeededFetch(dataset, cfg.seed, rank),  # type: ignore[arg-type]
         batch_sampler=KeyedBatchSampler(sampler, size, drop_last=train),
-        collate_fn=collate_of(dataset, collate),
+        collate_fn=precision.collate_in(prec, collate_of(dataset, collate)),
         num_workers=workers,
         pin_memory=cfg.pin_memory and cuda,
         prefetch_factor=cfg.prefetch_factor if workers else None,

@@ -85,8 +85,13 @@ def decode(table: torch.Tensor) -> list[Row]:
 class Exchange:
     """The DDP communication hook and the table it may carry."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, shared=None):
+    def __init__(
+        self, rank: int, world_size: int, device: torch.device, shared=None, dtype=torch.float32
+    ):
         self.rank, self.world_size, self.device = rank, world_size, device
+        # float64 under train.precision = "fp64": its losses are carried without rounding
+        # (and the table rides the float64 gradient buckets as it rides float32 ones).
+        self.dtype = dtype
         self.shared = shared  # a SharedReduce for CPU ranks on one machine, else None (gloo)
         self._pending: torch.Tensor | None = None  # this step's table, before the all-reduce
         self._result: torch.Tensor | None = None  # the summed table, after it
@@ -102,7 +107,7 @@ class Exchange:
         # the same multiplication here keeps gradients bit-identical to plain DDP.
         buf.mul_(1.0 / self.world_size)
         table = self._pending
-        if table is None or buf.dtype != torch.float32:
+        if table is None or buf.dtype != self.dtype:
             return self._all_reduce(buf)
         self._pending = None
         n = buf.numel()
@@ -134,19 +139,19 @@ class Exchange:
         ``floats`` and ``extra`` are 0-dim tensors on the device (no host sync); ``ints``
         plain ints. ``extra`` must have the same length on every rank.
         """
-        ints_t = torch.tensor(encode_ints(ints), dtype=torch.float32)
+        ints_t = torch.tensor(encode_ints(ints), dtype=self.dtype)
         if self.device.type == "cuda":  # a pageable copy would sync the host before backward
             ints_t = ints_t.pin_memory().to(self.device, non_blocking=True)
         parts = [
-            torch.stack([f.detach().reshape(()).float() for f in floats]),
+            torch.stack([f.detach().reshape(()).to(self.dtype) for f in floats]),
             ints_t.to(self.device),
         ]
         if extra:
-            parts.append(torch.stack([f.detach().reshape(()).float() for f in extra]))
+            parts.append(torch.stack([f.detach().reshape(()).to(self.dtype) for f in extra]))
         row = torch.cat(parts)
         self.extra = len(extra)
         table = torch.zeros(
-            self.world_size, WIDTH + self.extra, dtype=torch.float32, device=self.device
+            self.world_size, WIDTH + self.extra, dtype=self.dtype, device=self.device
         )
         table[self.rank] = row
         self._pending, self._result = table, None
@@ -170,7 +175,7 @@ class Exchange:
     def control_only(self, proposal: tuple[int, int, int, int]) -> list[Row]:
         """A control check outside a log step (paused, or between sparse log steps): one
         collective of its own, carrying only the control proposal (the rest zeros)."""
-        zero = torch.zeros((), device=self.device)
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
         ints = [0] * (len(INTS) - CONTROL) + list(proposal)
         self.prepare([zero] * len(FLOATS), ints, [zero] * self.extra)
         return self.gather()

@@ -53,7 +53,7 @@ def blocks_of(task, model: nn.Module) -> list[nn.Module]:
 def policy(precision: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if precision == "fp32":
+    if precision in ("fp32", "fp64"):  # the parameters' own dtype: no mixed precision
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+from typing import Any
 
 import torch
 
@@ -38,7 +40,7 @@ def resolve(requested: str, device_type: str, capability: tuple[int, int] | None
 
 
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
-    if precision == "fp32":
+    if precision in ("fp32", "fp64"):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=DTYPES[precision])
 
@@ -48,3 +50,47 @@ def make_scaler(precision: str, device_type: str) -> torch.amp.GradScaler | None
     if precision == "fp16" and device_type == "cuda":
         return torch.amp.GradScaler("cuda")
     return None
+
+
+# train.precision = "fp64": the model's and the batches' floating tensors in float64, no
+# autocast, and the step table in float64, so a loss is reported as the task computed it.
+
+
+def cast_model(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """The model in float64 under fp64 (its floating parameters and buffers); else as built."""
+    return model.to(torch.float64) if precision == "fp64" else model
+
+
+def collate_in(precision: str, collate: Any) -> Any:
+    """A loader's collate (None: torch's default) that, under fp64, gives its batches'
+    floating tensors in float64 (integers, labels and masks kept); else ``collate``."""
+    if precision != "fp64":
+        return collate
+    from torch.utils.data import default_collate
+
+    return functools.partial(_fp64_batch, collate or default_collate)  # picklable: workers
+
+
+def _fp64_batch(collate: Any, samples: Any) -> Any:
+    return _tree_map(collate(samples), _double)
+
+
+def _double(t: torch.Tensor) -> torch.Tensor:
+    return t.double() if t.is_floating_point() else t
+
+
+def table_dtype(precision: str) -> torch.dtype:
+    """The step table's dtype (exchange.py): float64 under fp64, else float32."""
+    return torch.float64 if precision == "fp64" else torch.float32
+
+
+def _tree_map(x: Any, fn) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return type(x)((k, _tree_map(v, fn)) for k, v in x.items())
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(_tree_map(v, fn) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_tree_map(v, fn) for v in x)
+    return x

@@ -58,7 +58,9 @@ class StepLogger:
         """A fresh window (its clock starts now); ``keep_skipped``: after a pause, the updates
         skipped since the last log step are still to be counted at the next one."""
         skipped = self.window.skipped if keep_skipped else 0
-        self.window = Window(loss_sum=torch.zeros((), device=self.p.d.device), skipped=skipped)
+        dtype = torch.float64 if self.p.train.precision == "fp64" else torch.float32
+        zero = torch.zeros((), dtype=dtype, device=self.p.d.device)
+        self.window = Window(loss_sum=zero, skipped=skipped)
         return self.window
 
     def add_skipped(self, n: int) -> None:

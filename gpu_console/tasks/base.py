@@ -123,6 +123,14 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 if autocast made it half precision (a loss wants fp32's range), else
+    as it is: float32, or float64 under ``train.precision = "fp64"`` (never rounded down)."""
+    import torch
+
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def perplexity(metrics: dict[str, float]) -> float:
     """``exp(loss)`` of the averaged eval loss (inf where it overflows): for a task's
     ``derived_metrics = {"perplexity": perplexity}``."""

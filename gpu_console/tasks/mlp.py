@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import TaskOutput, TensorSet
+from .base import TaskOutput, TensorSet, at_least_fp32
 from .configs import MLPConfig
 
 
@@ -59,6 +59,6 @@ class MLPTask:
     def compute(self, model: nn.Module, batch) -> TaskOutput:
         x, y = batch
         logits = model(x)
-        loss = F.cross_entropy(logits.float(), y)
+        loss = F.cross_entropy(at_least_fp32(logits), y)
         accuracy = (logits.argmax(-1) == y).float().mean()
         return TaskOutput(loss=loss, samples=len(y), metrics={"accuracy": accuracy})

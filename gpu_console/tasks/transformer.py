@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import TaskOutput, TensorSet
+from .base import TaskOutput, TensorSet, at_least_fp32
 from .configs import TransformerConfig
 
 
@@ -104,7 +104,7 @@ class TransformerTask:
     def compute(self, model: nn.Module, batch) -> TaskOutput:
         tokens, y = batch
         logits = model(tokens)
-        loss = F.cross_entropy(logits.float(), y)
+        loss = F.cross_entropy(at_least_fp32(logits), y)
         accuracy = (logits.argmax(-1) == y).float().mean()
         return TaskOutput(
             loss=loss, samples=len(y), tokens=tokens.numel(), metrics={"accuracy": accuracy}
