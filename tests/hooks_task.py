@@ -24,7 +24,7 @@ class HooksTask(MLPTask):
         super().__init__(config)
         self.carry = torch.zeros(())
         self.micro_steps = 0
-        self.seen = {"steps": [], "epochs": [], "evals": [], "end": []}
+        self.seen = {"steps": [], "epochs": [], "evals": [], "end": [], "eval_starts": []}
 
     def _write(self, what: str, doc) -> None:
         ctx = self.ctx
@@ -67,7 +67,11 @@ class HooksTask(MLPTask):
 
     def on_step_end(self, model, output, ctx):
         assert not isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        self.seen["steps"].append([ctx.step, ctx.epoch, float(output.loss)])
+        self.seen["steps"].append([ctx.step, ctx.epoch, float(output.loss), ctx.batch_in_epoch])
+        self.seen["optimizers"] = {n: type(o).__name__ for n, o in ctx.optimizers.items()}
+
+    def on_eval_start(self, model, ctx):
+        self.seen["eval_starts"].append([ctx.step, len(self.seen["evals"])])
 
     def on_epoch_end(self, model, ctx):
         self.seen["epochs"].append([ctx.epoch, ctx.step])

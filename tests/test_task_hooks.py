@@ -76,6 +76,11 @@ def test_context_and_every_hook_on_every_rank_in_a_finished_run(procs, runs_dir,
         hooks = seen(run, "hooks", rank)
         assert [s[0] for s in hooks["steps"]] == list(range(1, 26))
         assert [s[1] for s in hooks["steps"]] == [0] * 10 + [1] * 10 + [2] * 5
+        # ctx.batch_in_epoch: the batches drawn from ctx.epoch (10 an epoch, one a step).
+        assert [s[3] for s in hooks["steps"]] == [*range(1, 11), *range(1, 11), *range(1, 6)]
+        assert hooks["optimizers"] == {"main": "AdamW"}  # ctx.optimizers, by name
+        # on_eval_start: before each eval (none of it ended yet), at the eval's step.
+        assert hooks["eval_starts"] == [[e["step"], i] for i, e in enumerate(evals)]
         assert hooks["epochs"] == [[0, 10], [1, 20]]  # epoch, the step that ended it
         # Every rank gets the reduced metrics: the eval events' numbers.
         assert hooks["evals"] == [[e["step"], {"loss": e["loss"], "accuracy": e["accuracy"]}]

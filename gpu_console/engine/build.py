@@ -170,6 +170,7 @@ def _model(s: Setup, facts: Facts) -> _Model:
     facts.lr = scaled_lr(p.train.lr, d.world_size, p.distributed.lr_scaling)
     # The task's configure_optimizers(), else train.optimizer: every one by name.
     opts = Optimizers.build(task, model, p, d.world_size, d.device.type, ctx)
+    ctx.optimizers = {e.name: e.optimizer for e in opts.entries}  # what the hooks may reach
     strategy = for_profile(p.distributed, d)
     scaler = strategy.make_scaler(facts.prec, d.device.type)
     update = for_task(task, opts, p.train, d, scaler, ctx, s.beat)

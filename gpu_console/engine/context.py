@@ -41,6 +41,10 @@ class TaskContext:
     - ``profile``: the resolved profile as typed objects (``profile.data.batch_size``,
       ``profile.train.grad_accum``, ``profile.train.max_steps``, ``profile.task``...).
     - ``resumed``: this run continues from a checkpoint; ``start_step``: its step (else 0).
+    - ``batch_in_epoch``: the train batches this rank has drawn from ``epoch`` (in
+      ``on_step_end``: including the step's; at an epoch's last step, all of its batches).
+    - ``optimizers``: the run's optimizers by name (``"main"``, or the task's own names),
+      for a hook that reads or sets their state (e.g. an lr).
     """
 
     rank: int
@@ -53,6 +57,8 @@ class TaskContext:
     start_step: int = 0
     step: int = 0
     epoch: int = 0
+    batch_in_epoch: int = 0
+    optimizers: dict[str, Any] = field(default_factory=dict)
     _emit: Callable[[str, str], None] | None = field(default=None, repr=False)
 
     @property

@@ -282,6 +282,11 @@ class Batches:
         self.position.samples += self._step
         return batch
 
+    def batch_in_epoch(self) -> int:
+        """The batches this rank has drawn in the position's epoch."""
+        s = self.sampler
+        return self.position.samples // (s.world * s.batch_size)
+
     def epochs_done(self) -> int:
         """Epochs the train data has completed: at an epoch's end (no whole batch left for
         every rank) that epoch counts, before the next draw moves the position on."""

@@ -160,6 +160,7 @@ class Evaluator:
         state.evaluated_at = step
         self.beat.set(step, "eval")
         wrapped = self.strategy.wrapped
+        self.hooks.eval_start(self.model)
         with self.compiled.eager():
             metrics = evaluate(
                 self.out, self.d, self.task, wrapped, self.loaders, self.autocast, step, move,

@@ -9,6 +9,8 @@ the rank, as an exception in ``compute`` does.
   ``output`` is the last micro-batch's TaskOutput (its loss not divided by grad_accum).
 - ``on_epoch_end(model, ctx)``: after the step that took the epoch's last batch
   (``ctx.epoch`` is the epoch that ended), after that step's ``on_step_end``.
+- ``on_eval_start(model, ctx)``: before each eval (a task that carries state across eval
+  batches resets it here).
 - ``on_eval_end(model, metrics, ctx)``: after each eval, with its metrics reduced over
   every rank (the eval event's numbers: the same dict on every rank).
 - ``on_train_end(model, ctx, reason)``: once, when the run ends ``"finished"`` (max_steps),
@@ -42,6 +44,7 @@ class Hooks:
         self.ctx = ctx
         self._step_end = getattr(task, "on_step_end", None)
         self._epoch_end = getattr(task, "on_epoch_end", None)
+        self._eval_start = getattr(task, "on_eval_start", None)
         self._eval_end = getattr(task, "on_eval_end", None)
         self._train_end = getattr(task, "on_train_end", None)
         self._state_dict = getattr(task, "state_dict", None)
@@ -54,12 +57,14 @@ class Hooks:
         if self.ctx.resumed:
             self.ctx.start_step = step
         self.ctx.epoch = batches.position.epoch
+        self.ctx.batch_in_epoch = batches.batch_in_epoch()
         self._epochs = batches.epochs_done()
 
     def step_end(self, step: int, batches: Batches, model, output) -> None:
         ctx = self.ctx
         ctx.step = step
         ctx.epoch = batches.position.epoch
+        ctx.batch_in_epoch = batches.batch_in_epoch()
         if self._step_end is not None:
             self._step_end(model, output, ctx)
         done = batches.epochs_done()
@@ -69,6 +74,10 @@ class Hooks:
                 self._epoch_end(model, ctx)
             ctx.epoch = batches.position.epoch
         self._epochs = done
+
+    def eval_start(self, model) -> None:
+        if self._eval_start is not None:
+            self._eval_start(model, self.ctx)
 
     def eval_end(self, model, metrics: dict[str, float]) -> None:
         if self._eval_end is not None:
