@@ -57,6 +57,7 @@ def test_two_optimizers_are_built_checkpointed_and_resume_exactly(procs, runs_di
     start = events_of(ref, "start")[0]
     assert start["optimizer"] == "g: Adam (default), d: SGD (default)"
     assert start["train_step"] == "engine"
+    assert start["lr"] is None  # the profile's lr runs nothing here: each optimizer has its own
     g, d = start["optimizers"]
     assert (g["name"], g["class"], g["schedule"]) == ("g", "Adam", {"kind": "function"})
     assert g["param_groups"] == [

@@ -34,7 +34,9 @@ def write(s, b) -> None:
         batch_size=p.data.batch_size,  # per rank per micro-batch
         auto_batch=facts.batch_search,  # how data.batch_size = "auto" was chosen, else None
         global_batch=p.data.batch_size * p.train.grad_accum * d.world_size,
-        lr=facts.lr,
+        # The profile's lr where its optimizer runs; a task's own optimizers carry their lr
+        # in ``optimizers`` (the profile's would be a number nothing uses).
+        lr=facts.lr if b.opts.source == "profile" else None,
         optimizer=b.opts.summary(),
         optimizers=b.opts.describe(),  # what was built: classes, groups, schedules
         train_step=b.update.owner,  # who runs backward and step
