@@ -189,6 +189,7 @@ def build(
         "param_groups": built["param_groups"],
         "schedule": built["schedule"],
         "eval_every": t.eval_every,
+        "eval_at": sorted(t.eval_at),
         "log_every": t.log_every,
         "compile": built["compile"],
         "activation_checkpointing": built["activation_checkpointing"],
@@ -322,6 +323,8 @@ def text(plan: dict[str, Any]) -> str:
     every = (
         f"every {plan['eval_every']} steps and at the end" if plan["eval_every"] else "at the end"
     )
+    if points := [n for n in plan.get("eval_at") or [] if n <= plan["max_steps"]]:
+        every = f"after steps {', '.join(map(str, points))}; {every}"
     rows.append(("eval", every if data["eval_samples"] is not None else "none (no eval set)"))
     cadence = [f"every {ck['every_steps']} steps"] if ck["every_steps"] else []
     cadence += ["at the end"] if ck["at_end"] else []

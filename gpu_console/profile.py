@@ -53,6 +53,12 @@ def _best_metric_check(value: str) -> str | None:
     return "expected eval.<metric>, a metric of the eval events (e.g. eval.loss), or empty"
 
 
+def _eval_at_check(value: list[int]) -> str | None:
+    if any(type(n) is not int or n < 1 for n in value):
+        return "expected step numbers >= 1 (e.g. [1, 500])"
+    return None
+
+
 def _betas_check(value: list[float]) -> str | None:
     if len(value) != 2 or not all(0.0 <= b < 1.0 for b in value):
         return "expected two numbers in [0, 1)"
@@ -144,6 +150,12 @@ class TrainConfig:
         "the model and its batches' floating tensors in float64, losses reported unrounded",
     )
     eval_every: int = opt(0, "evaluate every N steps (0 = only at the end)", min=0)
+    eval_at: list[int] = opt(
+        [],
+        "evaluate after these steps too (e.g. [1, 500]), beside eval_every and the end; "
+        "steps past max_steps are never reached",
+        check=_eval_at_check,
+    )
     eval_at_start: bool = opt(
         False,
         "evaluate before the first step (a resume: at its step, unless the run evaluated there)",

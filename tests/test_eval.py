@@ -76,6 +76,22 @@ def test_eval_at_start_its_batch_size_and_a_mean_over_samples(procs, runs_dir, t
         assert e["perplexity"] == pytest.approx(math.exp(4.5))  # of the mean loss
 
 
+def test_eval_at_adds_explicit_eval_points_step_1_included(procs, runs_dir, tmp_path):
+    profile = eval_profile(tmp_path, max_steps=5, extra="")
+    sets = ["--set", "train.eval_every=0", "--set", "train.eval_at=[3, 1, 99]"]
+    plan = procs.cli("run", str(profile), "--dry-run", *sets, cwd=tmp_path)
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert "after steps 1, 3; at the end" in plan.stdout  # 99: past max_steps, never reached
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), *sets,
+                       cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [e["step"] for e in events_of(only_run(runs_dir), "eval")] == [0, 1, 3, 5]
+    bad = procs.cli("run", str(profile), "--dry-run", "--set", "train.eval_at=[0]", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "gpu-console: --set: train.eval_at: expected step numbers >= 1 (e.g. [1, 500]) (got [0])"
+    ], bad.stderr
+
+
 def test_a_resume_evaluates_at_start_only_where_the_run_did_not(procs, runs_dir, tmp_path):
     profile = eval_profile(tmp_path, max_steps=3, extra="")
     first = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),

@@ -9,13 +9,16 @@ class Cadence:
     def __init__(self, train, ckpt, control, evaluates: bool) -> None:
         self.train, self.ckpt, self.control = train, ckpt, control
         self.evaluating = evaluates  # the task has an eval set
+        self.eval_at = frozenset(train.eval_at)  # train.eval_at: explicit points
 
     def logs(self, n: int) -> bool:
         """Step ``n`` writes a step event (every rank knows it beforehand)."""
         return n % self.train.log_every == 0 or n == self.train.max_steps
 
     def evaluates(self, n: int) -> bool:
-        return bool(self.evaluating and self.train.eval_every and n % self.train.eval_every == 0)
+        """Step ``n`` ends with an eval: every ``eval_every`` steps, and at ``eval_at``'s."""
+        every = self.train.eval_every
+        return self.evaluating and (bool(every and n % every == 0) or n in self.eval_at)
 
     def checkpoints(self, n: int, improved: bool) -> str | None:
         """The reason of step ``n``'s checkpoint, if one is due."""
