@@ -30,6 +30,7 @@ import torch
 
 from .context import TaskContext
 from .data import Batches
+from .failure_checkpoint import naming
 
 
 def attach(task: Any, ctx: TaskContext) -> None:
@@ -61,12 +62,14 @@ class Hooks:
         ctx.step = step
         ctx.epoch = batches.position.epoch
         if self._step_end is not None:
-            self._step_end(model, output, ctx)
+            with naming("the task's on_step_end hook"):
+                self._step_end(model, output, ctx)
         done = batches.epochs_done()
         if done > self._epochs and self._epoch_end is not None:
             for ended in range(self._epochs, done):  # several when an epoch is one step long
                 ctx.epoch = ended
-                self._epoch_end(model, ctx)
+                with naming("the task's on_epoch_end hook"):
+                    self._epoch_end(model, ctx)
             ctx.epoch = batches.position.epoch
         self._epochs = done
 

@@ -40,6 +40,7 @@ from . import distributed as distmod
 from . import resume as resuming
 from .build import Setup
 from .control_handler import DiskFullStop
+from .failure_checkpoint import AfterUpdateFailed
 from .heartbeat import Heartbeat
 from .metrics import memory_sample
 from .nonfinite import NonFiniteLoss
@@ -99,9 +100,10 @@ def train(
     except BaseException as e:
         # With restarts left, torchrun starts the group again (from LATEST): not the end.
         again = restart < p.distributed.max_restarts
+        named = isinstance(e, AfterUpdateFailed)  # its message names what failed
         out.status(
             "restarting" if again else "failed",
-            reason=f"{type(e).__name__}: {e}"[:500],
+            reason=(str(e) if named else f"{type(e).__name__}: {e}")[:500],
             step=_done_step(beat),
         )
         if isinstance(e, OutOfMemory):
