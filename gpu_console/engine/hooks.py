@@ -3,7 +3,8 @@
 Every hook runs on every rank, at the same point of the run (so a hook may use
 collectives), and gets the bare model (not the DDP wrapper; in train mode) and the
 context (context.py). A task without a hook is not called for it. What a hook raises fails
-the rank, as an exception in ``compute`` does.
+the rank, as an exception in ``compute`` does, named (``the task's on_step_end hook failed:
+...``); after an update, the post-step state is checkpointed first (failure_checkpoint.py).
 
 - ``on_step_end(model, output, ctx)``: after each optimizer step (``ctx.step`` counts it);
   ``output`` is the last micro-batch's TaskOutput (its loss not divided by grad_accum).
