@@ -90,6 +90,9 @@ class FailureCheckpoint:
         if not self._agree(step, str(e).split(" failed: ")[0]):
             kept = "no failure checkpoint: not every rank failed there"
             raise AfterUpdateFailed(f"{why}; {kept}") from e
+        name = step_dir_name(step)
+        if self._already_saved(step):  # the end's eval after the step's own checkpoint
+            raise AfterUpdateFailed(f"{why}; checkpoint {name} holds the state") from e
         try:
             saved = self.checkpointer.save("failure")
         except Exception as s:  # the task's state_dict() may be what is broken
@@ -97,11 +100,16 @@ class FailureCheckpoint:
             self.out.log("error", f"checkpoint @ step {step} (failure) not written: {describe(s)}")
         if not saved:
             raise AfterUpdateFailed(f"{why}; the failure checkpoint could not be written") from e
-        name = step_dir_name(step)
         resume = f"fix it, then: gpu-console run --resume {self.run_dir.absolute()}"
         self.out.log("error", f"checkpoint @ step {step} (failure) written: {name} holds the "
                      f"state after step {step}, before {e}; {resume}")  # fmt: skip
         raise AfterUpdateFailed(f"{why}; checkpoint {name} (failure) holds the state") from e
+
+    def _already_saved(self, step: int) -> bool:
+        """Whether this session's newest complete checkpoint is of ``step`` (the write in
+        flight waited for first: collective, as every rank agreed to get here)."""
+        self.checkpointer.save(None)
+        return self.checkpointer.newest.at(step) is not None
 
     def _agree(self, step: int, what: str) -> bool:
         """Whether every rank failed after ``step`` at ``what`` (bounded by AGREE_S)."""
