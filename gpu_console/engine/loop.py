@@ -82,11 +82,13 @@ def train(
     out = Reporter(run_dir, d.local_rank == 0)
     beat = heartbeat or _NullHeartbeat()
     oom_snapshot = torch_profiler.record_memory_history(p.hardware.memory_snapshot_on_oom, d.device)
+    trainer: Trainer | None = None
     try:
         try:
             setup = Setup(run_dir, p, task, d, out, resume, beat, restart, changes or [], watch,
                           oom_snapshot)  # fmt: skip
-            Trainer(setup).run()
+            trainer = Trainer(setup)
+            trainer.run()
         except torch.OutOfMemoryError as e:  # torch.cuda.OutOfMemoryError is this class
             snapshot = torch_profiler.dump_memory_snapshot(run_dir, d.rank, oom_snapshot)
             # The step the loop was in (its heartbeat knows), counted from 1 like step events.
@@ -108,6 +110,8 @@ def train(
         )
         if isinstance(e, OutOfMemory):
             out.log("error", str(e))
+        if trainer is not None:
+            trainer.land_write()  # the previous step's checkpoint, still being written
         raise
     finally:
         torch_profiler.after_failure()  # a capture a failure cut short writes what it has

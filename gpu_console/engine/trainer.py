@@ -94,6 +94,12 @@ class Trainer:
         b.nan.check_streak(b.state.step, b.update.streak)  # judged here: the event has the count
         return rows
 
+    def land_write(self) -> None:
+        """A crash: a background checkpoint write in flight (an interval's, one step back)
+        still completes, so LATEST names it (checkpoint_writer.py)."""
+        if self.b is not None:
+            self.b.checkpointer.writer.land()
+
     def stop(self, reason: str) -> None:
         """A stop command or a scheduler signal: every rank at the same step."""
         b, s = self.b, self.s
