@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..batching import batch_problem
 from ..profile import Profile, resolve, with_task_config
@@ -142,6 +143,7 @@ def rehearse(p: Profile, task, kind: str, model, opts, data, ctx) -> dict[str, A
     that breaks, a key missing) fails in seconds, naming where, before any launch."""
     train_set, eval_set = data
     started = time.perf_counter()
+    _one_rank_group()
     size = p.data.batch_size if isinstance(p.data.batch_size, int) else 1  # "auto": 1
     cfg = replace(p.data, batch_size=size, num_workers=0, persistent_workers=False)
     collate = getattr(task, "collate", None)  # as build.py hands it to the loaders
@@ -165,6 +167,13 @@ def rehearse(p: Profile, task, kind: str, model, opts, data, ctx) -> dict[str, A
             evaluated.append(split)
     model.train()
     return {"eval_splits": evaluated, "seconds": time.perf_counter() - started}
+
+
+def _one_rank_group() -> None:
+    """A process group of this one process (gloo, an in-memory store, nothing on the network):
+    a task's step or hook may call collectives, which then act on rank 0's data alone."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _checkpointed_blocks(task, model, mode: str, kind: str) -> int:
