@@ -148,3 +148,16 @@ def test_a_dry_run_runs_a_step_and_each_eval_and_names_the_broken_one(procs, run
     assert fixed.returncode == 0, fixed.stderr
     assert "one training micro-batch, one batch of 'val' on the CPU: passed" in fixed.stdout
     assert not runs_dir.exists()
+
+
+def test_a_dry_run_rehearses_a_tasks_own_step_with_its_collectives(procs, runs_dir, tmp_path):
+    # GanStepTask's train_step updates two optimizers and all-gathers the weights.
+    gan = (Path(__file__).with_name("gan_task.py")).read_text()
+    profile = task_profile(tmp_path, "gan_task", gan, "GanStepTask", max_steps=4)
+    text = profile.read_text().replace("train_samples = 8192\neval_samples = 512\n", "")
+    profile.write_text(text.replace("hidden_dim = 64\n", ""))
+    result = procs.cli("run", str(profile), "--dry-run", "--json", "--runs-dir", str(runs_dir),
+                       cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["rehearsal"]["eval_splits"] == [""]
+    assert not runs_dir.exists()
