@@ -3,7 +3,8 @@
 ``cli.run`` checks the launch exactly as a real run does (``launch.prepare``: profile,
 overrides, devices, resume target); then this module asks the engine what it would build
 (``python -m gpu_console.engine.plan``: the task's model, datasets, optimizer and schedule,
-once, on the CPU) and prints the plan. No run directory, no runs directory, no file: a run
+once, on the CPU; then one real training micro-batch and one batch of each eval split, unless
+``--no-step``) and prints the plan. No run directory, no runs directory, no file: a run
 directory's name is only computed. No torch here (the engine's part is a subprocess).
 """
 

@@ -3,8 +3,10 @@
 The console never imports torch, so it asks this subprocess. It reads ``{"profile": ...,
 "device_type": ..., "world_size": ...}`` (the resolved profile as run.toml would hold it) on
 stdin, builds the task's model, datasets, optimizer and schedule once on the CPU with the
-engine's own builders (the ones build.py calls), and prints one JSON line: ``{"plan": {...}}``,
-or ``{"error": "..."}`` naming the task and its exception's last line. Nothing is written.
+engine's own builders (the ones build.py calls), then (unless ``"step": false``, ``--no-step``)
+rehearses one real training micro-batch and one batch of each eval split (:func:`rehearse`),
+and prints one JSON line: ``{"plan": {...}}``, or ``{"error": "..."}`` naming the task, where
+it failed and its exception's last line. Nothing is written.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ def rehearse(p: Profile, task, kind: str, model, opts, data, ctx) -> dict[str, A
 
 def _one_rank_group() -> None:
     """A process group of this one process (gloo, an in-memory store, nothing on the network):
-    a task's step or hook may call collectives, which then act on rank 0's data alone."""
+    a task's train_step or compute may call collectives, which then see rank 0's data alone."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
