@@ -159,6 +159,12 @@ def run(
         "start nothing, write nothing.",
     ),
     as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
+    no_step: bool = typer.Option(
+        False,
+        "--no-step",
+        help="With --dry-run: build only, without the one training micro-batch and eval "
+        "batch per split it runs on the CPU.",
+    ),
 ) -> None:
     """Start a run. The run keeps training if this terminal goes away."""
     from . import launch
@@ -166,6 +172,8 @@ def run(
     nodes = launch.parse_nodes(nnodes, node_rank, rdzv_endpoint)
     if as_json and not dry_run:
         raise launch.LaunchError("--json: only with --dry-run (a run reports with --headless)")
+    if no_step and not dry_run:
+        raise launch.LaunchError("--no-step: only with --dry-run")
 
     if precision is not None and precision not in ("auto", "fp32", "bf16", "fp16", "fp64"):
         raise launch.LaunchError(
@@ -198,7 +206,8 @@ def run(
 
         try:
             built = plan.build(prof, placement, resume_from, folder, profile_arg=profile,
-                               devices=devices, overrides=overrides, nodes=nodes)  # fmt: skip
+                               devices=devices, overrides=overrides, nodes=nodes,
+                               step=not no_step)  # fmt: skip
         finally:
             launch.release_resumes()  # a dry run starts no session: the run is as it found it
         raise typer.Exit(plan.show(built, as_json))

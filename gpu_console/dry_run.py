@@ -3,7 +3,8 @@
 ``cli.run`` checks the launch exactly as a real run does (``launch.prepare``: profile,
 overrides, devices, resume target); then this module asks the engine what it would build
 (``python -m gpu_console.engine.plan``: the task's model, datasets, optimizer and schedule,
-once, on the CPU) and prints the plan. No run directory, no runs directory, no file: a run
+once, on the CPU; then one real training micro-batch and one batch of each eval split, unless
+``--no-step``) and prints the plan. No run directory, no runs directory, no file: a run
 directory's name is only computed. No torch here (the engine's part is a subprocess).
 """
 
@@ -37,10 +38,12 @@ def engine_plan(
     start_step: int = 0,
     only: str | None = None,
     timeout_s: float | None = None,
+    step: bool = False,
 ) -> dict:
     """The engine's half of the plan, or LaunchError naming the task and what went wrong.
 
     ``only="data"``: the task's data sets only (``{"train_samples": N}``), a launch's check.
+    ``step``: one real training micro-batch and one batch of each eval split too.
     """
     doc = {
         "profile": profile.to_dict(),
@@ -48,6 +51,7 @@ def engine_plan(
         "world_size": world_size,
         "start_step": start_step,
         "only": only,
+        "step": step,
     }
     env = launch.worker_env(placement)  # the GPUs a rank would see, the threads it would use
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # not even a user task's __pycache__
@@ -126,8 +130,10 @@ def build(
     devices: str | None = None,
     overrides: list[str] | None = None,
     nodes: launch.Nodes | None = None,
+    step: bool = True,
 ) -> dict[str, Any]:
-    """The whole plan as a JSON-ready dict: the profile's facts and the engine's."""
+    """The whole plan as a JSON-ready dict: the profile's facts and the engine's; ``step``
+    (not ``--no-step``): the engine also runs one micro-batch and each eval split's batch."""
     world = placement.nproc * (nodes.max_nodes if nodes else 1)
     resume_run = resume_from.parent.parent if resume_from is not None else None
     cwd = (launch.run_cwd(resume_run) if resume_run else None) or os.getcwd()
@@ -135,7 +141,7 @@ def build(
     if resume_from is not None:
         meta = runs.read_json(resume_from / "meta.json")  # prepare checked its step
         start = meta["step"] if isinstance(meta, dict) else 0
-    built = engine_plan(profile, placement, world, cwd, start)
+    built = engine_plan(profile, placement, world, cwd, start, step=step)
     if resume_run is not None and nodes is None:
         run_dir, creates = resume_run, False  # a resumed run continues in its own directory
     else:
@@ -203,6 +209,7 @@ def build(
         "creates_run_dir": creates,
         "resume": None,
         "torch": built["versions"]["torch"],
+        "rehearsal": built.get("rehearsal"),  # None: --no-step
     }
     if resume_run is not None:
         plan["resume"] = {
@@ -338,11 +345,21 @@ def text(plan: dict[str, Any]) -> str:
             rows.append(("changes" if i == 0 else "", change_line(change)))
         if not resume["changes"]:
             rows.append(("changes", "none"))
+    rows.append(("rehearsal", _rehearsal(plan.get("rehearsal"))))
     made = "would be created" if plan["creates_run_dir"] else "continued in place"
     rows.append(("run dir", f"{plan['run_dir']} ({made})"))
     width = max(len(k) for k, _ in rows)
     head = f"dry run of {plan['profile']}: nothing was written"
     return "\n".join([head, *(f"{k:<{width}}  {v}" for k, v in rows)])
+
+
+def _rehearsal(r: dict[str, Any] | None) -> str:
+    """What the dry run tried for real (on the CPU, rank 0's data)."""
+    if r is None:
+        return "none (--no-step: built only)"
+    splits = [f"'{s}'" if s else "the eval set" for s in r["eval_splits"]]
+    evals = f", one batch of {', '.join(splits)}" if splits else ""
+    return f"one training micro-batch{evals} on the CPU: passed in {r['seconds']:.2f}s"
 
 
 def show(plan: dict[str, Any], as_json: bool) -> int:

@@ -35,6 +35,7 @@ from .data import Batches, DataPosition, make_loader, move
 from .evaluate import Evaluator
 from .evaluate import splits as eval_splits
 from .exchange import Exchange
+from .failure_checkpoint import FailureCheckpoint
 from .hooks import Hooks, attach
 from .nan_stop import NanStop
 from .optim_set import Optimizers
@@ -99,6 +100,7 @@ class Built:
     mfu: Any  # flops.MFU
     eval_loaders: dict
     facts: Facts
+    rescue: FailureCheckpoint  # a failure after an update: its state checkpointed
 
 
 @dataclass
@@ -290,4 +292,5 @@ def _loop_parts(s: Setup, m: _Model, facts: Facts, start: _Start, compiled, auto
         Cadence(p.train, p.checkpoint, control, bool(m.eval_loaders)),
         NanStop(out, d, p.checkpoint, ckpt, m.model, m.opts),
         profiler, exchange, compiled, m.mfu, m.eval_loaders, facts,
+        FailureCheckpoint(d, out, state, ckpt, s.run_dir),
     )  # fmt: skip

@@ -40,6 +40,9 @@ import torch.distributed as dist
 
 from . import checkpoint
 
+# A failing rank waits at most this long for the checkpoint being written (:meth:`land`).
+LAND_S = 60.0
+
 
 class Writer:
     def __init__(
@@ -116,6 +119,15 @@ class Writer:
         if isinstance(outcome, BaseException):  # rank 0's write raised: end this rank
             raise outcome
         return outcome
+
+    def land(self, timeout_s: float = LAND_S) -> None:
+        """This rank is failing: let the write in flight complete (its files, LATEST) before
+        it exits, for at most ``timeout_s``; its outcome no longer matters. Every rank waits
+        (torchrun ends the others once one exits, rank 0 included): rank 0's thread needs no
+        peer until its files are in place, the others' end with its broadcast (or at once if
+        it died), so the wait is the write's own, whatever the training threads do."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
     def _write(self, step, reason, snap, gathered, best, requested, blocked, box) -> None:
         """The thread: rank 0 writes; every rank gets the outcome on the write group.

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .data import move
+from .failure_checkpoint import naming
 
 PROGRESS_EVERY_S = 1.0
 
@@ -45,7 +46,9 @@ def evaluate(out, d, task, wrapped, loaders, autocast, step: int, move, beat) ->
     metrics: dict[str, float] = {}
     derived = getattr(task, "derived_metrics", None) or {}
     for split, loader in loaders.items():
-        got = _evaluate_split(out, d, task, wrapped, loader, autocast, step, move, beat, split)
+        with naming(f"eval '{split}'" if split else "eval"):  # a task's collate, compute
+            got = _evaluate_split(out, d, task, wrapped, loader, autocast, step, move, beat,
+                                  split)  # fmt: skip
         for name, derive in derived.items():
             got[name] = float(derive(dict(got)))
         metrics.update((metric_name(split, k), v) for k, v in got.items())
@@ -167,5 +170,6 @@ class Evaluator:
                 self.beat,
             )  # fmt: skip
         self.opts.after_eval(metrics)
-        self.hooks.eval_end(self.model, metrics)
+        with naming("the task's on_eval_end hook"):
+            self.hooks.eval_end(self.model, metrics)
         return self.best.observe(step, metrics, lambda m: self.out.log("warning", m))

@@ -3,7 +3,8 @@
 Every hook runs on every rank, at the same point of the run (so a hook may use
 collectives), and gets the bare model (not the DDP wrapper; in train mode) and the
 context (context.py). A task without a hook is not called for it. What a hook raises fails
-the rank, as an exception in ``compute`` does.
+the rank, as an exception in ``compute`` does, named (``the task's on_step_end hook failed:
+...``); after an update, the post-step state is checkpointed first (failure_checkpoint.py).
 
 - ``on_step_end(model, output, ctx)``: after each optimizer step (``ctx.step`` counts it);
   ``output`` is the last micro-batch's TaskOutput (its loss not divided by grad_accum).
@@ -32,6 +33,7 @@ import torch
 
 from .context import TaskContext
 from .data import Batches
+from .failure_checkpoint import naming
 
 
 def attach(task: Any, ctx: TaskContext) -> None:
@@ -66,12 +68,14 @@ class Hooks:
         ctx.epoch = batches.position.epoch
         ctx.batch_in_epoch = batches.batch_in_epoch()
         if self._step_end is not None:
-            self._step_end(model, output, ctx)
+            with naming("the task's on_step_end hook"):
+                self._step_end(model, output, ctx)
         done = batches.epochs_done()
         if done > self._epochs and self._epoch_end is not None:
             for ended in range(self._epochs, done):  # several when an epoch is one step long
                 ctx.epoch = ended
-                self._epoch_end(model, ctx)
+                with naming("the task's on_epoch_end hook"):
+                    self._epoch_end(model, ctx)
             ctx.epoch = batches.position.epoch
         self._epochs = done
 

@@ -40,6 +40,7 @@ from . import distributed as distmod
 from . import resume as resuming
 from .build import Setup
 from .control_handler import DiskFullStop
+from .failure_checkpoint import AfterUpdateFailed
 from .heartbeat import Heartbeat
 from .metrics import memory_sample
 from .nonfinite import NonFiniteLoss
@@ -81,11 +82,13 @@ def train(
     out = Reporter(run_dir, d.local_rank == 0)
     beat = heartbeat or _NullHeartbeat()
     oom_snapshot = torch_profiler.record_memory_history(p.hardware.memory_snapshot_on_oom, d.device)
+    trainer: Trainer | None = None
     try:
         try:
             setup = Setup(run_dir, p, task, d, out, resume, beat, restart, changes or [], watch,
                           oom_snapshot)  # fmt: skip
-            Trainer(setup).run()
+            trainer = Trainer(setup)
+            trainer.run()
         except torch.OutOfMemoryError as e:  # torch.cuda.OutOfMemoryError is this class
             snapshot = torch_profiler.dump_memory_snapshot(run_dir, d.rank, oom_snapshot)
             # The step the loop was in (its heartbeat knows), counted from 1 like step events.
@@ -99,13 +102,16 @@ def train(
     except BaseException as e:
         # With restarts left, torchrun starts the group again (from LATEST): not the end.
         again = restart < p.distributed.max_restarts
+        named = isinstance(e, AfterUpdateFailed)  # its message names what failed
         out.status(
             "restarting" if again else "failed",
-            reason=f"{type(e).__name__}: {e}"[:500],
+            reason=(str(e) if named else f"{type(e).__name__}: {e}")[:500],
             step=_done_step(beat),
         )
         if isinstance(e, OutOfMemory):
             out.log("error", str(e))
+        if trainer is not None:
+            trainer.land_write()  # the previous step's checkpoint, still being written
         raise
     finally:
         torch_profiler.after_failure()  # a capture a failure cut short writes what it has

@@ -3,17 +3,23 @@
 The console never imports torch, so it asks this subprocess. It reads ``{"profile": ...,
 "device_type": ..., "world_size": ...}`` (the resolved profile as run.toml would hold it) on
 stdin, builds the task's model, datasets, optimizer and schedule once on the CPU with the
-engine's own builders (the ones build.py calls), and prints one JSON line: ``{"plan": {...}}``,
-or ``{"error": "..."}`` naming the task and its exception's last line. Nothing is written.
+engine's own builders (the ones build.py calls), then (unless ``"step": false``, ``--no-step``)
+rehearses one real training micro-batch and one batch of each eval split (:func:`rehearse`),
+and prints one JSON line: ``{"plan": {...}}``, or ``{"error": "..."}`` naming the task, where
+it failed and its exception's last line. Nothing is written.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
+import time
+from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..batching import batch_problem
 from ..profile import Profile, resolve, with_task_config
@@ -27,6 +33,7 @@ from .evaluate import splits as eval_splits
 from .hooks import attach
 from .optim_set import Optimizers
 from .schedule import decay_steps, floor_ratio, lr_factor, scaled_lr
+from .task_step import StepOptimizers
 
 SOURCE = "the resolved profile"
 
@@ -65,8 +72,11 @@ def _task(p: Profile) -> tuple[Profile, Any]:
     return p, _call(kind, "its constructor", task_cls, p.task)
 
 
-def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> dict[str, Any]:
-    """The facts a run would start from, built as build.py builds them (model on the CPU)."""
+def plan(
+    p: Profile, device_type: str, world_size: int, start_step: int = 0, step: bool = True
+) -> dict[str, Any]:
+    """The facts a run would start from, built as build.py builds them (model on the CPU);
+    ``step``: then one real micro-batch and one batch of each eval split (:func:`rehearse`)."""
     kind = p.task_kind
     p, task = _task(p)
     ctx = planning(p, world_size, device_type)
@@ -96,7 +106,7 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
     loader = None if auto else make_loader(train_set, p.data, 0, world_size, True, cuda)
     per_epoch = len(loader) if loader is not None else None
     micro_steps = p.train.max_steps * p.train.grad_accum
-    return {
+    facts = {
         "task": kind,
         "task_class": f"{type(task).__module__}:{type(task).__qualname__}",
         "precision": prec,
@@ -122,6 +132,50 @@ def plan(p: Profile, device_type: str, world_size: int, start_step: int = 0) -> 
         "versions": {"torch": torch.__version__},
         "strategy": _strategy(p, task, model, kind, device_type, world_size),
     }
+    # Last: the micro-batch's update must not change what the plan reports.
+    facts["rehearsal"] = (
+        rehearse(p, task, kind, model, opts, (train_set, eval_set), ctx) if step else None
+    )
+    return facts
+
+
+def rehearse(p: Profile, task, kind: str, model, opts, data, ctx) -> dict[str, Any]:
+    """One real training micro-batch and one batch of each eval split, on the CPU, through
+    the task's collate and compute (or train_step), so that a bug there (an eval collate
+    that breaks, a key missing) fails in seconds, naming where, before any launch."""
+    train_set, eval_set = data
+    started = time.perf_counter()
+    _one_rank_group()
+    size = p.data.batch_size if isinstance(p.data.batch_size, int) else 1  # "auto": 1
+    cfg = replace(p.data, batch_size=size, num_workers=0, persistent_workers=False)
+    collate = getattr(task, "collate", None)  # as build.py hands it to the loaders
+    loader = make_loader(train_set, cfg, 0, 1, True, False, collate)
+    batch = _call(kind, "a training batch", lambda: next(iter(loader)))
+    model.train()
+    if hasattr(task, "train_step"):
+        steps = StepOptimizers(opts, torch.device("cpu"), 1, 1, math.inf, False, None)
+        _call(kind, "train_step()", steps.run, task, model, batch, True, ctx, 0)
+    else:
+        out = _call(kind, "compute()", task.compute, model, batch)
+        _call(kind, "the backward of compute()'s loss", out.loss.backward)
+    evaluated = []
+    model.eval()
+    for split, ds in eval_splits(eval_set).items():
+        what = f"eval '{split}'" if split else "eval"
+        ev = make_loader(ds, cfg, 0, 1, False, False, collate, p.data.eval_batch_size)
+        if len(ev):
+            with torch.no_grad():
+                _call(kind, what, lambda ev=ev: task.compute(model, next(iter(ev))))
+            evaluated.append(split)
+    model.train()
+    return {"eval_splits": evaluated, "seconds": time.perf_counter() - started}
+
+
+def _one_rank_group() -> None:
+    """A process group of this one process (gloo, an in-memory store, nothing on the network):
+    a task's train_step or compute may call collectives, which then see rank 0's data alone."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _checkpointed_blocks(task, model, mode: str, kind: str) -> int:
@@ -197,7 +251,8 @@ def main() -> int:
         if doc.get("only") == "data":  # a launch's check (launch.check_data)
             answer = {"data": data_size(p, doc["device_type"], world)}
         else:
-            answer = {"plan": plan(p, doc["device_type"], world, start)}
+            step = bool(doc.get("step", True))  # --dry-run --no-step: the build only
+            answer = {"plan": plan(p, doc["device_type"], world, start, step)}
     except TaskBuildError as e:
         answer = {"error": str(e)}
     except Exception as e:  # a profile key the task's data cannot meet (batch_size, ...)

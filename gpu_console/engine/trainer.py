@@ -12,6 +12,7 @@ from __future__ import annotations
 from .build import Built, Setup, build
 from .evaluate import at_start as eval_at_start
 from .exchange import Row
+from .failure_checkpoint import naming
 from .nonfinite import NonFiniteLoss
 from .start_event import write as write_start_event
 from .update_step import Update
@@ -28,13 +29,14 @@ class Trainer:
         # Build and resume: the model, its strategy, the update step, the data, the loop's
         # parts; a checkpoint loaded where the strategy loads one (build.py).
         b = self.b = build(s)
-        state = b.state
+        state, guard = b.state, b.rescue.guard
         write_start_event(s, b)
         b.compiled.begin(out.status)  # "compiling" until the first step completes
         if b.eval_loaders and eval_at_start(
             p.train.eval_at_start, state.step, state.evaluated_at, p.train.eval_every
         ):
-            b.evaluator.run(state)  # train.eval_at_start: before this session's first step
+            with naming("eval"):  # the loaded (or initial) state: nothing new to keep
+                b.evaluator.run(state)  # train.eval_at_start: before this session's first step
 
         while state.step < p.train.max_steps:
             b.checkpointer.settle_finished()  # a background write that ended: its event
@@ -57,11 +59,17 @@ class Trainer:
                 b.logger.add_skipped(settled.skipped)
                 if settled.trip is not None:  # stop: back to the last finite step, then stop
                     b.nan.rewind(state, settled.trip)
-                b.hooks.step_end(state.step, state.batches, b.model, update.output)
-                b.profiler.step_end(state.step)  # a capture moves on, or ends and is written
+                # The update is complete: a failure from here to the checkpoint keeps its
+                # state in a checkpoint (reason "failure") before the run fails, naming it.
+                with guard("the task's hooks"):
+                    b.hooks.step_end(state.step, state.batches, b.model, update.output)
+                with guard("the profiler"):
+                    b.profiler.step_end(state.step)  # a capture moves on, or ends and is written
                 # Log, evaluate, checkpoint.
-                rows = self.log(update) if logging else None
-                improved = b.cadence.evaluates(state.step) and b.evaluator.run(state)
+                with guard("logging"):
+                    rows = self.log(update) if logging else None
+                with guard("eval"):
+                    improved = b.cadence.evaluates(state.step) and b.evaluator.run(state)
                 if why := b.cadence.checkpoints(state.step, improved):
                     b.checkpointer.save(why, wait=False)
                 # Control: at a log step its proposals came with the rows; else a check of
@@ -86,6 +94,12 @@ class Trainer:
         b.nan.check_streak(b.state.step, b.update.streak)  # judged here: the event has the count
         return rows
 
+    def land_write(self) -> None:
+        """A crash: a background checkpoint write in flight (an interval's, one step back)
+        still completes, so LATEST names it (checkpoint_writer.py)."""
+        if self.b is not None:
+            self.b.checkpointer.writer.land()
+
     def stop(self, reason: str) -> None:
         """A stop command or a scheduler signal: every rank at the same step."""
         b, s = self.b, self.s
@@ -105,7 +119,8 @@ class Trainer:
         b.profiler.finish(step, "end")
         improved = False
         if b.eval_loaders and not b.cadence.evaluates(step):
-            improved = b.evaluator.run(b.state)
+            with b.rescue.guard("eval"):
+                improved = b.evaluator.run(b.state)
         if s.p.checkpoint.at_end:
             b.checkpointer.save("end")
         elif improved:
