@@ -144,7 +144,7 @@ class TrainConfig:
     eval_every: int = opt(0, "evaluate every N steps (0 = only at the end)", min=0)
     eval_at_start: bool = opt(
         False,
-        "evaluate before the first step (a resume: at its step, unless the run evaluated there)",
+        "evaluate at step 0, before the first update (a resume: only one that turns it on)",
     )
     log_every: int = opt(
         10, "steps between step events (their numbers ride with the gradients' all-reduce)", min=1

@@ -63,7 +63,7 @@ TABLE: dict[str, tuple[str, str]] = {
     "train.nan_policy": (APPLIED, _EACH_STEP),
     "train.nan_skip_limit": (APPLIED, _EACH_STEP),
     "train.eval_every": (APPLIED, _EACH_STEP),
-    "train.eval_at_start": (APPLIED, "whether this session evaluates before its first step"),
+    "train.eval_at_start": (APPLIED, "turned on: this session evaluates before its first step"),
     "train.log_every": (APPLIED, _EACH_STEP),
     "train.weight_decay_params": (
         APPLIED,

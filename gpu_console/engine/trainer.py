@@ -32,9 +32,9 @@ class Trainer:
         write_start_event(s, b)
         b.compiled.begin(out.status)  # "compiling" until the first step completes
         if b.eval_loaders and eval_at_start(
-            p.train.eval_at_start, state.step, state.evaluated_at, p.train.eval_every
+            p.train.eval_at_start, state.step, state.evaluated_at, s.changes
         ):
-            b.evaluator.run(state)  # train.eval_at_start: before this session's first step
+            b.evaluator.run(state)  # train.eval_at_start: step 0, or a resume that turns it on
 
         while state.step < p.train.max_steps:
             b.checkpointer.settle_finished()  # a background write that ended: its event
