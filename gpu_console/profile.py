@@ -171,6 +171,11 @@ class TrainConfig:
         "torch.compile the model in place: false, true (mode default) or a mode "
         "(docs/performance.md: Compile)",
     )
+    measure_flops: bool | Literal["auto"] = opt(
+        "auto",
+        "measure a task's FLOPs (one extra forward and backward before step 1) when it does "
+        "not declare them: auto (only where MFU is shown: a GPU in the peak table), true, false",
+    )
     activation_checkpointing: Literal["none", "blocks", "selective"] = opt(
         "none",
         "recompute activations in backward: none, blocks (each block's), selective (keeps "

@@ -72,6 +72,7 @@ TABLE: dict[str, tuple[str, str]] = {
     ),
     "train.deterministic": (APPLIED, "set in every rank before CUDA starts"),
     "train.compile": (APPLIED, "compiled or not, the checkpoint's names are the same"),
+    "train.measure_flops": (APPLIED, "counted once before the session's first step"),
     "train.activation_checkpointing": (APPLIED, "what is recomputed, not what is computed"),
     "train.precision": (APPLIED, "the weights are kept in fp32: autocast changes, they do not"),
     "train.grad_accum": (WARNING, f"the global batch changes; {_SPLIT}"),
