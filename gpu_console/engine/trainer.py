@@ -59,7 +59,11 @@ class Trainer:
                     b.nan.rewind(state, settled.trip)
                 b.hooks.step_end(state.step, state.batches, b.model, update.output)
                 b.profiler.step_end(state.step)  # a capture moves on, or ends and is written
-                # Log, evaluate, checkpoint.
+                # Log, evaluate, checkpoint. A write in flight settles before the log of a
+                # step that saves (or ends) and would wait for it anyway: its event comes
+                # before this step's.
+                if state.step >= p.train.max_steps or b.cadence.checkpoints(state.step, False):
+                    b.checkpointer.settle_before_log()
                 rows = self.log(update) if logging else None
                 improved = b.cadence.evaluates(state.step) and b.evaluator.run(state)
                 if why := b.cadence.checkpoints(state.step, improved):
