@@ -156,7 +156,8 @@ class RunFold:
             if self.state == "stopped":
                 self.checkpointed = e.get("checkpointed", True) is not False
         elif kind == "checkpoint":
-            self.step = true_step(e, self.step)
+            # A background write settles after later steps: its step never moves the run back.
+            self.step = max(self.step, true_step(e, self.step))
             self.last_checkpoint = e
             if e.get("best") is True:
                 self.best_checkpoint = {k: e.get(k) for k in ("path", "step", "metric", "value")}

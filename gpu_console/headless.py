@@ -16,6 +16,7 @@ A run with no step for too long is shown ``stalled``, naming the ranks that stop
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -270,14 +271,19 @@ def _tick(
     supervisor: subprocess.Popen | None,
     console: Console,
     watch: Watch,
+    held: list[dict] | None = None,
 ) -> bool:
-    """Act on signals, read what is new, print what is notable; True once the run has ended."""
+    """Act on signals, read what is new, print what is notable; True once the run has ended.
+    ``held``: checkpoint events go there, for the plain follower to print in step order."""
     watch.interrupts.act()
     watch.scheduler.act()
     if supervisor is not None:
         supervisor.poll()  # reap our child, so no zombie piles up
     for e in follower.poll():
-        _notable(e, console)
+        if held is not None and e.get("kind") == "checkpoint":
+            held.append(e)
+        else:
+            _notable(e, console)
     st = follower.state
     if st.done:
         return True
@@ -452,10 +458,14 @@ def _follow_plain(
 ) -> None:
     rhythm = Rhythm(every_s)
     compiling = Rhythm(max(every_s, COMPILING_EVERY_S))
+    held: list[dict] = []
     while True:
-        ended = _tick(follower, supervisor, console, watch)
+        ended = _tick(follower, supervisor, console, watch, held)
         st = follower.state
         now = time.monotonic()
+        # Lines in step order: a checkpoint of an earlier step (a background write settles
+        # after later steps) before this progress line, one of its step after its step's.
+        _release(held, console, st.step - 1)
         if st.state == "compiling" and not ended:
             # No step for a minute is no stall here: say how long the compile has taken.
             beat = int(time.time() - (st.compiling_since or time.time())) + 1
@@ -470,9 +480,19 @@ def _follow_plain(
                 highlight=False,
             )
             rhythm.shown(now, st.step)
+        _release(held, console, math.inf if ended else rhythm.shown_step or 0)
         if ended:
             return
         watch.supervisor_exit.sleep(POLL_S)
+
+
+def _release(held: list[dict], console: Console, upto: float) -> None:
+    """Print the held checkpoint lines of steps up to ``upto`` (one with no step at once)."""
+    for e in list(held):
+        step = e.get("step")
+        if not isinstance(step, int) or step <= upto:
+            held.remove(e)
+            _notable(e, console)
 
 
 def exit_code(st: RunState) -> int:

@@ -158,7 +158,7 @@ class TrainConfig:
     )
     eval_at_start: bool = opt(
         False,
-        "evaluate before the first step (a resume: at its step, unless the run evaluated there)",
+        "evaluate at step 0, before the first update (a resume: only one that turns it on)",
     )
     log_every: int = opt(
         10, "steps between step events (their numbers ride with the gradients' all-reduce)", min=1
@@ -184,6 +184,11 @@ class TrainConfig:
         False,
         "torch.compile the model in place: false, true (mode default) or a mode "
         "(docs/performance.md: Compile)",
+    )
+    measure_flops: bool | Literal["auto"] = opt(
+        "auto",
+        "measure a task's FLOPs (one extra forward and backward before step 1) when it does "
+        "not declare them: auto (only where MFU is shown: a GPU in the peak table), true, false",
     )
     activation_checkpointing: Literal["none", "blocks", "selective"] = opt(
         "none",

@@ -64,7 +64,7 @@ TABLE: dict[str, tuple[str, str]] = {
     "train.nan_skip_limit": (APPLIED, _EACH_STEP),
     "train.eval_every": (APPLIED, _EACH_STEP),
     "train.eval_at": (APPLIED, _EACH_STEP),
-    "train.eval_at_start": (APPLIED, "whether this session evaluates before its first step"),
+    "train.eval_at_start": (APPLIED, "turned on: this session evaluates before its first step"),
     "train.log_every": (APPLIED, _EACH_STEP),
     "train.weight_decay_params": (
         APPLIED,
@@ -73,6 +73,7 @@ TABLE: dict[str, tuple[str, str]] = {
     ),
     "train.deterministic": (APPLIED, "set in every rank before CUDA starts"),
     "train.compile": (APPLIED, "compiled or not, the checkpoint's names are the same"),
+    "train.measure_flops": (APPLIED, "counted once before the session's first step"),
     "train.activation_checkpointing": (APPLIED, "what is recomputed, not what is computed"),
     "train.precision": (APPLIED, "the weights are kept in fp32: autocast changes, they do not"),
     "train.grad_accum": (WARNING, f"the global batch changes; {_SPLIT}"),

@@ -69,9 +69,10 @@ def test_async_writes_what_sync_writes_and_training_goes_on_during_the_write(
     events = [e for e in read_events(runs["true"]) if e["kind"] in ("step", "checkpoint")]
     first, end = (e for e in events if e["kind"] == "checkpoint")
     assert (first["step"], end["step"]) == (4, 8)
-    # Training went on while step 4's checkpoint was written: steps 5-8 came before its event.
+    # Training went on while step 4's checkpoint was written: steps 5-7 came before its event,
+    # which the last step waited for before its own (events in step order).
     order = [(e["kind"], e["step"]) for e in events]
-    assert order.index(("step", 8)) < order.index(("checkpoint", 4))
+    assert order.index(("step", 7)) < order.index(("checkpoint", 4)) < order.index(("step", 8))
     assert first["write_s"] >= 2 * DELAY_S > first["blocked_s"]
     assert first["seconds"] >= first["write_s"] and first["bytes"] > 0
     # The end's checkpoint waited for step 4's write before taking its copy: one at a time.

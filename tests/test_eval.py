@@ -10,11 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import events_of, only_run, task_profile
+from conftest import events_of, only_run, read_status, run_dirs, task_profile, wait_for
 from conftest import test_env as cli_env
 
 from gpu_console.engine.evaluate import at_start
 from gpu_console.engine.heartbeat import Heartbeat
+from gpu_console.events import append_control
 from gpu_console.fold import derived_state
 from gpu_console.state import describe_stopped, read_heartbeats
 
@@ -92,7 +93,7 @@ def test_eval_at_adds_explicit_eval_points_step_1_included(procs, runs_dir, tmp_
     ], bad.stderr
 
 
-def test_a_resume_evaluates_at_start_only_where_the_run_did_not(procs, runs_dir, tmp_path):
+def test_a_resume_does_not_evaluate_again_at_its_start(procs, runs_dir, tmp_path):
     profile = eval_profile(tmp_path, max_steps=3, extra="")
     first = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
                       cwd=tmp_path)  # fmt: skip
@@ -103,6 +104,82 @@ def test_a_resume_evaluates_at_start_only_where_the_run_did_not(procs, runs_dir,
                      cwd=tmp_path)  # fmt: skip
     assert more.returncode == 0, more.stdout + more.stderr
     assert [e["step"] for e in events_of(run, "eval")] == [0, 2, 3, 4, 5]  # no second at 3
+
+
+# A task whose eval draws from its own generator, the one its training noise comes from, and
+# which its state hooks checkpoint: one eval more or less changes every loss after it.
+DRAWING_TASK = """
+import os
+import time
+
+import torch
+
+from gpu_console.tasks.base import TaskOutput
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Drawing(MLPTask):
+    def __init__(self, config):
+        super().__init__(config)
+        self.gen = torch.Generator().manual_seed(7)
+
+    def compute(self, model, batch):
+        out = super().compute(model, batch)
+        draw = torch.rand((), generator=self.gen)
+        if not model.training:
+            return out
+        time.sleep(float(os.environ.get("PACE_S", "0")))
+        return TaskOutput(loss=out.loss * (1 + draw), samples=out.samples, metrics=out.metrics)
+
+    def state_dict(self):
+        return {"gen": self.gen.get_state()}
+
+    def load_state_dict(self, state):
+        self.gen.set_state(state["gen"])
+"""
+
+
+def test_a_stopped_run_resumed_with_eval_at_start_trains_as_an_uninterrupted_one(
+    procs, runs_dir, tmp_path
+):
+    # No eval_every: the run evaluates at step 0 and at its end only, so the stop's step is
+    # one where the uninterrupted run did not evaluate.
+    profile = task_profile(tmp_path, "drawing", DRAWING_TASK, "Drawing", max_steps=12)
+    profile.write_text(
+        profile.read_text().replace("log_every = 1", "log_every = 1\neval_at_start = true")
+    )
+    whole_runs = tmp_path / "whole"
+    whole = procs.cli("run", str(profile), "--headless", "--runs-dir", str(whole_runs),
+                      cwd=tmp_path)  # fmt: skip
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    whole_run = only_run(whole_runs)
+
+    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                          cwd=tmp_path, env=cli_env(PACE_S="0.1"))  # fmt: skip
+    run = wait_for(lambda: run_dirs(runs_dir) and only_run(runs_dir), what="the run directory")
+    wait_for(lambda: any(e["step"] >= 3 for e in events_of(run, "step")), what="step 3")
+    append_control(run, "stop")
+    out, err = console.communicate(timeout=120)
+    assert console.returncode == 0, out + err
+    stopped_at = events_of(run, "checkpoint")[-1]["step"]
+    assert 3 <= stopped_at < 12, stopped_at
+    assert [e["step"] for e in events_of(run, "eval")] == [0]
+
+    resumed = procs.cli("run", "--resume", str(run), "--headless", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert read_status(run)["state"] == "finished"
+    assert [s["start_step"] for s in events_of(run, "start")] == [0, stopped_at]
+
+    def losses(r: Path) -> dict[int, float]:
+        return {e["step"]: e["loss"] for e in events_of(r, "step")}
+
+    def evals(r: Path) -> list[dict]:
+        return [{k: v for k, v in e.items() if k != "t"} for e in events_of(r, "eval")]
+
+    assert len(losses(whole_run)) == 12
+    assert losses(run) == losses(whole_run)
+    assert [e["step"] for e in evals(whole_run)] == [0, 12]
+    assert evals(run) == evals(whole_run)
 
 
 def test_a_task_counting_tokens_gets_a_mean_over_tokens(procs, runs_dir, tmp_path):
@@ -165,13 +242,15 @@ def test_stall_counts_an_eval_batch_as_a_sign_of_life(monkeypatch):
     assert derived_state(status, now) == "stalled"
 
 
-def test_eval_at_start_on_a_resume_only_where_not_evaluated():
-    assert not at_start(False, 0, None, 0)
-    assert at_start(True, 0, None, 10)  # a fresh run: step 0
-    assert at_start(True, 15, 10, 10)  # resumed between evals
-    assert not at_start(True, 15, 15, 10)  # the end of a finished run evaluated at 15
-    assert not at_start(True, 20, None, 10)  # an older checkpoint: eval_every divides it
-    assert at_start(True, 20, None, 0)
+def test_eval_at_start_is_the_runs_step_0_or_a_resume_that_turns_it_on():
+    on = [{"key": "train.eval_at_start", "old": False, "new": True}]
+    assert not at_start(False, 0, None, [])
+    assert at_start(True, 0, None, [])  # a fresh run: step 0
+    assert not at_start(True, 15, 10, [])  # a plain resume between evals: the run did not
+    assert not at_start(True, 15, None, [])
+    assert not at_start(True, 0, 0, [])  # resumed at step 0, where the run evaluated already
+    assert at_start(True, 15, 10, on)  # asked for on this resume
+    assert not at_start(True, 15, 15, on)  # the end of a finished run evaluated at 15
 
 
 def test_a_stall_inside_an_eval_names_its_batch(tmp_path):

@@ -14,7 +14,7 @@ from conftest import REPO, events_of, fast_profile, run_dirs
 from conftest import test_env as cli_env
 
 from gpu_console.engine import flops
-from gpu_console.peaks import UnknownPeak, matmul_precision, mfu, peak_for
+from gpu_console.peaks import Peak, UnknownPeak, matmul_precision, mfu, peak_for
 from gpu_console.tasks.base import batch_collate
 from gpu_console.tasks.configs import MLPConfig, TransformerConfig
 from gpu_console.tasks.mlp import MLPTask
@@ -177,23 +177,34 @@ def test_the_peak_table_does_not_import_torch():
 
 
 # A user task with no FLOPs hook: the MLP's model and data, so its measured FLOPs and its
-# losses can be held against the built-in MLP's (which declares its count).
+# losses can be held against the built-in MLP's (which declares its count). It counts its
+# training computes and writes the count at the end, per rank.
 UNHOOKED_TASK = """
 from gpu_console.tasks.mlp import MLPTask
 
 
 class Unhooked(MLPTask):
-    flops_per_sample = None  # no hook: the engine measures
+    flops_per_sample = None  # no hook: the engine measures, where MFU is shown or asked
+    computes = 0
+
+    def compute(self, model, batch):
+        if model.training:
+            self.computes += 1
+        return super().compute(model, batch)
+
+    def on_train_end(self, model, ctx, reason):
+        (ctx.task_dir / f"computes-{ctx.rank}.txt").write_text(str(self.computes))
 """
 
 
-def _run(procs, runs_dir, profile, cwd):
+def _run(procs, runs_dir, profile, cwd, *sets):
     result = procs.cli(
         "run",
         str(profile),
         "--headless",
         "--runs-dir",
         str(runs_dir),
+        *sets,
         cwd=cwd,
         env=cli_env(COLUMNS="200"),  # the summary's rows unwrapped
     )
@@ -212,40 +223,93 @@ def _regularised(tmp_path, name: str, kind: str):
     return profile
 
 
-def test_a_cpu_run_reports_flops_and_why_mfu_is_not_shown_and_measuring_changes_nothing(
+CPU_WHY = "CPU run (the peak table covers NVIDIA GPUs): MFU not shown"
+
+
+def _computes(run) -> list[int]:
+    return [int((run / "task" / f"computes-{r}.txt").read_text()) for r in (0, 1)]
+
+
+def test_a_cpu_run_measures_no_flops_unless_asked_says_why_no_mfu_and_measuring_changes_nothing(
     procs, runs_dir, tmp_path
 ):
     (tmp_path / "unhooked.py").write_text(UNHOOKED_TASK)
     hooked = _regularised(tmp_path, "hooked", "mlp")
     unhooked = _regularised(tmp_path, "unhooked", "unhooked:Unhooked")
-    out_hooked, run_hooked = _run(procs, runs_dir, hooked, tmp_path)
-    out_unhooked, run_unhooked = _run(procs, runs_dir, unhooked, tmp_path)
+    out_hooked, run_hooked = _run(procs, runs_dir / "hooked", hooked, tmp_path)
+    out_auto, run_auto = _run(procs, runs_dir / "auto", unhooked, tmp_path)
+    out_asked, run_asked = _run(procs, runs_dir / "asked", unhooked, tmp_path,
+                                "--set", "train.measure_flops=true")  # fmt: skip
 
     (start_h,) = events_of(run_hooked, "start")
-    (start_u,) = events_of(run_unhooked, "start")
+    (start_a,) = events_of(run_auto, "start")
+    (start_m,) = events_of(run_asked, "start")
     cfg = MLPConfig(hidden_dim=64, batch_norm=True, dropout=0.2)
     assert (start_h["flops_per_sample"], start_h["flops_from"]) == (
         MLPTask(cfg).flops_per_sample(),
         "task",
     )
-    assert start_u["flops_from"] == "measured"
-    assert start_u["flops_per_sample"] == pytest.approx(start_h["flops_per_sample"], rel=1e-9)
-    for start in (start_h, start_u):
+    # CPU, auto: no MFU to show, so nothing measured: no compute before step 1 on any rank.
+    assert (start_a["flops_per_sample"], start_a["flops_from"]) == (None, "not measured")
+    assert _computes(run_auto) == [8, 8]
+    # Asked: measured once, on rank 0, the same count as the MLP declares.
+    assert start_m["flops_from"] == "measured"
+    assert start_m["flops_per_sample"] == pytest.approx(start_h["flops_per_sample"], rel=1e-9)
+    assert _computes(run_asked) == [9, 8]
+    for start in (start_h, start_a, start_m):
         assert start["peak_flops"] is None
-        assert (
-            start["mfu_not_shown"] == "CPU run (the peak table covers NVIDIA GPUs): MFU not shown"
-        )
+        assert start["mfu_not_shown"] == CPU_WHY
     # Measuring ran a forward and backward with dropout and BatchNorm on rank 0 before
     # training; the training that followed is bit for bit the one without it.
-    steps_h, steps_u = events_of(run_hooked, "step"), events_of(run_unhooked, "step")
-    assert [s["loss"] for s in steps_u] == [s["loss"] for s in steps_h]
-    assert len(steps_h) == 8 and not any("mfu" in s for s in steps_h + steps_u)
+    steps = [events_of(r, "step") for r in (run_hooked, run_auto, run_asked)]
+    assert [s["loss"] for s in steps[2]] == [s["loss"] for s in steps[1]]
+    assert [s["loss"] for s in steps[1]] == [s["loss"] for s in steps[0]]
+    assert all(len(s) == 8 and not any("mfu" in e for e in s) for s in steps)
     summary_row = r"^MFU: CPU run \(the peak table covers NVIDIA GPUs\): MFU not shown$"
-    assert re.search(summary_row, out_unhooked.stdout, re.M)
-    listed = json.loads(procs.cli("ls", "--json", "--runs-dir", str(runs_dir)).stdout)
-    for row in listed:
-        assert row["mfu"] is None
-        assert row["mfu_not_shown"] == start_h["mfu_not_shown"]
+    for out in (out_auto, out_asked):
+        assert re.search(summary_row, out.stdout, re.M)
+    for where in ("hooked", "auto", "asked"):
+        listed = json.loads(procs.cli("ls", "--json", "--runs-dir", str(runs_dir / where)).stdout)
+        assert [(row["mfu"], row["mfu_not_shown"]) for row in listed] == [(None, CPU_WHY)]
+
+
+@pytest.mark.parametrize(
+    "asked, peak, measured, why",
+    [
+        ("auto", None, False, CPU_WHY),  # a CPU run: no MFU, so nothing measured
+        (True, None, True, CPU_WHY),
+        ("auto", "H100", True, None),  # a GPU in the table: measured, MFU shown
+        (False, "H100", False, "FLOPs not measured (train.measure_flops = false): MFU not shown"),
+    ],
+)
+def test_measure_flops_decides_whether_the_task_runs_once_more_before_training(
+    monkeypatch, asked, peak, measured, why
+):
+    """Whether the measurement runs, by ``train.measure_flops`` and whether MFU can be shown
+    (the GPU peak lookup stands in for a GPU this machine may not have)."""
+    if peak is not None:
+        known = Peak(peak, "fp32", 1e12, "test")
+        monkeypatch.setattr(flops, "_peak", lambda device, precision: (known, None))
+
+    class Counting(MLPTask):
+        flops_per_sample = None
+        computes = 0
+
+        def compute(self, model, batch):
+            self.computes += 1
+            return super().compute(model, batch)
+
+    task = Counting(MLPConfig(train_samples=64))
+    model = task.build_model()
+    train, _ = task.build_datasets()
+    loader = torch.utils.data.DataLoader(train, batch_size=8, collate_fn=batch_collate)
+    got = flops.setup(task, model, loader, "fp32", 2, contextlib.nullcontext(),
+                      lambda b, d: b, True, asked)  # fmt: skip
+    assert task.computes == (1 if measured else 0)
+    assert (got.flops is not None, got.flops_from) == (
+        (True, "measured") if measured else (False, "not measured")
+    )
+    assert got.why_not == why
 
 
 def test_the_supervisor_keeps_the_newest_and_mean_mfu_in_status_json(tmp_path):

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import typer
-from conftest import events_of, fast_profile, only_run, paced_profile
+from conftest import events_of, fast_profile, only_run, paced_profile, read_events
 from conftest import test_env as cli_env
 from rich.console import Console
 from typer.testing import CliRunner
 
 from gpu_console.cli import app
 from gpu_console.commands import profiles as profiles_cmd
+from gpu_console.format import fmt
 from gpu_console.headless import PLAIN_EVERY_S, Rhythm
 from gpu_console.state import RunState
 from gpu_console.summary import print_summary
@@ -259,3 +260,50 @@ def test_losses_near_1e_5_print_with_their_digits_everywhere(procs, runs_dir, tm
     assert "0.0000" not in result.stdout.split("eval @")[0]  # no loss or metric shown as 0
     table = procs.cli("ls", "--runs-dir", str(runs_dir)).stdout
     assert shown in table, table
+
+
+def test_with_a_checkpoint_every_step_lines_come_in_step_order_each_with_its_own_figures(
+    procs, runs_dir, tmp_path
+):
+    """Background writes settle after later steps; neither events.jsonl nor the headless
+    lines go back a step, and no progress line carries another step's loss. Unpaced, with a
+    fast beat: a poll often reads a checkpoint's event together with its step's."""
+    steps = 40
+    profile = fast_profile(tmp_path, max_steps=steps)
+    profile.write_text(profile.read_text() + "[checkpoint]\nevery_steps = 1\nkeep_last = 0\n")
+    env = cli_env(GPU_CONSOLE_PLAIN_EVERY_S="0.1")
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                       cwd=tmp_path, env=env)  # fmt: skip
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    run = only_run(runs_dir)
+    # The engine writes a checkpoint's event before the next step's (a write still in flight
+    # settles before a checkpoint step's log).
+    kinds = ("step", "checkpoint")
+    written = [(e["step"], kinds.index(e["kind"])) for e in read_events(run) if e["kind"] in kinds]
+    assert written == sorted(written), written
+    assert {s for s, _ in written} == set(range(1, steps + 1)) and len(set(written)) == 2 * steps, (
+        written
+    )
+    losses = {e["step"]: fmt(e["loss"]) for e in events_of(run, "step")}
+    shown: list[tuple[int, int]] = []  # (step, 0: its progress line, 1: a checkpoint's)
+    for line in out.splitlines():
+        if m := re.match(rf"step (\d+)/{steps}  loss (\S+) ", line):
+            step = int(m[1])
+            assert m[2] == losses[step], (line, losses)  # its own step's loss
+            shown.append((step, 0))
+        elif m := re.match(r"checkpoint @ step (\d+) \((interval|end)\): ", line):
+            shown.append((int(m[1]), 1))
+    assert shown == sorted(shown), out  # in step order; a step's checkpoint after its line
+    assert sorted({s for s, what in shown if what == 1}) == list(range(1, steps + 1)), out
+    assert shown[-1] == (steps, 1) and (steps, 0) in shown, out
+
+
+def test_a_checkpoint_settled_after_later_steps_never_moves_the_step_back():
+    st = RunState()
+    st.apply({"kind": "start", "start_step": 0, "max_steps": 10, "t": 1.0})
+    st.apply({"kind": "step", "step": 5, "loss": 0.5, "t": 2.0})
+    st.apply({"kind": "checkpoint", "step": 4, "reason": "interval", "t": 3.0})
+    assert (st.step, st.loss) == (5, 0.5)
+    st.apply({"kind": "checkpoint", "step": 7, "reason": "end", "t": 4.0})
+    assert st.step == 7  # the true last step, beyond the last logged one

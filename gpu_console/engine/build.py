@@ -244,9 +244,9 @@ def _prepare(s: Setup, m: _Model, facts: Facts) -> Compiled:
     p, d, task, model = s.p, s.d, s.task, m.model
     autocast = precision.autocast(facts.prec, d.device.type)
     # MFU: FLOPs per sample (the task's count, else measured once on the bare model by the
-    # rank that writes events) against the GPUs' peak (peaks.py).
+    # rank that writes events, where MFU can be shown or asked) against the GPUs' peak.
     m.mfu = flops.setup(task, model, m.train_loader, facts.prec, d.world_size, autocast, move,
-                        s.out.active)  # fmt: skip
+                        s.out.active, p.train.measure_flops)  # fmt: skip
     # Activation checkpointing wraps the task's blocks in place; measured off and on by the
     # same rank on one micro-batch (activation_checkpoint.py).
     if facts.batch_search is None:

@@ -41,6 +41,7 @@ class Checkpointer:
                              self.cfg.async_write)  # fmt: skip
         self.newest = checkpoint.Newest()
         self.best = best_so_far(self.cfg.keep_best, self.cfg.best_direction(), resume, run_dir)
+        self.early_wait = 0.0  # seconds settle_before_log waited, for the next save's figures
 
     def save(self, reason: str | None, wait: bool = True) -> bool:
         """Collective. False when rank 0 could not write it (the previous one stays).
@@ -49,7 +50,8 @@ class Checkpointer:
         step boundary. ``reason=None``: only wait for the write in flight.
         """
         step = self.state.step
-        requested = time.perf_counter()
+        early, self.early_wait = self.early_wait, 0.0  # waited already, before this step's log
+        requested = time.perf_counter() - early
         self.beat.set(step, "checkpoint")
         self.settle(self.writer.wait())
         waited = time.perf_counter() - requested
@@ -59,6 +61,15 @@ class Checkpointer:
         if outcome is None and not wait:
             return True
         return self.settle(outcome or self.writer.wait())
+
+    def settle_before_log(self) -> None:
+        """Collective, at a step that saves or ends, before its log: the write in flight is
+        waited for now, not at the save, so its event comes before this step's. The wait is
+        the save's: counted in its ``waited_s`` and ``blocked_s``."""
+        begun = time.perf_counter()
+        self.beat.set(self.state.step, "checkpoint")
+        self.settle(self.writer.wait())
+        self.early_wait += time.perf_counter() - begun
 
     def _job(self, step: int, reason: str, requested: float, waited: float) -> SaveJob:
         s, d = self.saved, self.d

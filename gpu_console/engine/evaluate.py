@@ -127,19 +127,19 @@ def _pad(d, task, wrapped, loader, autocast, move, extra: int) -> None:
             task.compute(wrapped.module, batch)
 
 
-def at_start(enabled: bool, step: int, evaluated_at: int | None, eval_every: int) -> bool:
-    """``train.eval_at_start``: evaluate before the first step of this session.
+def at_start(enabled: bool, step: int, evaluated_at: int | None, changes: list[dict]) -> bool:
+    """``train.eval_at_start``: the run's eval at step 0, before any update.
 
-    A fresh run evaluates at step 0. A resumed one evaluates at the step it resumes from
-    unless its newest eval was at that step (``evaluated_at``, saved in the checkpoint: an
-    ``eval_every`` or end-of-run eval before the save); a checkpoint that does not record it
-    counts as evaluated where ``eval_every`` divides the step.
+    It belongs to the run, not to a session: a plain resume does not evaluate at the step it
+    resumes from, since the uninterrupted run did not evaluate there (an eval may draw from
+    the task's own streams and fires ``on_eval_end``: the resume would not be exact). Only a
+    resume that turns it on (``--set train.eval_at_start=true``, one of its ``changes``)
+    evaluates there, an ask for an eval now, unless the run already evaluated at that step
+    (``evaluated_at``, saved in the checkpoint).
     """
-    if not enabled:
+    if not enabled or evaluated_at == step:
         return False
-    if evaluated_at is not None:
-        return evaluated_at != step
-    return step == 0 or not (eval_every and step % eval_every == 0)
+    return step == 0 or any(c.get("key") == "train.eval_at_start" for c in changes)
 
 
 class Evaluator:

@@ -1,7 +1,8 @@
 """Model FLOPs per training sample, for MFU: the task's own count, else measured once.
 
 A task may declare ``flops_per_sample()`` (training FLOPs of one sample: forward and
-backward; the built-in tasks count theirs from their shapes). Otherwise the writing rank
+backward; the built-in tasks count theirs from their shapes). Otherwise, where MFU can be
+shown (a GPU in the peak table) or ``train.measure_flops = true`` asks, the writing rank
 measures them before training: one forward and backward of a batch under
 ``torch.utils.flop_counter.FlopCounterMode``, on the bare model (before DDP). The
 measurement leaves no trace: the RNG streams are forked, buffers (BatchNorm statistics) are
@@ -50,6 +51,10 @@ def _counting() -> Any:
 
 class _NotHere(Exception):
     """This rank does not measure (another one does, for the events)."""
+
+
+class _NotAsked(Exception):
+    """``train.measure_flops`` says not to measure here."""
 
 
 def sample_batch(loader: DataLoader) -> Any:
@@ -108,6 +113,8 @@ def per_sample(task, measure_now: Callable[[], float]) -> tuple[float | None, st
         value = measure_now()
     except _NotHere:
         return None, "measured by the rank that writes events"
+    except _NotAsked:
+        return None, "FLOPs not measured (train.measure_flops = false)"
     except Exception as e:  # a task the counter cannot follow is no reason to fail the run
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -137,27 +144,45 @@ class MFU:
 
 
 def setup(
-    task, model, loader: DataLoader, precision: str, world: int, autocast, move, writer: bool
+    task,
+    model,
+    loader: DataLoader,
+    precision: str,
+    world: int,
+    autocast,
+    move,
+    writer: bool,
+    asked: bool | str = "auto",
 ) -> MFU:
     """Count the FLOPs (or measure them, on the rank that writes events: ``writer``) and
-    look up the peak of this rank's device."""
+    look up the peak of this rank's device. ``asked`` is ``train.measure_flops``: ``auto``
+    measures only where MFU can be shown (a GPU in the peak table), so a CPU run or an
+    unknown GPU runs no extra forward and backward before its first step."""
     device = next(model.parameters()).device
+    peak, why = _peak(device, precision)
+    wanted = asked is True or (asked == "auto" and peak is not None)
 
     def measure_now() -> float:
+        if not wanted:
+            raise _NotAsked
         if not writer:
             raise _NotHere
         return measure(task, model, move(sample_batch(loader), device), autocast)
 
     flops, flops_from = per_sample(task, measure_now)
-    peak, why = None, None
-    if device.type != "cuda":
-        why = f"{device.type.upper()} run (the peak table covers NVIDIA GPUs): MFU not shown"
-    else:
-        tf32 = torch.backends.cuda.matmul.allow_tf32
-        try:
-            peak = peak_for(torch.cuda.get_device_name(device), matmul_precision(precision, tf32))
-        except UnknownPeak as e:
-            why = str(e)
     if flops is None:
-        why, flops_from = f"{flops_from}: MFU not shown", "unknown"
+        # The device's reason first: with it, the FLOPs would not have given an MFU anyway.
+        why = why or f"{flops_from}: MFU not shown"
+        flops_from = "not measured" if not wanted else "unknown"
     return MFU(flops, flops_from, peak, world, why)
+
+
+def _peak(device: torch.device, precision: str) -> tuple[Peak | None, str | None]:
+    """(this device's dense peak, None) or (None, why MFU is not shown)."""
+    if device.type != "cuda":
+        return None, f"{device.type.upper()} run (the peak table covers NVIDIA GPUs): MFU not shown"
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        return peak_for(torch.cuda.get_device_name(device), matmul_precision(precision, tf32)), None
+    except UnknownPeak as e:
+        return None, str(e)

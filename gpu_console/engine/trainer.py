@@ -33,10 +33,10 @@ class Trainer:
         write_start_event(s, b)
         b.compiled.begin(out.status)  # "compiling" until the first step completes
         if b.eval_loaders and eval_at_start(
-            p.train.eval_at_start, state.step, state.evaluated_at, p.train.eval_every
+            p.train.eval_at_start, state.step, state.evaluated_at, s.changes
         ):
             with naming("eval"):  # the loaded (or initial) state: nothing new to keep
-                b.evaluator.run(state)  # train.eval_at_start: before this session's first step
+                b.evaluator.run(state)  # train.eval_at_start: step 0, or a resume that turns it on
 
         while state.step < p.train.max_steps:
             b.checkpointer.settle_finished()  # a background write that ended: its event
@@ -65,7 +65,11 @@ class Trainer:
                     b.hooks.step_end(state.step, state.batches, b.model, update.output)
                 with guard("the profiler"):
                     b.profiler.step_end(state.step)  # a capture moves on, or ends and is written
-                # Log, evaluate, checkpoint.
+                # Log, evaluate, checkpoint. A write in flight settles before the log of a
+                # step that saves (or ends) and would wait for it anyway: its event comes
+                # before this step's.
+                if state.step >= p.train.max_steps or b.cadence.checkpoints(state.step, False):
+                    b.checkpointer.settle_before_log()
                 with guard("logging"):
                     rows = self.log(update) if logging else None
                 with guard("eval"):
