@@ -334,7 +334,7 @@ FAST_RUN_STEPS = 12
 class FinishedRun:
     """A run that ended: its directory, the profile it ran and the CLI's result."""
 
-    def __init__(self, run: Path, profile: Path, result: subprocess.CompletedProcess):
+    def __init__(self, run: Path, profile: Path | None, result: subprocess.CompletedProcess):
         self.run, self.profile, self.result = run, profile, result
 
     @property
@@ -365,6 +365,29 @@ def fast_run(tmp_path_factory) -> FinishedRun:
         procs.cleanup()  # at once: by the session's end a pid in its status may be another's
     assert result.returncode == 0, result.stdout + result.stderr
     return FinishedRun(only_run(runs), profile, result)
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory) -> FinishedRun:
+    """One real quickstart run (300 steps; 2 CPU ranks through torchrun, pinned: its profile
+    says "auto"), recorded headless once for the session and shared by the tests that only
+    read it (tests/test_engine.py, tests/test_status_cmd.py, tests/tui/). Never change it:
+    copy it first."""
+    runs = tmp_path_factory.mktemp("recorded") / "runs"
+    procs = Procs(runs)
+    try:
+        result = procs.cli("run", "quickstart", "--headless", "--devices", "cpu:2",
+                           "--runs-dir", str(runs), env=pinned_env())  # fmt: skip
+    finally:
+        procs.cleanup()  # at once: by the session's end a pid in its status may be another's
+    assert result.returncode == 0, result.stdout + result.stderr
+    return FinishedRun(only_run(runs), None, result)
+
+
+@pytest.fixture(scope="session")
+def recorded_run(quickstart_run) -> Path:
+    """The session's quickstart run's directory."""
+    return quickstart_run.run
 
 
 def pid_alive(pid: int) -> bool:
