@@ -315,6 +315,81 @@ def fast_profile(tmp_path: Path, name: str = "fast", max_steps: int = 40, extra:
     )
 
 
+def pinned_env(**extra: str) -> dict[str, str]:
+    """:func:`test_env` with the hardware pinned as :func:`no_gpu_machine` pins it, for a
+    module- or session-scoped fixture: those start before any test's autouse fixture runs."""
+    rest = os.environ.get("PYTHONPATH", "")
+    return test_env(
+        CUDA_VISIBLE_DEVICES="",
+        GPU_CONSOLE_TEST_GPUS=str(REHEARSED_GPUS),
+        GPU_CONSOLE_FAKE_NVML=MACHINE_FAKE,
+        PYTHONPATH=os.pathsep.join(p for p in (rest, str(TESTS)) if p),
+        **extra,
+    )
+
+
+FAST_RUN_STEPS = 12
+
+
+class FinishedRun:
+    """A run that ended: its directory, the profile it ran and the CLI's result."""
+
+    def __init__(self, run: Path, profile: Path | None, result: subprocess.CompletedProcess):
+        self.run, self.profile, self.result = run, profile, result
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.run.parent
+
+    def copy(self, runs_dir: Path) -> Path:
+        """The run copied under ``runs_dir``, for a test that changes it (a resume, a damage)."""
+        import shutil
+
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        return Path(shutil.copytree(self.run, runs_dir / self.run.name, symlinks=True))
+
+
+@pytest.fixture(scope="session")
+def fast_run(tmp_path_factory) -> FinishedRun:
+    """One finished run of the fast profile (FAST_RUN_STEPS steps, 2 CPU ranks, its defaults,
+    a checkpoint at the end), shared by the tests that only read a finished run. Read it, never
+    change it: a test that resumes or damages a run takes :meth:`FinishedRun.copy`."""
+    tmp = tmp_path_factory.mktemp("fast_run")
+    runs = tmp / "runs"
+    profile = fast_profile(tmp, max_steps=FAST_RUN_STEPS)
+    procs = Procs(runs)
+    try:
+        result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs),
+                           cwd=tmp, env=pinned_env())  # fmt: skip
+    finally:
+        procs.cleanup()  # at once: by the session's end a pid in its status may be another's
+    assert result.returncode == 0, result.stdout + result.stderr
+    return FinishedRun(only_run(runs), profile, result)
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory) -> FinishedRun:
+    """One real quickstart run (300 steps; 2 CPU ranks through torchrun, pinned: its profile
+    says "auto"), recorded headless once for the session and shared by the tests that only
+    read it (tests/test_engine.py, tests/test_status_cmd.py, tests/tui/). Never change it:
+    copy it first."""
+    runs = tmp_path_factory.mktemp("recorded") / "runs"
+    procs = Procs(runs)
+    try:
+        result = procs.cli("run", "quickstart", "--headless", "--devices", "cpu:2",
+                           "--runs-dir", str(runs), env=pinned_env())  # fmt: skip
+    finally:
+        procs.cleanup()  # at once: by the session's end a pid in its status may be another's
+    assert result.returncode == 0, result.stdout + result.stderr
+    return FinishedRun(only_run(runs), None, result)
+
+
+@pytest.fixture(scope="session")
+def recorded_run(quickstart_run) -> Path:
+    """The session's quickstart run's directory."""
+    return quickstart_run.run
+
+
 def pid_alive(pid: int) -> bool:
     try:
         p = psutil.Process(pid)

@@ -34,14 +34,11 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events_of(run_dir, "step")}
 
 
-def test_quickstart_learns_and_leaves_a_complete_run_directory(procs, runs_dir):
-    # Pinned to 2 CPU ranks: quickstart's devices are "auto", a GPU wherever NVML sees one
-    # (tests/test_gpu.py runs it there).
-    result = procs.cli(
-        "run", "quickstart", "--headless", "--devices", "cpu:2", "--runs-dir", str(runs_dir)
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(runs_dir)
+def test_quickstart_learns_and_leaves_a_complete_run_directory(recorded_run):
+    # The session's quickstart run (conftest), pinned to 2 CPU ranks: quickstart's devices are
+    # "auto", a GPU wherever NVML sees one (tests/test_gpu.py runs it there).
+    run = recorded_run
+    assert only_run(run.parent) == run
 
     steps = events_of(run, "step")
     assert steps[-1]["step"] == 300
@@ -92,11 +89,9 @@ def test_quickstart_learns_and_leaves_a_complete_run_directory(procs, runs_dir):
     assert resolved["task"]["kind"] == "mlp" and "noise" in resolved["task"]
 
 
-def test_run_toml_reproduces_the_run(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=12)
-    first = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir / "a"))
-    assert first.returncode == 0, first.stderr
-    run_a = only_run(runs_dir / "a")
+def test_run_toml_reproduces_the_run(fast_run, procs, runs_dir):
+    run_a = fast_run.run  # the fast profile, run once for the session
+    assert len(losses(run_a)) == conftest.FAST_RUN_STEPS
     again = procs.cli(
         "run", str(run_a / "run.toml"), "--headless", "--runs-dir", str(runs_dir / "b")
     )
@@ -175,24 +170,18 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resume_is_bit_exact(procs, runs_dir,
     assert losses(run) == expected, "resumed losses differ from the reference"
 
 
-def test_four_micro_batches_of_8_match_one_batch_of_32(procs, runs_dir, tmp_path):
+def test_four_micro_batches_of_8_match_one_batch_of_32(fast_run, procs, runs_dir):
     import torch
 
-    profile = fast_profile(tmp_path, max_steps=8)
-    one = procs.cli(
-        "run",
-        str(profile),
-        "--headless",
-        "--runs-dir",
-        str(runs_dir / "one"),
-        "--set",
-        "data.batch_size=32",
-        "--set",
-        "train.grad_accum=1",
-    )
+    # One batch of 32: the fast profile's own batch size and grad_accum (1), run once for the
+    # session.
+    run_one = fast_run.run
+    steps = conftest.FAST_RUN_STEPS
+    one = tomllib.loads((run_one / "run.toml").read_text())
+    assert (one["data"]["batch_size"], one["train"]["grad_accum"]) == (32, 1)
     four = procs.cli(
         "run",
-        str(profile),
+        str(fast_run.profile),
         "--headless",
         "--runs-dir",
         str(runs_dir / "four"),
@@ -201,17 +190,18 @@ def test_four_micro_batches_of_8_match_one_batch_of_32(procs, runs_dir, tmp_path
         "--set",
         "train.grad_accum=4",
     )
-    assert one.returncode == 0 and four.returncode == 0, one.stderr + four.stderr
-    run_one, run_four = only_run(runs_dir / "one"), only_run(runs_dir / "four")
+    assert four.returncode == 0, four.stderr
+    run_four = only_run(runs_dir / "four")
     a, b = losses(run_one), losses(run_four)
-    assert a.keys() == b.keys() and len(a) == 8
+    assert a.keys() == b.keys() and len(a) == steps
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6)
+    assert events_of(run_one, "start")[0]["global_batch"] == 64
     assert events_of(run_four, "start")[0]["global_batch"] == 64
 
     def final_weights(run):
-        state = torch.load(run / "checkpoints" / "step-00000008" / "state.pt", weights_only=True)
-        return state["model"]
+        end = run / "checkpoints" / f"step-{steps:08d}" / "state.pt"
+        return torch.load(end, weights_only=True)["model"]
 
     wa, wb = final_weights(run_one), final_weights(run_four)
     for name in wa:

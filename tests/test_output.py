@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from conftest import events_of, fast_profile, only_run, paced_profile, read_events
+from conftest import FAST_RUN_STEPS, events_of, fast_profile, only_run, paced_profile, read_events
 from conftest import test_env as cli_env
 from rich.console import Console
 from typer.testing import CliRunner
@@ -212,13 +212,12 @@ def test_profiles_never_cut_a_path(tmp_path, monkeypatch):
         assert all(c in rest for c in path), text  # its characters all there, in order
 
 
-def test_a_fast_profile_summary_off_a_terminal_has_the_checkpoint_whole(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=12)
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
+def test_a_fast_profile_summary_off_a_terminal_has_the_checkpoint_whole(fast_run):
+    result, run = fast_run.result, fast_run.run
     assert result.returncode == 0, result.stderr
-    run = only_run(runs_dir)
+    assert run == only_run(fast_run.runs_dir)
     latest = run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip()
-    assert re.search(rf"^checkpoint: {re.escape(str(latest))} \(step 12, \w+\)$",
+    assert re.search(rf"^checkpoint: {re.escape(str(latest))} \(step {FAST_RUN_STEPS}, \w+\)$",
                      result.stdout, re.M), result.stdout  # fmt: skip
     assert f"run dir: {run}" in result.stdout.splitlines()
 

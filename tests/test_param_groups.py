@@ -110,16 +110,18 @@ class OwnGroups(MLPTask):
 """
 
 
+def _read(run):
+    start = events_of(run, "start")[0]
+    latest = (run / "checkpoints" / "LATEST").read_text().strip()
+    return start, checkpoint.load(run / "checkpoints" / latest)["optimizer"]["param_groups"]
+
+
 def _run(procs, runs_dir, profile, tmp_path, *extra: str):
     result = procs.cli(
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir), *extra, cwd=tmp_path
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(runs_dir)
-    start = events_of(run, "start")[0]
-    latest = (run / "checkpoints" / "LATEST").read_text().strip()
-    groups = checkpoint.load(run / "checkpoints" / latest)["optimizer"]["param_groups"]
-    return start, groups
+    return _read(only_run(runs_dir))
 
 
 def test_a_tasks_own_groups_reach_the_optimizer(procs, runs_dir, tmp_path):
@@ -138,9 +140,8 @@ def test_a_tasks_own_groups_reach_the_optimizer(procs, runs_dir, tmp_path):
     assert all(g["fused"] for g in groups)
 
 
-def test_default_groups_and_all_in_a_real_run(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=2)
-    start, groups = _run(procs, runs_dir / "matrices", profile, tmp_path)
+def test_default_groups_and_all_in_a_real_run(fast_run, procs, runs_dir, tmp_path):
+    start, groups = _read(fast_run.run)  # the fast profile's defaults, run once for the session
     assert start["weight_decay"]["source"] == "matrices"
     assert start["weight_decay"]["decayed"] == {"tensors": 3, "params": 6784}
     assert start["weight_decay"]["not_decayed"] == {"tensors": 3, "params": 138}
@@ -148,6 +149,7 @@ def test_default_groups_and_all_in_a_real_run(procs, runs_dir, tmp_path):
     assert start["optimizer"] == "AdamW (fused)" and all(g["fused"] for g in groups)
 
     everything = ("--set", "train.weight_decay_params=all", "--set", "train.weight_decay=0.2")
+    profile = fast_profile(tmp_path, max_steps=2)
     start, groups = _run(procs, runs_dir / "all", profile, tmp_path, *everything)
     assert start["weight_decay"] == {
         "source": "all",

@@ -39,10 +39,10 @@ def _ls_entry(procs, runs_dir) -> dict:
     return entry
 
 
-def test_status_of_a_finished_run_is_its_headless_summary(procs, runs_dir, tmp_path):
+def test_status_of_a_finished_run_is_its_headless_summary(quickstart_run, procs):
+    # The session's quickstart run (conftest): 300 steps on 2 CPU ranks, read, never changed.
+    done, runs_dir = quickstart_run.result, quickstart_run.runs_dir
     rd = ["--runs-dir", str(runs_dir)]
-    short = ["--set", "train.max_steps=30", "--set", "train.warmup_steps=5"]
-    done = procs.cli("run", "quickstart", "--headless", "--devices", "cpu:2", *short, *rd)
     assert done.returncode == 0, done.stdout + done.stderr
     run = only_run(runs_dir)
 
@@ -63,8 +63,8 @@ def test_status_of_a_finished_run_is_its_headless_summary(procs, runs_dir, tmp_p
     # And the summary's own fields.
     latest = (run / "checkpoints" / "LATEST").read_text().strip()
     assert got["checkpoint"]["path"] == str(run / "checkpoints" / latest)
-    assert got["checkpoint"]["step"] == 30
-    assert (got["state"], got["step"], got["max_steps"]) == ("finished", 30, 30)
+    assert got["checkpoint"]["step"] == 300
+    assert (got["state"], got["step"], got["max_steps"]) == ("finished", 300, 300)
     assert (got["world_size"], got["device_type"], got["precision"]) == (2, "cpu", "fp32")
     assert got["task"] == "mlp" and got["params"] > 0
     assert set(got["eval"]) == {"accuracy", "loss"}

@@ -7,7 +7,7 @@ import subprocess
 
 import conftest
 import pytest
-from conftest import events_of, fast_profile, only_run, read_status, run_dirs, wait_for
+from conftest import events_of, only_run, read_status, run_dirs, wait_for
 
 from gpu_console.commands import runs as runs_cmd
 from gpu_console.state import describe_stopped, read_heartbeats, stopped_ranks
@@ -100,13 +100,14 @@ def test_dump_without_py_spy_says_so_and_writes_nothing(tmp_path, monkeypatch, c
     assert not list(tmp_path.iterdir())
 
 
-def test_dump_of_an_ended_run_is_a_bad_input(procs, runs_dir, tmp_path):
+def test_dump_of_an_ended_run_is_a_bad_input(request, procs):
     if runs_cmd.py_spy() is None:
         pytest.skip("py-spy is not installed")
-    profile = fast_profile(tmp_path, max_steps=2)
-    assert procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir)).returncode == 0
-    run = only_run(runs_dir)
-    result = procs.cli("dump", run.name, "--runs-dir", str(runs_dir))
+    fast_run = request.getfixturevalue("fast_run")  # not launched for a skip
+    run = fast_run.run  # the session's finished fast run
+    assert fast_run.result.returncode == 0
+    assert only_run(fast_run.runs_dir) == run
+    result = procs.cli("dump", run.name, "--runs-dir", str(fast_run.runs_dir))
     assert result.returncode == 2
     assert result.stderr.strip() == (
         f"gpu-console: {run}: the run has already ended (state finished)"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import events_of, fast_profile, only_run, task_profile
+from conftest import FAST_RUN_STEPS, events_of, fast_profile, only_run, task_profile
 from torch import nn
 
 from gpu_console.engine import checkpoint
@@ -210,13 +210,12 @@ def test_a_tasks_own_gan_step_is_averaged_and_resumes_exactly(procs, runs_dir, t
     assert steps_of(run) == expected
 
 
-def test_a_resume_cannot_change_the_optimizer(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=2)
-    run_cli(procs, tmp_path, "run", str(profile), "--runs-dir", str(runs_dir))
-    run = only_run(runs_dir)
+def test_a_resume_cannot_change_the_optimizer(fast_run, procs, tmp_path):
+    run = fast_run.copy(tmp_path / "copied")  # the session's finished fast run, ours to resume
+    more = f"train.max_steps={FAST_RUN_STEPS + 2}"
     result = procs.cli(
         "run", "--resume", str(run), "--headless", "--set", "train.optimizer=sgd",
-        "--set", "train.max_steps=4", cwd=tmp_path,
+        "--set", more, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()

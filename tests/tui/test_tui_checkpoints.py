@@ -10,7 +10,7 @@ import re
 import pytest
 import synthetic
 import torch
-from tui_support import recorded_run_fixture, until  # noqa: F401 - fixtures
+from tui_support import until
 
 from gpu_console.engine import checkpoint
 from gpu_console.events import EventWriter

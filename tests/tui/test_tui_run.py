@@ -11,7 +11,6 @@ import synthetic
 from tui_support import (  # noqa: F401 - fixtures
     control_lines,
     fake_live_fixture,
-    recorded_run_fixture,
     screen_text,
     until,
 )

@@ -4,7 +4,8 @@
 - :class:`FakeRun`: a live run without torch: a synthetic run directory, a stand-in
   supervisor process (ended by pid at teardown) and a thread that answers control.jsonl as
   the engine does (received → done, pause/resume/stop status events);
-- ``recorded_run``: one real quickstart run, recorded once per session with ``--headless``;
+- ``recorded_run`` (tests/conftest.py): one real quickstart run, recorded once per session
+  with ``--headless``;
 - :func:`assert_svg`: SVG snapshots compared with tests/tui/snapshots/ (refresh them with
   ``GPU_CONSOLE_UPDATE_SNAPSHOTS=1``);
 - :func:`picture_telemetry`: a telemetry.jsonl made through the fake-NVML seam.
@@ -26,7 +27,7 @@ from typing import Any
 import pytest
 import synthetic
 import textual
-from conftest import Procs, only_run, wait_for
+from conftest import Procs, wait_for
 
 from gpu_console.events import EventWriter, JsonlTail
 
@@ -164,23 +165,6 @@ def fake_live_fixture(tmp_path):
     run = FakeRun(tmp_path / "runs" / "live-20260101-000000")
     yield run
     run.close()
-
-
-@pytest.fixture(scope="session", name="recorded_run")
-def recorded_run_fixture(tmp_path_factory) -> Path:
-    """One real quickstart run (2 CPU ranks through torchrun, pinned: its profile says
-    "auto"), recorded headless."""
-    base = tmp_path_factory.mktemp("recorded")
-    runs = base / "runs"
-    procs = Procs(runs)
-    try:
-        result = procs.cli(
-            "run", "quickstart", "--headless", "--devices", "cpu:2", "--runs-dir", str(runs)
-        )
-        assert result.returncode == 0, result.stdout + result.stderr
-        yield only_run(runs)
-    finally:
-        procs.cleanup()
 
 
 def kill_runs(runs_dir: Path) -> None:
