@@ -355,16 +355,8 @@ def fast_run(tmp_path_factory) -> FinishedRun:
     a checkpoint at the end), shared by the tests that only read a finished run. Read it, never
     change it: a test that resumes or damages a run takes :meth:`FinishedRun.copy`."""
     tmp = tmp_path_factory.mktemp("fast_run")
-    runs = tmp / "runs"
     profile = fast_profile(tmp, max_steps=FAST_RUN_STEPS)
-    procs = Procs(runs)
-    try:
-        result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs),
-                           cwd=tmp, env=pinned_env())  # fmt: skip
-    finally:
-        procs.cleanup()  # at once: by the session's end a pid in its status may be another's
-    assert result.returncode == 0, result.stdout + result.stderr
-    return FinishedRun(only_run(runs), profile, result)
+    return _finished(tmp / "runs", profile, str(profile), cwd=tmp)
 
 
 @pytest.fixture(scope="session")
@@ -374,14 +366,20 @@ def quickstart_run(tmp_path_factory) -> FinishedRun:
     read it (tests/test_engine.py, tests/test_status_cmd.py, tests/tui/). Never change it:
     copy it first."""
     runs = tmp_path_factory.mktemp("recorded") / "runs"
+    return _finished(runs, None, "quickstart", "--devices", "cpu:2")
+
+
+def _finished(runs: Path, profile: Path | None, *args: str, cwd: Path | None = None):
+    """A headless run of ``args`` to its end under ``runs``, its processes ended at once (by
+    the session's end a pid in its status may be another's)."""
     procs = Procs(runs)
     try:
-        result = procs.cli("run", "quickstart", "--headless", "--devices", "cpu:2",
-                           "--runs-dir", str(runs), env=pinned_env())  # fmt: skip
+        result = procs.cli("run", *args, "--headless", "--runs-dir", str(runs), cwd=cwd,
+                           env=pinned_env())  # fmt: skip
     finally:
-        procs.cleanup()  # at once: by the session's end a pid in its status may be another's
+        procs.cleanup()
     assert result.returncode == 0, result.stdout + result.stderr
-    return FinishedRun(only_run(runs), None, result)
+    return FinishedRun(only_run(runs), profile, result)
 
 
 @pytest.fixture(scope="session")
@@ -496,3 +494,30 @@ def unprivileged() -> list[str]:
     if shutil.which("setpriv") is None:
         pytest.fail("setpriv (util-linux) is needed to test permission faults as root")
     return ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-rank gloo process group in this process (in-process engine tests)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def stopped_run(procs, profile: Path, runs_dir: Path, cwd: Path, at_least: int, pace_s: str):
+    """A paced headless run of ``profile`` stopped by a ``stop`` command once it made step
+    ``at_least``: the run, and the step its stop checkpoint holds."""
+    from gpu_console.events import append_control
+
+    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                          cwd=cwd, env=test_env(PACE_S=pace_s))  # fmt: skip
+    run = wait_for(lambda: run_dirs(runs_dir) and only_run(runs_dir), what="the run directory")
+    wait_for(lambda: any(e["step"] >= at_least for e in events_of(run, "step")),
+             what=f"step {at_least}")  # fmt: skip
+    append_control(run, "stop")
+    out, err = console.communicate(timeout=120)
+    assert console.returncode == 0, out + err
+    return run, events_of(run, "checkpoint")[-1]["step"]

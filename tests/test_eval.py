@@ -10,12 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import events_of, only_run, read_status, run_dirs, task_profile, wait_for
+from conftest import events_of, only_run, read_status, stopped_run, task_profile
 from conftest import test_env as cli_env
 
 from gpu_console.engine.evaluate import at_start
 from gpu_console.engine.heartbeat import Heartbeat
-from gpu_console.events import append_control
 from gpu_console.fold import derived_state
 from gpu_console.state import describe_stopped, read_heartbeats
 
@@ -154,14 +153,7 @@ def test_a_stopped_run_resumed_with_eval_at_start_trains_as_an_uninterrupted_one
     assert whole.returncode == 0, whole.stdout + whole.stderr
     whole_run = only_run(whole_runs)
 
-    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-                          cwd=tmp_path, env=cli_env(PACE_S="0.1"))  # fmt: skip
-    run = wait_for(lambda: run_dirs(runs_dir) and only_run(runs_dir), what="the run directory")
-    wait_for(lambda: any(e["step"] >= 3 for e in events_of(run, "step")), what="step 3")
-    append_control(run, "stop")
-    out, err = console.communicate(timeout=120)
-    assert console.returncode == 0, out + err
-    stopped_at = events_of(run, "checkpoint")[-1]["step"]
+    run, stopped_at = stopped_run(procs, profile, runs_dir, tmp_path, 3, pace_s="0.1")
     assert 3 <= stopped_at < 12, stopped_at
     assert [e["step"] for e in events_of(run, "eval")] == [0]
 

@@ -9,22 +9,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gpu_console.engine import strategy
 from gpu_console.engine.strategy_single import OneDevice, SingleStrategy
 from gpu_console.profile import DistributedConfig
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _train(wrapped: nn.Module, bare: nn.Module, steps: int = 6, accum: int = 2) -> None:

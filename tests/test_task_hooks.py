@@ -19,6 +19,7 @@ from conftest import (
     read_events,
     read_status,
     run_dirs,
+    stopped_run,
     wait_for,
 )
 from conftest import test_env as cli_env
@@ -148,16 +149,8 @@ def test_task_state_resumes_exactly_per_rank(procs, runs_dir, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     whole = only_run(whole_runs)
 
-    console = procs.start(
-        "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=REPO,
-        env=cli_env(PACE_S="0.05"),  # slow enough to be stopped well before the end
-    )  # fmt: skip
-    run = wait_for(lambda: run_dirs(runs_dir) and only_run(runs_dir), what="the run directory")
-    wait_for(lambda: any(e["step"] >= 7 for e in events_of(run, "step")), what="step 7")
-    append_control(run, "stop")
-    out, err = console.communicate(timeout=120)
-    assert console.returncode == 0, out + err
-    stopped_at = events_of(run, "checkpoint")[-1]["step"]
+    # Paced: slow enough to be stopped well before the end.
+    run, stopped_at = stopped_run(procs, profile, runs_dir, REPO, 7, pace_s="0.05")
     assert 7 <= stopped_at < 60, stopped_at
 
     resumed = procs.cli("run", "--resume", str(run), "--headless", cwd=REPO)

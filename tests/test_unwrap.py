@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gpu_console.tasks.base import unwrap
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_unwrap_strips_ddp_and_compile_in_either_order(one_rank_group):
