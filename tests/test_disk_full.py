@@ -155,13 +155,31 @@ def test_a_long_full_disk_loses_old_step_events_first_and_says_so(small_disk, mo
     lines = [json.loads(line) for line in (small_disk.path / "events.jsonl").open()]
     assert [(e["kind"], e.get("step"), e.get("level")) for e in lines] == [
         ("status", None, None),
-        ("status", None, None),  # 1 to 4 gave way, the status kept (3 kept at most)
+        ("status", None, None),  # small: it fit once it reached the queue's head
+        ("step", 4, None),  # 1 to 3 gave way (3 kept at most), never the status
         ("step", 5, None),
         ("log", None, "error"),
         ("step", 6, None),
         ("log", None, "warning"),
     ]
-    assert lines[-1]["message"] == "4 events were lost while the disk was full (4 step)"
+    assert lines[-1]["message"] == "3 events were lost while the disk was full (3 step)"
+
+
+def test_a_full_queue_never_gives_up_the_runs_story(small_disk, monkeypatch):
+    """Past the bound, progress, step and log events go; checkpoint, status and eval events
+    are kept however many wait (they are few)."""
+    monkeypatch.setattr(events, "MAX_PENDING", 2)
+    out = Reporter(small_disk.path, active=True)
+    ballast = small_disk.fill()
+    for step in (1, 2, 3):  # each larger than its page's rest: no room at all
+        out.event("checkpoint", step=step, pad="x" * 5000)
+        out.event("progress", phase="eval", step=step, pad="x" * 5000)
+    ballast.unlink()
+    out.close()
+    lines = [json.loads(line) for line in (small_disk.path / "events.jsonl").open()]
+    kinds = [(e["kind"], e.get("step")) for e in lines]
+    assert kinds[:3] == [("checkpoint", 1), ("checkpoint", 2), ("checkpoint", 3)]
+    assert ("progress", 1) not in kinds and ("progress", 2) not in kinds
 
 
 def test_the_final_status_lands_on_a_full_disk_through_the_reserve(small_disk):
