@@ -137,6 +137,11 @@ def run(
     name: str | None = typer.Option(
         None, "--name", metavar="NAME", help="Run name (default: profile name)."
     ),
+    exact_name: bool = typer.Option(
+        False,
+        "--exact-name",
+        help="The run directory is exactly NAME (--name), not NAME-<time>; refused if it exists.",
+    ),
     nnodes: str | None = typer.Option(
         None,
         "--nnodes",
@@ -197,6 +202,7 @@ def run(
         name=name,
         nodes=nodes,
         build_data=not dry_run,  # the plan builds them, and judges them by the same rule
+        exact_name=exact_name,
     )
     for note in [*prof.notes, placement.note]:
         if note:
@@ -214,8 +220,9 @@ def run(
     from .timings import process_start_time
 
     launched = launch.start(
-        prof, placement, folder, resume_from, nodes=nodes, launched=process_start_time()
-    )
+        prof, placement, folder, resume_from, nodes=nodes, launched=process_start_time(),
+        exact_name=exact_name,
+    )  # fmt: skip
     # After the checks (a bad input fails before Rich loads) and after the supervisor started
     # (its start-up overlaps this import).
     from . import headless as reporter

@@ -319,6 +319,26 @@ def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int, str]:
     return found
 
 
+def _exact_name(name: str | None, runs_dir: Path, resume: str | None, nodes) -> None:
+    """``--exact-name``: the run directory is ``runs_dir/NAME`` itself, so NAME must be one
+    as it stands, and free; a resume keeps its own directory, several nodes make one each."""
+    if resume is not None:
+        raise LaunchError("--exact-name: a resumed run keeps its own directory; leave it out")
+    if not name:
+        raise LaunchError("--exact-name: give the run's name with --name NAME")
+    if nodes is not None and nodes.max_nodes > 1:
+        raise LaunchError(
+            "--exact-name: one machine only (each node of a run makes a run directory of its own)"
+        )
+    if problem := runs.exact_name_problem(name):
+        raise LaunchError(f"--name: {problem}")
+    if (Path(runs_dir) / name).exists():
+        raise LaunchError(
+            f"--name: {Path(runs_dir) / name} already exists; --exact-name never reuses a "
+            f"directory (continue it with --resume {name}, or pick another name)"
+        )
+
+
 def _room_to_continue(run: Path) -> None:
     """Refused before anything is written (the lock's pid included): a full disk."""
     if full := diskfull.short_of_room(run, diskfull.SESSION_ROOM):
@@ -443,6 +463,7 @@ def prepare(
     name: str | None = None,
     nodes: Nodes | None = None,
     build_data: bool = True,
+    exact_name: bool = False,
 ) -> tuple[Profile, Placement, Path | None]:
     """Everything that can be wrong with a launch, checked before anything is written: the
     one list of checks ``--dry-run`` makes too (``nodes``: the world is every node's ranks).
@@ -452,6 +473,8 @@ def prepare(
 
     A resume's session lock (:func:`resume_target`) is held from the first check on; a
     launch refused later lets it go."""
+    if exact_name:  # before a resume's lock is taken
+        _exact_name(name, runs_dir, resume, nodes)
     resume_from = resume_run = None
     resume_note = ""
     resume_step = 0
@@ -679,6 +702,7 @@ def start(
     argv: list[str] | None = None,
     nodes: Nodes | None = None,
     launched: float | None = None,
+    exact_name: bool = False,
 ) -> Launched:
     """Create the run directory, write run.toml and meta.json, start the supervisor.
 
@@ -698,7 +722,7 @@ def start(
     if resume_from is not None:
         world = placement.nproc * (nodes.max_nodes if nodes else 1)
         changes = resume_changes(profile, resume_from.parent.parent, world)
-    run_dir = runs.create_run_dir(runs_dir, profile.profile.name or "run")
+    run_dir = runs.create_run_dir(runs_dir, profile.profile.name or "run", exact_name)
     lock = None
     try:
         # Before the run is one (run.toml makes it so): its session holds it from the start.

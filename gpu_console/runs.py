@@ -112,8 +112,19 @@ def run_dir_name(name: str) -> str:
     return f"{_slug(name)}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def create_run_dir(runs_dir: Path, name: str) -> Path:
-    """``runs_dir/<name>-<YYYYmmdd-HHMMSS>`` (0700), with logs/ and checkpoints/ inside."""
+def exact_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a run directory's exact name (``--exact-name``), or None."""
+    if _slug(name) != name:
+        return (
+            f"{name!r} is not a run directory name as it stands (letters, digits, _ . - and "
+            f"no leading or trailing - or .; e.g. {_slug(name)!r})"
+        )
+    return None
+
+
+def create_run_dir(runs_dir: Path, name: str, exact: bool = False) -> Path:
+    """``runs_dir/<name>-<YYYYmmdd-HHMMSS>`` (0700), with logs/ and checkpoints/ inside;
+    ``exact``: ``runs_dir/<name>`` itself, never one that exists (``--exact-name``)."""
     runs_dir = Path(runs_dir)
     try:
         runs_dir.mkdir(parents=True, exist_ok=True)
@@ -121,12 +132,14 @@ def create_run_dir(runs_dir: Path, name: str) -> Path:
         raise RunDirError(f"{runs_dir}: cannot create the runs directory ({e.strerror})") from None
     if not os.access(runs_dir, os.W_OK | os.X_OK):
         raise RunDirError(f"{runs_dir}: the runs directory is not writable")
-    base = run_dir_name(name)
+    base = name if exact else run_dir_name(name)
     for n in range(1, 1000):
         path = runs_dir / (base if n == 1 else f"{base}-{n}")
         try:
             path.mkdir(mode=0o700)
         except FileExistsError:
+            if exact:  # another launch took it since the check (launch.prepare)
+                raise RunDirError(f"{path}: already exists (--exact-name)") from None
             continue
         except OSError as e:
             raise RunDirError(f"{runs_dir}: cannot create a run directory ({e.strerror})") from None

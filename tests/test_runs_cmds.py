@@ -79,3 +79,35 @@ def test_ls_with_no_runs_and_an_unknown_run(procs, runs_dir):
     bad = procs.cli("stop", "ghost", "--runs-dir", str(runs_dir))
     assert bad.returncode == 2
     assert bad.stderr.startswith("gpu-console: ghost: no such run")
+
+
+def test_exact_name_makes_the_run_directory_exactly_that_and_never_reuses_one(procs, tmp_path):
+    from conftest import fast_profile
+
+    runs = tmp_path / "runs"
+    profile = fast_profile(tmp_path, max_steps=3)
+    first = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs),
+                      "--name", "nightly.v2", "--exact-name")  # fmt: skip
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert [p.name for p in runs.iterdir()] == ["nightly.v2"]
+    assert (runs / "nightly.v2" / "run.toml").is_file()
+    before = sorted(str(p) for p in runs.rglob("*"))
+
+    def refused(*args: str) -> str:
+        result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs), *args)
+        assert result.returncode == 2, result.stdout + result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        return line
+
+    again = refused("--name", "nightly.v2", "--exact-name")
+    assert again == (
+        f"gpu-console: --name: {runs / 'nightly.v2'} already exists; --exact-name never reuses "
+        "a directory (continue it with --resume nightly.v2, or pick another name)"
+    )
+    assert (
+        refused("--exact-name") == "gpu-console: --exact-name: give the run's name with --name NAME"
+    )
+    assert refused("--name", "a b", "--exact-name").startswith(
+        "gpu-console: --name: 'a b' is not a run directory name as it stands"
+    )
+    assert sorted(str(p) for p in runs.rglob("*")) == before  # nothing written
