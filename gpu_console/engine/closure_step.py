@@ -61,14 +61,14 @@ class ClosureStep(EngineStep):
         self.beat.set(step + 1, "data")
         micro = [move(batches.next(), self.d.device) for _ in range(self.accum)]
         self.beat.set(step + 1, "compute")
-        last_loss, output = self._evaluate(micro, step, logger if logging else None)
+        last_loss, output = self._evaluate(micro, step, logger, logging)
         first = [self._mean(last_loss)]
 
         def closure() -> torch.Tensor:
             if first:  # the evaluation made above: its gradients are in place
                 return first.pop()
             self.opts.zero_grad()
-            loss, _ = self._evaluate(micro, step, None)
+            loss, _ = self._evaluate(micro, step, None, False)
             return self._mean(loss)
 
         self.beat.set(step + 1, "update")
@@ -87,9 +87,12 @@ class ClosureStep(EngineStep):
             self.opts.zero_grad()
         return done
 
-    def _evaluate(self, micro: list[Any], step: int, logger) -> tuple[torch.Tensor, Any]:
-        """Every micro-batch's forward and backward (the log row filled on the first
-        evaluation of a log step), then the clip: this rank's loss and last output."""
+    def _evaluate(
+        self, micro: list[Any], step: int, logger, logging: bool
+    ) -> tuple[torch.Tensor, Any]:
+        """Every micro-batch's forward and backward, then the clip: this rank's loss and last
+        output. ``logger``: the first evaluation's, counted in the step's window (its log row
+        filled on a log step); the optimizer's further evaluations are not counted."""
         total = output = None
         for i, batch in enumerate(micro):
             final = i == len(micro) - 1
@@ -99,7 +102,7 @@ class ClosureStep(EngineStep):
                 loss = output.loss if self.accum == 1 else output.loss / self.accum
                 total = loss.detach() if total is None else total + loss.detach()
                 if logger is not None:
-                    logger.micro_batch(output, total, final, step)
+                    logger.micro_batch(output, total, final and logging, step)
                 loss.backward()
         self.grad_norm, self.grad_norms = self.strategy.clip(self.opts, self.max_norm)
         return total, output
