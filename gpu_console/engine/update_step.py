@@ -1,7 +1,8 @@
 """The update step, as one interface: a step's micro-batches, then its update.
 
-Two implementations: :class:`EngineStep`, the engine's own (``compute`` per micro-batch,
-backward, then unscale, clip, the non-finite check, step, schedule), and
+Three implementations: :class:`EngineStep`, the engine's own (``compute`` per micro-batch,
+backward, then unscale, clip, the non-finite check, step, schedule); its closure form for an
+optimizer that steps with one (LBFGS: closure_step.py); and
 ``task_step.TaskStep``, a task's ``train_step`` that makes its updates itself through the
 engine's ``StepOptimizers``. The trainer calls :meth:`UpdateStep.run` once per step and
 never asks which one it has.
@@ -162,9 +163,15 @@ class EngineStep(UpdateStep):
 
 
 def for_task(task, opts, train, d, scaler, ctx, beat) -> UpdateStep:
-    """The task's own step when it has ``train_step`` (task_step.py), else the engine's."""
+    """The task's own step when it has ``train_step`` (task_step.py); else the engine's, or
+    its closure form for an optimizer that steps with one (LBFGS, closure_step.py)."""
     if getattr(task, "train_step", None) is not None:
         from .task_step import TaskStep
 
         return TaskStep(task, opts, train, d, scaler, ctx, beat)
+    from . import closure_step
+
+    closure_step.check(opts, scaler)
+    if closure_step.needs_closure(opts.first):
+        return closure_step.ClosureStep(task, opts, train, d, scaler, ctx, beat)
     return EngineStep(task, opts, train, d, scaler, ctx, beat)

@@ -1,0 +1,62 @@
+"""An optimizer that steps with a closure (LBFGS) through the engine (closure_step.py): each
+evaluation averages the gradients and the loss over the ranks, so 2 CPU ranks give what 1
+rank gives with the same global batch, to float rounding. Real torchrun."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import events_of, only_run, task_profile
+
+LBFGS_TASK = """
+import torch
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Lbfgs(MLPTask):
+    def configure_optimizers(self, model, ctx):
+        return torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=4)
+"""
+
+SETS = ["--precision", "fp64", "--set", "train.clip_grad_norm=0"]  # as a script: no clipping
+
+
+def _losses(procs, tmp_path, name: str, devices: str, batch: int) -> list[float]:
+    runs = tmp_path / name
+    profile = task_profile(tmp_path, "lbfgs", LBFGS_TASK, "Lbfgs", max_steps=6)
+    result = procs.cli("run", str(profile), "--headless", "--devices", devices, *SETS,
+                       "--set", f"data.batch_size={batch}", "--runs-dir", str(runs),
+                       cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run(runs)
+    start = events_of(run, "start")[0]
+    assert start["train_step"] == "engine (closure)"
+    assert start["optimizer"].startswith("LBFGS")
+    return [e["loss"] for e in events_of(run, "step")]
+
+
+def test_lbfgs_on_two_ranks_equals_one_rank_with_the_global_batch(procs, tmp_path):
+    one = _losses(procs, tmp_path, "one", "cpu:1", 64)
+    two = _losses(procs, tmp_path, "two", "cpu:2", 32)
+    assert len(one) == len(two) == 6
+    assert two == pytest.approx(one, rel=1e-9, abs=0)
+    assert one[-1] < one[0]  # it learns: LBFGS's steps went through
+
+
+def test_a_closure_optimizer_beside_another_is_refused_in_one_line():
+    import torch
+
+    from gpu_console.engine import closure_step
+    from gpu_console.engine.optim_set import Optimizers, OptimizerSetupError
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    both = {
+        "a": torch.optim.LBFGS(model[0].parameters()),
+        "b": torch.optim.SGD(model[1].parameters(), lr=0.1),
+    }
+    with pytest.raises(OptimizerSetupError, match="must be the task's only one"):
+        closure_step.check(Optimizers.from_task(both, model), None)
+    alone = Optimizers.from_task(torch.optim.LBFGS(model.parameters()), model)
+    with pytest.raises(OptimizerSetupError, match="fp16's loss scaling"):
+        closure_step.check(alone, object())
+    assert closure_step.needs_closure(alone.first)
+    assert not closure_step.needs_closure(torch.optim.SGD(model.parameters(), lr=0.1))
