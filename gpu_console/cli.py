@@ -140,7 +140,7 @@ def run(
     exact_name: bool = typer.Option(
         False,
         "--exact-name",
-        help="The run directory is exactly NAME (--name), not NAME-<time>; refused if it exists.",
+        help="The run directory is exactly NAME (--name), not NAME-YYYYmmdd-HHMMSS; never reused.",
     ),
     nnodes: str | None = typer.Option(
         None,
