@@ -42,7 +42,12 @@ POLICY: tuple[type[BaseException], ...] = (NonFiniteLoss, DiskFullStop)
 
 
 class Failed(Exception):
-    """Code outside the update failed: the message names it (``eval 'val' failed: ...``)."""
+    """Code outside the update failed: the message names it (``eval 'val' failed: ...``);
+    ``what`` is the place (``eval 'val'``), which the ranks agree on."""
+
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what} failed: {why}")
+        self.what = what
 
 
 @contextlib.contextmanager
@@ -53,7 +58,7 @@ def naming(what: str) -> Iterator[None]:
     except (Failed, *POLICY):
         raise
     except Exception as e:
-        raise Failed(f"{what} failed: {describe(e)}") from e
+        raise Failed(what, describe(e)) from e
 
 
 def describe(e: BaseException) -> str:
@@ -87,7 +92,7 @@ class FailureCheckpoint:
         why = f"{e} (after step {step})"
         if step == 0:  # nothing trained yet: nothing to keep
             raise AfterUpdateFailed(why) from e
-        if not self._agree(step, str(e).split(" failed: ")[0]):
+        if not self._agree(step, e.what):
             kept = "no failure checkpoint: not every rank failed there"
             raise AfterUpdateFailed(f"{why}; {kept}") from e
         name = step_dir_name(step)
