@@ -74,6 +74,9 @@ class RunFold:
         self.last_step_t: float | None = None
         # The eval in progress (rank 0's ``progress`` events): its batches are signs of life.
         self.eval_progress: dict[str, Any] | None = None
+        # The end of the newest eval: a sign of life too, until the next step (the time
+        # between an eval's end and the next step or the run's end is no stall).
+        self.eval_end_t: float | None = None
         self.restarts = 0
         self.max_restarts: int | None = None
         self.mfu_sum, self.mfu_count = 0.0, 0  # this session's step events with an MFU
@@ -132,8 +135,10 @@ class RunFold:
                 self.eval_progress = {k: e.get(k) for k in ("step", "split", "done", "total", "t")}
         elif kind == "eval":
             self.eval_progress = None
+            if type(t) in _NUM:
+                self.eval_end_t = t
         elif kind == "start":
-            self.eval_progress = None
+            self.eval_progress = self.eval_end_t = None
             self.start = e
             self.max_steps = e.get("max_steps")
             self.start_step = self.step = int(e.get("start_step") or 0)
@@ -234,6 +239,7 @@ class RunFold:
         if self.step_times:
             out["step_time_s"] = self.step_time_s
         out["eval_progress"] = self.eval_progress
+        out["eval_end_t"] = self.eval_end_t
         if self.mfu_count:
             out["mfu"], out["mfu_mean"] = self.mfu, self.mean_mfu()
         if self.start:
@@ -296,10 +302,11 @@ def derived_state(
     """The state a reader shows: status.json's, or ``lost`` / ``stalled`` (DESIGN.md).
 
     ``lost``: status says the run is live but its supervisor is gone. ``stalled``: running,
-    but no step (nor eval batch) for max(30 s, 10× the median step time, which the supervisor
-    keeps in status.json; a reader with its own :class:`RunFold` may pass the same median);
-    or, with ``run_dir``, in any live state, a rank whose heartbeat has been silent for the
-    stall minimum (a rank frozen in start-up has made no step to be late for).
+    but no step (nor eval batch, nor an eval's end) for max(30 s, 10× the median step time,
+    which the supervisor keeps in status.json; a reader with its own :class:`RunFold` may
+    pass the same median); or, with ``run_dir``, in any live state, a rank whose heartbeat
+    has been silent for the stall minimum (a rank frozen in start-up has made no step to be
+    late for).
     """
     state = status.get("state", "starting")
     if status.get("ended") or state in FINAL_STATES:
@@ -311,6 +318,8 @@ def derived_state(
     evaluating = status.get("eval_progress") or {}
     if type(evaluating.get("t")) in _NUM:  # an eval batch is a sign of life, like a step
         last = max(last or 0.0, evaluating["t"])
+    if type(ended := status.get("eval_end_t")) in _NUM:  # and so is an eval's end
+        last = max(last or 0.0, ended)
     limit = stall_limit_s(step_time_s or status.get("step_time_s"))
     if state == "running" and last and now - last > limit:
         return "stalled"

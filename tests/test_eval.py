@@ -15,7 +15,7 @@ from conftest import test_env as cli_env
 
 from gpu_console.engine.evaluate import at_start
 from gpu_console.engine.heartbeat import Heartbeat
-from gpu_console.fold import derived_state
+from gpu_console.fold import RunFold, derived_state
 from gpu_console.state import describe_stopped, read_heartbeats
 
 # Eval samples are the numbers 0..9: an eval batch's loss is their mean, ``batch`` its size.
@@ -232,6 +232,24 @@ def test_stall_counts_an_eval_batch_as_a_sign_of_life(monkeypatch):
     assert derived_state(status, now) == "running"
     status["eval_progress"]["t"] = now - 10  # the eval's batches stopped advancing too
     assert derived_state(status, now) == "stalled"
+
+
+def test_the_end_of_an_eval_is_a_sign_of_life_until_the_next_step(monkeypatch):
+    # The race CI met: the eval's event clears the progress, the run's end comes a moment
+    # later, and in between the step before the eval was all a reader had to go on.
+    monkeypatch.setenv("GPU_CONSOLE_STALL_S", "3")
+    now = time.time()
+    fold = RunFold()
+    fold.apply({"kind": "step", "step": 2, "loss": 1.0, "t": now - 8})
+    progress = {"phase": "eval", "step": 2, "done": 6, "total": 8, "t": now - 4}
+    fold.apply({"kind": "progress", **progress})
+    fold.apply({"kind": "eval", "step": 2, "metrics": {"loss": 1.0}, "t": now - 1})
+    status = {**fold.to_status(), "state": "running", "pids": {"supervisor": os.getpid()}}
+    assert status["eval_progress"] is None
+    assert derived_state(status, now) == "running"
+    assert derived_state(status, now + 5) == "stalled"  # and nothing since: a stall again
+    fold.apply({"kind": "start", "start_step": 2, "t": now})  # a new session: a new count
+    assert fold.to_status()["eval_end_t"] is None
 
 
 def test_eval_at_start_is_the_runs_step_0_or_a_resume_that_turns_it_on():
