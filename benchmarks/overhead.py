@@ -143,18 +143,27 @@ class Setup:
     plain_args: list[str]
     affinity_default: bool
     optimizer_impl: str  # the engine's resolved AdamW implementation
+    nproc: int = NPROC
 
 
-def make_setup(profile_name: str, steps: int, log_every: int | None) -> Setup:
-    """Resolve the profile once; both sides get the same values from it."""
+def make_setup(
+    profile_name: str,
+    steps: int,
+    log_every: int | None,
+    extra_sets: tuple[str, ...] = (),
+    nproc: int = NPROC,
+) -> Setup:
+    """Resolve the profile once; both sides get the same values from it (``extra_sets``:
+    ``--set`` items applied to both, e.g. the task's size)."""
     from gpu_console.engine.optim_build import resolve_impl
     from gpu_console.profile import load_profile
 
-    base = load_profile(profile_name)
-    if base.task_kind != "mlp":
-        sys.exit(f"overhead.py: the profile's task must be mlp (got {base.task_kind!r})")
+    base = load_profile(profile_name, list(extra_sets))
+    if base.task_kind not in ("mlp", "transformer"):
+        sys.exit(f"overhead.py: the profile's task must be built in (got {base.task_kind!r})")
     log_every = log_every or base.train.log_every
     sets = [
+        *extra_sets,
         f"train.max_steps={steps}",
         f"train.log_every={log_every}",
         "train.eval_every=0",  # eval only after the last step, outside the timed window
@@ -180,6 +189,7 @@ def make_setup(profile_name: str, steps: int, log_every: int | None) -> Setup:
         "gradient_as_bucket_view": d.gradient_as_bucket_view,
     }
     plain_args = [
+        f"--kind={base.task_kind}",
         f"--steps={steps}",
         f"--warmup-steps={warm}",
         f"--batch-size={p.data.batch_size}",
@@ -197,20 +207,23 @@ def make_setup(profile_name: str, steps: int, log_every: int | None) -> Setup:
         steps,
         log_every,
         warm,
-        p.data.batch_size * NPROC,
+        p.data.batch_size * nproc,
         sets,
         plain_args,
         d.cpu_affinity,
         resolve_impl(p.train.optimizer_impl, "cpu"),
+        nproc,
     )
 
 
-def run_engine(s: Setup, affinity: bool | None, workdir: Path) -> dict:
+def run_engine(
+    s: Setup, affinity: bool | None, workdir: Path, env: dict[str, str] | None = None
+) -> dict:
     """The real CLI; ``affinity`` None leaves every setting at the profile's default, else
     the plain loop's settings: that placement and gradients summed by gloo."""
     runs_dir = Path(tempfile.mkdtemp(prefix="runs-", dir=workdir))
     argv = [sys.executable, "-m", "gpu_console", "run", s.profile, "--headless"]
-    argv += ["--runs-dir", str(runs_dir), "--devices", f"cpu:{NPROC}", "--precision", "fp32"]
+    argv += ["--runs-dir", str(runs_dir), "--devices", f"cpu:{s.nproc}", "--precision", "fp32"]
     sets = list(s.engine_sets)
     if affinity is not None:
         sets.append(f"distributed.cpu_affinity={str(affinity).lower()}")
@@ -220,7 +233,7 @@ def run_engine(s: Setup, affinity: bool | None, workdir: Path) -> dict:
     t0 = time.perf_counter()
     with LoadMeter() as load:
         proc = subprocess.run(
-            argv, capture_output=True, text=True, env=bench_env(), cwd=workdir, timeout=900
+            argv, capture_output=True, text=True, env=env or bench_env(), cwd=workdir, timeout=900
         )
     wall = time.perf_counter() - t0
     _check(proc, "engine run")
@@ -261,10 +274,16 @@ def steady_rate(events: list[dict], warm: int, steps: int) -> dict:
     }
 
 
-def run_plain(s: Setup, pin: bool, workdir: Path, pytorch_defaults: bool = False) -> dict:
+def run_plain(
+    s: Setup,
+    pin: bool,
+    workdir: Path,
+    pytorch_defaults: bool = False,
+    env: dict[str, str] | None = None,
+) -> dict:
     """The plain loop with the engine's settings, or as PyTorch and torchrun leave it."""
     out = Path(tempfile.mkstemp(prefix="plain-", suffix=".json", dir=workdir)[1])
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}"]
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={s.nproc}"]
     argv += ["--standalone", str(PLAIN), *s.plain_args, f"--out={out}"]
     if not pytorch_defaults:
         argv.append(f"--optimizer-impl={s.optimizer_impl}")
@@ -273,7 +292,7 @@ def run_plain(s: Setup, pin: bool, workdir: Path, pytorch_defaults: bool = False
     t0 = time.perf_counter()
     with LoadMeter() as load:
         proc = subprocess.run(
-            argv, capture_output=True, text=True, env=bench_env(), cwd=workdir, timeout=900
+            argv, capture_output=True, text=True, env=env or bench_env(), cwd=workdir, timeout=900
         )
     wall = time.perf_counter() - t0
     _check(proc, "plain loop")

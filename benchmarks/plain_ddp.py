@@ -111,7 +111,9 @@ def main() -> None:
     task = task_cls(config_cls(**json.loads(a.task)))
     torch.manual_seed(a.seed)
     ids = [local_rank] if cuda else None
-    model = DDP(task.build_model().to(device), device_ids=ids, **json.loads(a.ddp))
+    model = task.build_model().to(device)
+    if dist.get_world_size() > 1:  # one rank is a plain model, as a one-GPU script has it
+        model = DDP(model, device_ids=ids, **json.loads(a.ddp))
     train_set, _ = task.build_datasets()
     sampler = DistributedSampler(train_set, shuffle=True, seed=a.data_seed, drop_last=True)
     loader = DataLoader(
