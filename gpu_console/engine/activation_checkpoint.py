@@ -134,8 +134,18 @@ def _held_mode() -> type:
     return Held
 
 
+class NotMeasured(Exception):
+    """Why the bytes held cannot be measured, said as it is."""
+
+
+def _reason(e: Exception) -> str:
+    return str(e) if isinstance(e, NotMeasured) else f"{type(e).__name__}: {e}"[:300]
+
+
 def held_bytes(task: Any, model: nn.Module, batch: Any, autocast) -> int:
     """Bytes one forward of ``batch`` leaves alive for its backward (activations)."""
+    if not hasattr(task, "compute"):  # it trains through train_step alone
+        raise NotMeasured("the task has no compute() to measure a forward with")
     device = next(model.parameters()).device
     kept = {name: b.detach().clone() for name, b in model.named_buffers()}
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
@@ -165,13 +175,13 @@ def setup(task: Any, model: nn.Module, mode: str, measure) -> dict[str, Any] | N
     try:
         without = measure(model)
     except Exception as e:  # a probe that cannot follow the task is no reason to fail
-        without, fields["not_measured"] = None, f"{type(e).__name__}: {e}"[:300]
+        without, fields["not_measured"] = None, _reason(e)
     fields["blocks"] = apply(task, model, mode)
     with_ = None
     if without is not None:
         try:
             with_ = measure(model)
         except Exception as e:
-            fields["not_measured"] = f"{type(e).__name__}: {e}"[:300]
+            fields["not_measured"] = _reason(e)
     fields.update(held_without=without, held_with=with_)
     return fields

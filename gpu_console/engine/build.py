@@ -32,7 +32,7 @@ from .compile import Compiled, mode_of
 from .control import Control
 from .control_handler import CONTROL_INTERVAL_S, ControlHandler
 from .data import Batches, DataPosition, make_loader, move
-from .evaluate import Evaluator
+from .evaluate import Evaluator, without_compute
 from .evaluate import splits as eval_splits
 from .exchange import Exchange
 from .failure_checkpoint import FailureCheckpoint
@@ -184,6 +184,8 @@ def _data(s: Setup, m: _Model, facts: Facts) -> None:
     every rank, and recorded in this node's run.toml (a restart or a resume reads it)."""
     p, d, task = s.p, s.d, s.task
     train_set, eval_set = task.build_datasets()
+    if problem := without_compute(task, eval_set, p.task_kind):  # a launch refused it first
+        raise ValueError(problem)
     cuda = d.device.type == "cuda"
     collate = getattr(task, "collate", None)  # the task's own, else data.collate_of's rule
     if p.data.batch_size == "auto":

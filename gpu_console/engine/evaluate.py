@@ -35,14 +35,26 @@ def splits(eval_set) -> dict[str, Any]:
     return {"": eval_set}
 
 
+def without_compute(task, eval_set, kind: str) -> str | None:
+    """The one-line refusal of eval data for a task without ``compute`` (its ``train_step``
+    trains; eval runs ``compute`` on each batch), else None."""
+    if hasattr(task, "compute") or not splits(eval_set):
+        return None
+    return (
+        f"task.kind: {kind} returns eval data from build_datasets() but has no "
+        "compute(model, batch), which eval runs on each batch: add compute, or return None "
+        f"as the eval set (got {kind!r})"
+    )
+
+
 def metric_name(split: str, name: str) -> str:
     """``val/loss`` for a named split's metric (``eval.val/loss`` for keep_best), else ``loss``."""
     return f"{split}/{name}" if split else name
 
 
 def evaluate(out, d, task, wrapped, loaders, autocast, step: int, move, beat) -> dict[str, float]:
-    """Collective: every split's metrics, averaged over every rank's eval (on every rank), as
-    one ``eval`` event."""
+    """Collective: every split's metrics, averaged over every rank's eval (on every rank):
+    the ``eval`` event's numbers (:meth:`Evaluator.run` writes it)."""
     metrics: dict[str, float] = {}
     derived = getattr(task, "derived_metrics", None) or {}
     for split, loader in loaders.items():
@@ -52,8 +64,6 @@ def evaluate(out, d, task, wrapped, loaders, autocast, step: int, move, beat) ->
         for name, derive in derived.items():
             got[name] = float(derive(dict(got)))
         metrics.update((metric_name(split, k), v) for k, v in got.items())
-    if out.active:
-        out.event("eval", step=step, **metrics)
     return metrics
 
 
@@ -169,7 +179,9 @@ class Evaluator:
                 self.out, self.d, self.task, wrapped, self.loaders, self.autocast, step, move,
                 self.beat,
             )  # fmt: skip
-        self.opts.after_eval(metrics)
+        self.opts.after_eval(metrics)  # a plateau schedule: on the eval's own metrics
         with naming("the task's on_eval_end hook"):
-            self.hooks.eval_end(self.model, metrics)
+            metrics.update(self.hooks.eval_end(self.model, metrics))  # its own figures
+        if self.out.active:
+            self.out.event("eval", step=step, **metrics)
         return self.best.observe(step, metrics, lambda m: self.out.log("warning", m))

@@ -57,6 +57,10 @@ class _NotAsked(Exception):
     """``train.measure_flops`` says not to measure here."""
 
 
+class _NoCompute(Exception):
+    """A task that trains through its ``train_step`` alone: no ``compute`` to measure."""
+
+
 def sample_batch(loader: DataLoader) -> Any:
     """A training batch read from the loader's dataset directly (the loader is untouched)."""
     ds = loader.dataset
@@ -115,6 +119,8 @@ def per_sample(task, measure_now: Callable[[], float]) -> tuple[float | None, st
         return None, "measured by the rank that writes events"
     except _NotAsked:
         return None, "FLOPs not measured (train.measure_flops = false)"
+    except _NoCompute:
+        return None, "the task has no compute() to measure (declare flops_per_sample)"
     except Exception as e:  # a task the counter cannot follow is no reason to fail the run
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -167,6 +173,8 @@ def setup(
             raise _NotAsked
         if not writer:
             raise _NotHere
+        if not hasattr(task, "compute"):
+            raise _NoCompute
         return measure(task, model, move(sample_batch(loader), device), autocast)
 
     flops, flops_from = per_sample(task, measure_now)

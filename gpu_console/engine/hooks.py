@@ -13,7 +13,9 @@ the rank, as an exception in ``compute`` does, named (``the task's on_step_end h
 - ``on_eval_start(model, ctx)``: before each eval (a task that carries state across eval
   batches resets it here).
 - ``on_eval_end(model, metrics, ctx)``: after each eval, with its metrics reduced over
-  every rank (the eval event's numbers: the same dict on every rank).
+  every rank (the same dict on every rank). It may return ``{name: number}``: figures of its
+  own (a score over several splits), added to the eval event and judged by
+  ``checkpoint.keep_best`` like the eval's own.
 - ``on_train_end(model, ctx, reason)``: once, when the run ends ``"finished"`` (max_steps),
   ``"stopped"`` (a stop command) or ``"signal"`` (a scheduler's signal): after the end (or
   stop) checkpoint, so what it changes is not saved and a resume goes on as if it had not
@@ -83,9 +85,11 @@ class Hooks:
         if self._eval_start is not None:
             self._eval_start(model, self.ctx)
 
-    def eval_end(self, model, metrics: dict[str, float]) -> None:
-        if self._eval_end is not None:
-            self._eval_end(model, dict(metrics), self.ctx)
+    def eval_end(self, model, metrics: dict[str, float]) -> dict[str, float]:
+        """The figures the hook adds to the eval's (none without the hook)."""
+        if self._eval_end is None:
+            return {}
+        return added_figures(self._eval_end(model, dict(metrics), self.ctx), metrics)
 
     def train_end(self, model, reason: str) -> None:
         if self._train_end is not None:
@@ -138,3 +142,24 @@ def _to_cpu(obj: Any, clone: bool = False) -> Any:
     if isinstance(obj, tuple):
         return tuple(_to_cpu(v, clone) for v in obj)
     return obj
+
+
+def added_figures(got: Any, metrics: dict[str, float]) -> dict[str, float]:
+    """``on_eval_end``'s return value checked: None, or names (new ones) to numbers."""
+    if got is None:
+        return {}
+    if not isinstance(got, dict):
+        raise TypeError(
+            f"on_eval_end must return None or a dict of names to numbers (got {type(got).__name__})"
+        )
+    out: dict[str, float] = {}
+    for name, value in got.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"on_eval_end returned a figure named {name!r}: names are strings")
+        if name in metrics:
+            raise ValueError(f"on_eval_end returned {name!r}, a metric the eval reported already")
+        try:
+            out[name] = float(value)  # a number or a one-element tensor
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"on_eval_end returned {name!r} = {value!r}: not a number") from None
+    return out

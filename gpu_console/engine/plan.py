@@ -30,6 +30,7 @@ from .compile import mode_of
 from .context import planning
 from .data import make_loader
 from .evaluate import splits as eval_splits
+from .evaluate import without_compute
 from .hooks import attach
 from .optim_set import Optimizers
 from .schedule import decay_steps, floor_ratio, lr_factor, scaled_lr
@@ -211,6 +212,8 @@ def datasets(p: Profile, task, kind: str, world_size: int) -> tuple[Any, Any]:
     train_set, eval_set = _call(kind, "build_datasets()", task.build_datasets)
     if problem := batch_problem(len(train_set), world_size, p.data.batch_size):
         raise TaskBuildError(f"data.batch_size: {problem} (got {show(p.data.batch_size)})")
+    if problem := without_compute(task, eval_set, kind):
+        raise TaskBuildError(problem)
     return train_set, eval_set
 
 
@@ -220,7 +223,9 @@ def data_size(p: Profile, device_type: str, world_size: int) -> dict[str, Any]:
     kind = p.task_kind
     p, task = _task(p)
     attach(task, planning(p, world_size, device_type))  # as the loop does, before its data
-    train_set, _ = _call(kind, "build_datasets()", task.build_datasets)
+    train_set, eval_set = _call(kind, "build_datasets()", task.build_datasets)
+    if problem := without_compute(task, eval_set, kind):
+        raise TaskBuildError(problem)
     return {"train_samples": len(train_set)}  # the console judges it (launch.check_data)
 
 

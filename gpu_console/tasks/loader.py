@@ -31,7 +31,9 @@ def load_task_class(kind: str) -> type:
     cls = getattr(module, attr, None)
     if cls is None:
         raise TaskLoadError(f"task.kind: {module_name!r} has no {attr!r} (got {kind!r})")
-    missing = [m for m in ("build_model", "build_datasets", "compute") if not hasattr(cls, m)]
+    missing = [m for m in ("build_model", "build_datasets") if not hasattr(cls, m)]
+    if not hasattr(cls, "compute") and not hasattr(cls, "train_step"):
+        missing.append("compute (or train_step)")
     config = getattr(cls, "Config", None)
     if missing:
         raise TaskLoadError(f"task.kind: {kind} lacks {', '.join(missing)} (got {kind!r})")
