@@ -59,7 +59,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from overhead import LoadMeter, RunFailed, _check, fmt_spread, spread, steady_rate
+from overhead import (
+    LoadMeter,
+    _check,
+    entry,
+    fmt_spread,
+    spread,
+    steady_rate,
+    write_json,
+)
 
 HERE = Path(__file__).resolve().parent
 PLAIN = HERE / "plain_ddp.py"
@@ -378,15 +386,9 @@ def main() -> int:
             "torch": torch.__version__,
             "benchmark_s": bench_s,
         }
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {a.json}")
+        write_json(a.json, report)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except RunFailed as e:
-        print(f"gpu_overhead.py: {e}", file=sys.stderr)
-        sys.exit(1)
+    entry(main, "gpu_overhead.py")

@@ -539,15 +539,24 @@ def main() -> int:
             "help": helpt,
             "import": imp,
         }
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {a.json}")
+        write_json(a.json, report)
     return 0
 
 
-if __name__ == "__main__":
+def write_json(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def entry(main, script: str) -> None:
+    """Run a benchmark's ``main``: a run that failed is one line and exit 1."""
     try:
         sys.exit(main())
     except RunFailed as e:
-        print(f"overhead.py: {e}", file=sys.stderr)
+        print(f"{script}: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    entry(main, "overhead.py")

@@ -24,7 +24,6 @@ rank, 1.10 on two), and the difference in milliseconds per step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -34,13 +33,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from overhead import (  # noqa: E402  (a sibling script, not a package)
-    RunFailed,
     bench_env,
+    entry,
     fmt_spread,
     make_setup,
     run_engine,
     run_plain,
     spread,
+    write_json,
 )
 
 PROFILE = "transformer"
@@ -145,15 +145,9 @@ def main() -> int:
             "runs": results,
             "pairs": pairs,
         }
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {a.json}")
+        write_json(a.json, report)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except RunFailed as e:
-        print(f"tiny_step.py: {e}", file=sys.stderr)
-        sys.exit(1)
+    entry(main, "tiny_step.py")

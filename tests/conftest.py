@@ -400,6 +400,14 @@ def json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip().startswith("{")]
 
 
+def run_finished(procs, profile: Path, runs_dir: Path, cwd: Path) -> tuple[Path, str]:
+    """``run PROFILE --headless`` to its end, which must be a success: (the run, its output)."""
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=cwd)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    return only_run(runs_dir), out
+
+
 def task_profile(tmp_path: Path, module: str, source: str, cls: str, **kw) -> Path:
     """A fast profile whose task is ``module:cls``, written from ``source`` into tmp_path."""
     (tmp_path / f"{module}.py").write_text(source)

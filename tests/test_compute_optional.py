@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 import torch
-from conftest import events_of, only_run, write_profile
+from conftest import events_of, run_finished, write_profile
 
 from gpu_console.engine import activation_checkpoint, flops
 from gpu_console.peaks import Peak
@@ -52,17 +52,11 @@ class StepOnly:
         return TaskOutput(loss=loss.detach(), samples=len(x))
 
 
-class Neither:
+class Neither:  # neither compute nor train_step
     Config = Config
-
-    def __init__(self, config):
-        self.cfg = config
-
-    def build_model(self):
-        return nn.Linear(4, 1)
-
-    def build_datasets(self):
-        return None, None
+    __init__ = StepOnly.__init__
+    build_model = StepOnly.build_model
+    build_datasets = StepOnly.build_datasets
 """
 
 
@@ -129,12 +123,7 @@ def test_without_compute_flops_and_held_bytes_say_why_they_are_not_measured(tmp_
 def test_a_train_step_task_without_compute_trains_and_says_why_no_flops(procs, runs_dir, tmp_path):
     # measure_flops = true asks for the count that needs compute: the run goes on without it.
     profile = step_only_profile(tmp_path, extra="measure_flops = true")
-    result = procs.cli(
-        "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path
-    )  # fmt: skip
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out
-    run = only_run(runs_dir)
+    run, _ = run_finished(procs, profile, runs_dir, tmp_path)
     [start] = events_of(run, "start")
     assert start["train_step"] == "task"
     assert (start["flops_per_sample"], start["flops_from"]) == (None, "unknown")

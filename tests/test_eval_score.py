@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import events_of, only_run, task_profile
+from conftest import events_of, run_finished, task_profile
 
 from gpu_console.engine.hooks import added_figures
 from gpu_console.runs import best_checkpoint
@@ -34,12 +34,7 @@ def test_a_score_over_two_splits_is_in_each_eval_and_keeps_the_best(procs, runs_
                            extra=extra)  # fmt: skip
     text = profile.read_text().replace("log_every = 1", "log_every = 1\neval_every = 2")
     profile.write_text(text.replace("lr = 3e-3", "lr = 3e-2"))
-    result = procs.cli(
-        "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path
-    )  # fmt: skip
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out
-    run = only_run(runs_dir)
+    run, out = run_finished(procs, profile, runs_dir, tmp_path)
     evals = events_of(run, "eval")
     assert [e["step"] for e in evals] == [2, 4, 6, 8]
     for e in evals:
