@@ -120,7 +120,7 @@ def test_without_compute_flops_and_held_bytes_say_why_they_are_not_measured(tmp_
         activation_checkpoint.held_bytes(task, model, next(iter(loader)), contextlib.nullcontext())
 
 
-def test_a_train_step_task_without_compute_trains_and_says_why_no_flops(procs, runs_dir, tmp_path):
+def test_a_train_step_task_without_compute_trains_without_a_flops_count(procs, runs_dir, tmp_path):
     # measure_flops = true asks for the count that needs compute: the run goes on without it.
     profile = step_only_profile(tmp_path, extra="measure_flops = true")
     run, _ = run_finished(procs, profile, runs_dir, tmp_path)

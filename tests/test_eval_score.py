@@ -42,7 +42,9 @@ def test_a_score_over_two_splits_is_in_each_eval_and_keeps_the_best(procs, runs_
     best = min(evals, key=lambda e: e["score"])
     named = best_checkpoint(run)
     assert named is not None and named.name == f"step-{best['step']:08d}", (named, evals)
-    assert "score" in out  # the headless eval line shows it with the eval's own
+    # The headless eval line shows it with the eval's own figures.
+    [line] = [ln for ln in out.splitlines() if ln.startswith("eval @ step 8:")]
+    assert " a/loss " in line and "  score " in line, line
 
 
 def test_what_on_eval_end_returns_is_checked():
