@@ -28,6 +28,18 @@ def bf16_native(capability: Sequence[int] | None) -> bool:
 
 FP16_NEEDS_GPU = "fp16 needs a GPU (its GradScaler is CUDA-only)"
 
+# FSDP's sharded GradScaler (fp16 on a GPU) hands the optimizer a found-inf flag of shape [1];
+# the fused Adam/AdamW/SGD kernels subtract it in place from step counts of shape [], which
+# torch refuses at the first step (torch 2.11 on an H200; the same on CPU with torch 2.13).
+FUSED_UNDER_SHARDED_SCALER = (
+    "the fused optimizer kernels cannot step under FSDP's fp16 GradScaler (torch's sharded scaler)"
+)
+
+
+def fused_steps_ok(strategy: str, precision: str, device_type: str) -> bool:
+    """Whether a fused optimizer can step under this strategy and precision."""
+    return not (strategy == "fsdp" and precision == "fp16" and device_type == "cuda")
+
 
 def precision_refusals(
     device_type: str, gpus: Sequence[int], capabilities: dict[int, Sequence[int] | None]

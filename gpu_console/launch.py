@@ -25,9 +25,11 @@ from pathlib import Path
 from . import diskfull, lost, runs, session_lock, torchrun
 from .batching import batch_problem
 from .devices import (
+    FUSED_UNDER_SHARDED_SCALER,
     DeviceSpecError,
     Placement,
     check_cpu_ranks,
+    fused_steps_ok,
     parse_devices,
     place,
     precision_refusals,
@@ -545,6 +547,12 @@ def prepare(
     if why := precision_refusal(placement, profile.train.precision):
         prec = profile.train.precision
         raise bad("train.precision", f"{why}; {instead[prec]}", prec)
+    if profile.train.optimizer_impl == "fused" and not fused_steps_ok(
+        profile.distributed.strategy, profile.train.precision, placement.device_type
+    ):  # a precision of auto that becomes fp16 on an old GPU: the ranks refuse it the same
+        raise bad(
+            "train.optimizer_impl", f"{FUSED_UNDER_SHARDED_SCALER}; use auto or foreach", "fused"
+        )
     world = placement.nproc * (nodes.max_nodes if nodes else 1)
     check_data(profile, placement, world, task_cwd or os.getcwd(), bad, build_data)
     return profile, placement, resume_from

@@ -126,8 +126,8 @@ class TrainConfig:
     )
     optimizer_impl: Literal["auto", "fused", "foreach", "for-loop"] = opt(
         "auto",
-        "optimizer kernel: auto (fused where torch has one for the device), fused, foreach, "
-        "for-loop",
+        "optimizer kernel: auto (fused where torch has one for the device, foreach under "
+        "FSDP's fp16 scaler), fused, foreach, for-loop",
     )
     warmup_steps: int = opt(
         0, "linear warmup from 0 to lr (a shorter --set train.max_steps clamps it)", min=0

@@ -209,3 +209,25 @@ def test_a_gpu_index_above_the_visible_count_is_one_line_exit_2(
         "0..3) (got '0,7')"
     ]
     assert not runs.exists(), "nothing written"
+
+
+def test_a_fused_optimizer_under_fsdp_fp16_is_refused_before_anything_is_written(
+    node, monkeypatch, capsys, tmp_path
+):
+    # torch's sharded GradScaler cannot step the fused kernels (tests/test_fused_scaler.py).
+    runs = tmp_path / "runs"
+    args = ["run", "transformer", "--headless", "--devices", "0", "--runs-dir", str(runs)]
+    fsdp = ["--set", "distributed.strategy=fsdp", "--set", "train.optimizer_impl=fused"]
+    code, out, err = run_cli(monkeypatch, capsys, *args, "--precision", "fp16", *fsdp)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(
+        "gpu-console: --set: train.optimizer_impl: the fused optimizer kernels cannot step "
+        "under FSDP's fp16 GradScaler"
+    ), err
+    assert err.rstrip().endswith("use auto or foreach (got 'fused')"), err
+    assert not runs.exists(), "nothing written"
+    # bf16 has no GradScaler: the fused kernels stand.
+    profile, _, _ = launch.prepare(
+        "transformer", devices="0", precision="bf16", runs_dir=runs, overrides=fsdp[1::2]
+    )
+    assert profile.train.optimizer_impl == "fused"

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..devices import fused_steps_ok
 from ..profile import Profile
 from ..runs import write_nodes
 from ..tasks.base import Task
@@ -170,11 +171,12 @@ def _model(s: Setup, facts: Facts) -> _Model:
     torch.manual_seed(p.train.seed)  # identical init on every rank
     model = precision.cast_model(task.build_model().to(d.device), facts.prec)
     facts.lr = scaled_lr(p.train.lr, d.world_size, p.distributed.lr_scaling)
-    # The task's configure_optimizers(), else train.optimizer: every one by name.
-    opts = Optimizers.build(task, model, p, d.world_size, d.device.type, ctx)
-    ctx.optimizers = {e.name: e.optimizer for e in opts.entries}  # what the hooks may reach
     strategy = for_profile(p.distributed, d)
     scaler = strategy.make_scaler(facts.prec, d.device.type)
+    # The task's configure_optimizers(), else train.optimizer: every one by name.
+    fused_ok = fused_steps_ok(p.distributed.strategy, facts.prec, d.device.type)
+    opts = Optimizers.build(task, model, p, d.world_size, d.device.type, ctx, fused_ok)
+    ctx.optimizers = {e.name: e.optimizer for e in opts.entries}  # what the hooks may reach
     update = for_task(task, opts, p.train, d, scaler, ctx, s.beat)
     return _Model(ctx, hooks, model, opts, strategy, update)
 

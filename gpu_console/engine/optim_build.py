@@ -31,11 +31,12 @@ _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 _NORMS = torch_private.norm_layer_types()
 
 
-def resolve_impl(requested: str, device_type: str) -> str:
-    """``auto`` → ``fused`` where this torch has a fused AdamW for the device, else foreach."""
+def resolve_impl(requested: str, device_type: str, fused_ok: bool = True) -> str:
+    """``auto`` → ``fused`` where this torch has a fused AdamW for the device and the run's
+    GradScaler lets it step (devices.fused_steps_ok), else foreach."""
     if requested != "auto":
         return requested
-    fused = device_type in torch_private.fused_kernel_devices()
+    fused = fused_ok and device_type in torch_private.fused_kernel_devices()
     return "fused" if fused else "foreach"
 
 
@@ -175,10 +176,10 @@ def build(
 
 
 def build_profile(
-    groups: list[dict[str, Any]], lr: float, train, device_type: str
+    groups: list[dict[str, Any]], lr: float, train, device_type: str, fused_ok: bool = True
 ) -> torch.optim.Optimizer:
     """``train.optimizer`` with the profile's settings (AdamW's are :func:`build`'s exactly)."""
-    kwargs = adamw_kwargs(resolve_impl(train.optimizer_impl, device_type))
+    kwargs = adamw_kwargs(resolve_impl(train.optimizer_impl, device_type, fused_ok))
     if train.optimizer == "sgd":
         return torch.optim.SGD(
             groups,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
+from ..devices import FUSED_UNDER_SHARDED_SCALER
 from ..tasks.base import OptimizerSpec
 from . import optim_build as optim
 from .resume import Settings
@@ -62,21 +63,40 @@ class Optimizers:
 
     # -- building ---------------------------------------------------------------------
     @classmethod
-    def build(cls, task, model, p, world_size: int, device_type: str, ctx) -> Optimizers:
+    def build(
+        cls, task, model, p, world_size: int, device_type: str, ctx, fused_ok: bool = True
+    ) -> Optimizers:
+        """``fused_ok``: whether a fused kernel can step under the run's GradScaler
+        (devices.fused_steps_ok); where not, ``auto`` picks foreach and a fused optimizer
+        asked for by name is refused before the first step, with why."""
         hook = getattr(task, "configure_optimizers", None)
         if hook is None:
-            return cls.from_profile(task, model, p, world_size, device_type)
-        return cls.from_task(hook(model, ctx), model)
+            return cls.from_profile(task, model, p, world_size, device_type, fused_ok)
+        opts = cls.from_task(hook(model, ctx), model)
+        fused = [e.name for e in opts.entries if e.optimizer.defaults.get("fused")]
+        if fused and not fused_ok:
+            raise OptimizerSetupError(
+                f"task.configure_optimizers: optimizer {fused[0]!r} is fused, and "
+                f"{FUSED_UNDER_SHARDED_SCALER}: build it with foreach=True"
+            )
+        return opts
 
     @classmethod
-    def from_profile(cls, task, model, p, world_size: int, device_type: str) -> Optimizers:
+    def from_profile(
+        cls, task, model, p, world_size: int, device_type: str, fused_ok: bool = True
+    ) -> Optimizers:
         t = p.train
+        if t.optimizer_impl == "fused" and not fused_ok:
+            raise OptimizerSetupError(
+                f"train.optimizer_impl: {FUSED_UNDER_SHARDED_SCALER}; use auto (foreach "
+                "there) or foreach (got 'fused')"
+            )
 
         def scale(x: float) -> float:
             return scaled_lr(x, world_size, p.distributed.lr_scaling)
 
         groups, decay = optim.groups(task, model, t, scale)
-        opt = optim.build_profile(groups, scale(t.lr), t, device_type)
+        opt = optim.build_profile(groups, scale(t.lr), t, device_type, fused_ok)
         scheduler = LambdaLR(opt, lambda s: lr_factor(s, t))
         schedule = {
             "kind": t.schedule,

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..batching import batch_problem
+from ..devices import fused_steps_ok
 from ..profile import Profile, resolve, with_task_config
 from ..schema import show
 from ..tasks.loader import TaskLoadError, load_task_class
@@ -91,9 +92,10 @@ def plan(
     lr = scaled_lr(p.train.lr, world_size, p.distributed.lr_scaling)
     # The optimizers are built for the run's device type (their kernel choice), over CPU
     # tensors: every implementation a run can pick takes them. A task's hook sees rank 0.
+    fused_ok = fused_steps_ok(p.distributed.strategy, prec, device_type)
     opts = _call(
         kind, "configure_optimizers()", Optimizers.build, task, model, p, world_size, device_type,
-        ctx,
+        ctx, fused_ok,
     )  # fmt: skip
     scheduler = opts.entries[0].scheduler
 
