@@ -1,4 +1,5 @@
-"""An optimizer that steps with a closure (LBFGS) through the engine (closure_step.py): each
+"""An optimizer that steps with a closure (LBFGS) through the engine (closure_step.py), or
+from a task's own ``train_step`` (``optimizers.step(name, closure=...)``, task_step.py): each
 evaluation averages the gradients and the loss over the ranks, so 2 CPU ranks give what 1
 rank gives with the same global batch, to float rounding. Real torchrun."""
 
@@ -17,19 +18,43 @@ class Lbfgs(MLPTask):
         return torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=4)
 """
 
+# The same LBFGS stepped from the task's own train_step; the step reports the loss before
+# the update (the closure's first evaluation), as the engine's own step does.
+OWN_STEP_TASK = (
+    LBFGS_TASK
+    + """
+
+class OwnStep(Lbfgs):
+    def train_step(self, model, batch, optimizers, ctx):
+        outputs = []
+
+        def closure():
+            out = self.compute(model, batch)
+            optimizers.backward(out.loss, "main")
+            outputs.append(out)
+            return out.loss
+
+        optimizers.step("main", closure=closure)
+        return outputs[0]
+"""
+)
+
 SETS = ["--precision", "fp64", "--set", "train.clip_grad_norm=0"]  # as a script: no clipping
 
 
-def _losses(procs, tmp_path, name: str, devices: str, batch: int) -> list[float]:
+def _losses(
+    procs, tmp_path, name: str, devices: str, batch: int, cls: str = "Lbfgs"
+) -> list[float]:
     runs = tmp_path / name
-    profile = task_profile(tmp_path, "lbfgs", LBFGS_TASK, "Lbfgs", max_steps=6)
+    source = OWN_STEP_TASK if cls == "OwnStep" else LBFGS_TASK
+    profile = task_profile(tmp_path, "lbfgs", source, cls, max_steps=6)
     result = procs.cli("run", str(profile), "--headless", "--devices", devices, *SETS,
                        "--set", f"data.batch_size={batch}", "--runs-dir", str(runs),
                        cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     run = only_run(runs)
     start = events_of(run, "start")[0]
-    assert start["train_step"] == "engine (closure)"
+    assert start["train_step"] == ("task" if cls == "OwnStep" else "engine (closure)")
     assert start["optimizer"].startswith("LBFGS")
     return [e["loss"] for e in events_of(run, "step")]
 
@@ -60,3 +85,49 @@ def test_a_closure_optimizer_beside_another_is_refused_in_one_line():
         closure_step.check(alone, object())
     assert closure_step.needs_closure(alone.first)
     assert not closure_step.needs_closure(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_lbfgs_from_a_tasks_own_step_on_two_ranks_equals_one_rank(procs, tmp_path):
+    one = _losses(procs, tmp_path, "one", "cpu:1", 64, "OwnStep")
+    two = _losses(procs, tmp_path, "two", "cpu:2", 32, "OwnStep")
+    assert len(one) == len(two) == 6
+    assert two == pytest.approx(one, rel=1e-9, abs=0)
+    assert one[-1] < one[0]
+    # The task's closure makes the engine's own closure step's evaluations, in its order.
+    engine = _losses(procs, tmp_path, "engine", "cpu:1", 64)
+    assert one == pytest.approx(engine, rel=1e-12, abs=0)
+
+
+def test_a_closure_step_says_what_it_needs():
+    import torch
+
+    from gpu_console.engine.optim_set import Optimizers
+    from gpu_console.engine.task_step import StepOptimizers
+
+    model = torch.nn.Linear(3, 1, dtype=torch.float64)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    opts = Optimizers.from_task(torch.optim.LBFGS(model.parameters(), max_iter=3), model)
+
+    def stepper(accum: int = 1) -> StepOptimizers:
+        return StepOptimizers(opts, torch.device("cpu"), 1, accum, float("inf"), True, None)
+
+    def closure(s: StepOptimizers):
+        def fn():
+            loss = model(x).square().mean()
+            s.backward(loss, "main")
+            return loss
+
+        return fn
+
+    s = stepper()
+    with pytest.raises(TypeError, match=r"LBFGS steps with a closure: optimizers.step\('main'"):
+        s.step("main")
+    before = model.weight.detach().clone()
+    s.step("main", closure=closure(s))
+    assert not torch.equal(before, model.weight), "LBFGS stepped"
+    assert all(q.grad is None for q in model.parameters()), "gradients set to None after"
+    _, norms, skipped = s.finish()
+    assert set(norms) == {"main"} and skipped == 0
+    s = stepper(accum=2)
+    with pytest.raises(ValueError, match=r"needs train.grad_accum = 1 .*got 2"):
+        s.step("main", closure=closure(s))

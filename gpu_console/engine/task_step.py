@@ -12,6 +12,9 @@ cannot say that. With ``train_step`` the task calls, in its own order:
   (one all-reduce), unscales them (fp16), clips them to ``train.clip_grad_norm``, skips the
   update if their norm is not finite (``nan_policy`` skip or stop), steps, and sets them to
   ``None``;
+- ``optimizers.step(name, closure=fn)``: an optimizer that evaluates the loss again
+  (LBFGS): ``fn`` computes the loss, calls ``optimizers.backward(loss, name)`` and returns
+  the loss; each evaluation is averaged over the ranks and clipped;
 - ``optimizers[name]``: the optimizer itself (its lr, its groups).
 
 The engine runs ``train_step`` under autocast, once per micro-batch, with the bare model
@@ -24,12 +27,13 @@ events report).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .closure_step import needs_closure
 from .optim_set import Optimizers
 from .update_step import Update, UpdateStep
 
@@ -104,11 +108,22 @@ class StepOptimizers(Mapping):
         for q, g in zip(others, kept, strict=True):
             q.grad = g
 
-    def step(self, name: str) -> None:
-        """At the step's last micro-batch: average, unscale, clip, check, step, zero."""
+    def step(self, name: str, closure: Callable[[], torch.Tensor] | None = None) -> None:
+        """At the step's last micro-batch: average, unscale, clip, check, step, zero.
+
+        ``closure`` (an optimizer such as LBFGS whose ``step`` evaluates the loss again):
+        it computes the loss, calls ``backward(loss, name)`` and returns the loss; each of
+        its evaluations is averaged over the ranks and clipped (:meth:`_closure_step`)."""
         if not self.final:
             return
         entry = self._entry(name)
+        if closure is not None:
+            return self._closure_step(entry, closure)
+        if needs_closure(entry.optimizer):
+            raise TypeError(
+                f"optimizers.step({name!r}): {type(entry.optimizer).__name__} steps with a "
+                f"closure: optimizers.step({name!r}, closure=...) (docs/tasks.md)"
+            )
         params = [q for q in entry.params if q.requires_grad]
         if not self.sharded:
             average(params, self.world_size)
@@ -124,6 +139,48 @@ class StepOptimizers(Mapping):
             self.skipped += 1
         else:
             entry.optimizer.step()
+        entry.optimizer.zero_grad(set_to_none=True)
+
+    def _closure_step(self, entry, closure: Callable[[], torch.Tensor]) -> None:
+        """Every evaluation, the first included, is the task's closure from zeroed gradients,
+        then the average over the ranks, the clip and the loss's mean over the ranks: every
+        rank's optimizer sees the same numbers and makes the same decisions (the same
+        collectives), so 2 ranks step as 1 rank with the global batch. The first evaluation
+        is made here, before the step: its norm is the non-finite check's, and the
+        optimizer's own first call gets it back without a second forward."""
+        name = entry.name
+        if self.accum > 1:  # the earlier micro-batches' gradients would be zeroed unseen
+            raise ValueError(
+                f"optimizers.step({name!r}, closure=...): needs train.grad_accum = 1 (a "
+                f"closure evaluates its own batch; got {self.accum})"
+            )
+        if self.scalers is not None:
+            raise ValueError(
+                f"optimizers.step({name!r}, closure=...): a closure cannot step under fp16's "
+                "loss scaling; use train.precision = bf16, fp32 or fp64"
+            )
+        params = [q for q in entry.params if q.requires_grad]
+
+        def evaluate() -> tuple[torch.Tensor, torch.Tensor]:
+            entry.optimizer.zero_grad(set_to_none=True)
+            with torch.enable_grad():  # an optimizer's step runs under no_grad
+                loss = closure()
+            if not self.sharded:
+                average(params, self.world_size)
+            norm = self._clip(params, self.max_norm)
+            mean = loss.detach().clone()
+            if self.world_size > 1:
+                dist.all_reduce(mean)
+                mean /= self.world_size
+            return mean, norm
+
+        loss, norm = evaluate()
+        self._norms[name] = norm
+        if self.guard and not bool(torch.isfinite(norm)):
+            self.skipped += 1
+        else:
+            first = [loss]
+            entry.optimizer.step(lambda: first.pop() if first else evaluate()[0])
         entry.optimizer.zero_grad(set_to_none=True)
 
     def clip(self, name: str, max_norm: float) -> torch.Tensor:
