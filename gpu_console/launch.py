@@ -595,7 +595,7 @@ def check_data(
             )
             return
         samples = answer["train_samples"]
-    if problem := batch_problem(samples, world, profile.data.batch_size):
+    if problem := batch_problem(samples, world, profile.data.batch_size, profile.data.drop_last):
         raise bad("data.batch_size", problem, profile.data.batch_size)
 
 

@@ -94,6 +94,11 @@ class DataConfig:
         "training order: shuffle each epoch, sequential, contiguous per-rank streams "
         "(truncated BPTT), or random with replacement (docs/tasks.md: Data order)",
     )
+    drop_last: bool = opt(
+        True,
+        "training drops each epoch's ragged tail; false: each rank's last batch of the epoch "
+        "is smaller (shuffle and sequential orders)",
+    )
     eval_batch_size: int = opt(0, "samples per rank per eval batch (0 = data.batch_size)", min=0)
     auto_batch_headroom: float = opt(
         0.10,
@@ -421,6 +426,7 @@ def resolve(
     errors += _determinism_conflicts(built, data.get("hardware"))
     errors += _best_mode_conflicts(built, overridden)
     errors += _optimizer_conflicts(built.get("train"))
+    errors += _data_conflicts(built.get("data"))
     errors += _blocks_conflicts(built.get("train"), kind)
     if errors:
         raise ProfileError([_blame(e, source, overridden) for e in errors])
@@ -465,6 +471,16 @@ def _optimizer_conflicts(train: TrainConfig | None) -> list[str]:
     if train.min_lr > train.lr:
         errors.append(f"train.min_lr: must not exceed train.lr={train.lr:g} (got {train.min_lr:g})")
     return errors
+
+
+def _data_conflicts(data: DataConfig | None) -> list[str]:
+    """The stream orders cut the data into whole batches per rank: no ragged tail to keep."""
+    if data is None or data.drop_last or data.order in ("shuffle", "sequential"):
+        return []
+    return [
+        "data.drop_last: false needs data.order = 'shuffle' or 'sequential' (got order "
+        f"{schema.show(data.order)})"
+    ]
 
 
 def _blocks_conflicts(train: TrainConfig | None, kind: Any) -> list[str]:

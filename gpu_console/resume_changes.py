@@ -99,6 +99,11 @@ TABLE: dict[str, tuple[str, str]] = {
         "ends, samples may repeat or be skipped, and a task's carried stream state no longer "
         "matches its rows",
     ),
+    "data.drop_last": (
+        APPLIED,
+        "from the resume's position: the epoch under way keeps or drops its tail by the new "
+        "setting",
+    ),
     "data.eval_batch_size": (APPLIED, "the eval's batches (its metrics are per sample)"),
     "data.auto_batch_headroom": (
         APPLIED,

@@ -3,15 +3,18 @@
 The position in the data is (epoch, samples the whole run consumed in that epoch). With
 ``shuffle`` (``sequential`` is the same without the permutation) each epoch's order is a
 permutation drawn from ``data.seed + epoch``, and the ranks take it in turns (rank r the
-samples at r, r + world, ...), so what every rank consumed together is
-always a prefix of that permutation. A resumed run rebuilds the same order and deals out
-what follows the prefix, with no generator state to carry, whatever its world size and
-batch size: no sample of the epoch is skipped or repeated (the epoch's ragged tail, fewer
-samples than one batch on every rank, is dropped as always). With the same world and batch
-it is the very same split, batch for batch. The stream orders (``contiguous``: each rank's
-rows are consecutive slices of the data set, batchify's layout; ``random``: with replacement,
-a generator per batch) are functions of the batch index, ``samples // (world × batch)``:
-exact with the same world and batch size, and kept as that index otherwise.
+samples at r, r + world, ...), so what every rank consumed together is always a prefix of
+that permutation. A resumed run rebuilds the same order and deals out what follows the
+prefix, with no generator state to carry, whatever its world size and batch size: no sample
+of the epoch is skipped or repeated (the epoch's ragged tail, fewer samples than one batch
+on every rank, is dropped unless ``data.drop_last = false``: then it is dealt out too,
+padded with the epoch's first samples to the same count on every rank, as torch's
+DistributedSampler pads, so every rank's last batch of the epoch has the same size). With
+the same world and batch it is the very same split, batch for batch. The stream orders
+(``contiguous``: each rank's rows are consecutive slices of the data set, batchify's layout;
+``random``: with replacement, a generator per batch) are functions of the batch index,
+``samples // (world × batch)``: exact with the same world and batch size, and kept as that
+index otherwise.
 
 Random draws in the dataset (augmentations): with ``data.num_workers = 0`` they come from
 the rank's own RNG stream, which checkpoints carry. In worker processes, the global RNGs
@@ -76,12 +79,15 @@ class ShardSampler(Sampler[int]):
         seed: int,
         train: bool,
         order: str = "shuffle",
+        keep_last: bool = False,
     ):
         if order not in ORDERS:
             raise ValueError(f"data.order: one of {', '.join(ORDERS)} (got {order!r})")
         self.n, self.rank, self.world = n, rank, world
         self.batch_size, self.seed, self.train = batch_size, seed, train
         self.order = order if train else "sequential"
+        # data.drop_last = false (profile.py refuses it with the stream orders)
+        self.keep_last = keep_last and train and self.order in ("shuffle", "sequential")
         self.epoch = 0
         self.start = 0  # samples of the epoch's order already consumed by all ranks
         self.per_rank = self._per_rank()
@@ -92,6 +98,8 @@ class ShardSampler(Sampler[int]):
             return -(-self.n // self.world)
         if self.order in ("contiguous", "random"):
             return max(0, self.batches_per_epoch() - self.start_batch) * self.batch_size
+        if self.keep_last:  # the tail too, padded: every rank the same count
+            return max(0, -(-(self.n - self.start) // self.world))
         # Training drops the ragged tail so every rank takes the same number of steps.
         return ((self.n - self.start) // self.world) // self.batch_size * self.batch_size
 
@@ -106,8 +114,8 @@ class ShardSampler(Sampler[int]):
         return self.start // (self.world * self.batch_size)
 
     def batches_per_epoch(self) -> int:
-        """Whole batches per rank in a training epoch read from its start."""
-        return batches_per_epoch(self.n, self.world, self.batch_size)
+        """Batches per rank in a training epoch read from its start."""
+        return batches_per_epoch(self.n, self.world, self.batch_size, not self.keep_last)
 
     def _streams(self) -> Iterator[int]:
         """Contiguous: the data set cut into ``world × batch_size`` streams of ``L`` samples,
@@ -132,8 +140,11 @@ class ShardSampler(Sampler[int]):
             order = torch.randperm(self.n, generator=g)
         else:
             order = torch.arange(self.n)
+        end = self.start + self.world * self.per_rank
+        if end > self.n:  # keep_last: padded with the order's first samples
+            order = order.repeat(-(-end // self.n))
         first = self.start + self.rank
-        return order[first : self.start + self.world * self.per_rank : self.world].tolist()
+        return order[first : end : self.world].tolist()
 
     def __iter__(self) -> Iterator[int]:
         if self.order in ("contiguous", "random"):
@@ -231,13 +242,13 @@ def make_loader(
     ``prec``: the run's precision (fp64: the batches' floating tensors in float64)."""
     n = len(dataset)  # type: ignore[arg-type]
     size = batch_size or cfg.batch_size
-    sampler = ShardSampler(n, rank, world, size, cfg.seed, train, cfg.order)
-    if train and (problem := batch_problem(n, world, size)):
+    sampler = ShardSampler(n, rank, world, size, cfg.seed, train, cfg.order, not cfg.drop_last)
+    if train and (problem := batch_problem(n, world, size, cfg.drop_last)):
         raise ValueError(f"data.batch_size: {problem} (got {cfg.batch_size})")
     workers = cfg.num_workers
     return DataLoader(
         SeededFetch(dataset, cfg.seed, rank),  # type: ignore[arg-type]
-        batch_sampler=KeyedBatchSampler(sampler, size, drop_last=train),
+        batch_sampler=KeyedBatchSampler(sampler, size, drop_last=train and not sampler.keep_last),
         collate_fn=precision.collate_in(prec, collate_of(dataset, collate)),
         num_workers=workers,
         pin_memory=cfg.pin_memory and cuda,
@@ -291,6 +302,8 @@ class Batches:
         """Epochs the train data has completed: at an epoch's end (no whole batch left for
         every rank) that epoch counts, before the next draw moves the position on."""
         s, at = self.sampler, self.position
+        if s.keep_last:
+            return at.epoch + (at.samples >= s.n)
         return at.epoch + ((s.n - at.samples) // s.world < s.batch_size)
 
 

@@ -212,7 +212,7 @@ def datasets(p: Profile, task, kind: str, world_size: int) -> tuple[Any, Any]:
     """The task's data sets, the training set checked against the batch (batching.py): the
     check a launch makes too (:func:`data_size`, judged by ``launch.check_data``)."""
     train_set, eval_set = _call(kind, "build_datasets()", task.build_datasets)
-    if problem := batch_problem(len(train_set), world_size, p.data.batch_size):
+    if problem := batch_problem(len(train_set), world_size, p.data.batch_size, p.data.drop_last):
         raise TaskBuildError(f"data.batch_size: {problem} (got {show(p.data.batch_size)})")
     if problem := without_compute(task, eval_set, kind):
         raise TaskBuildError(problem)
