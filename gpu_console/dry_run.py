@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from . import launch, runs, strict_json
+from .batching import epochs_to_steps
 from .devices import Placement, parse_devices
 from .format import strategy_text
 from .profile import Profile, find_profile
 from .resume_changes import line as change_line
+from .schema import show as show_value
 
 PLAN_TIMEOUT_S = 300
 
@@ -142,6 +144,9 @@ def build(
         meta = runs.read_json(resume_from / "meta.json")  # prepare checked its step
         start = meta["step"] if isinstance(meta, dict) else 0
     built = engine_plan(profile, placement, world, cwd, start, step=step)
+    # A user task's lengths in epochs: its size is known once the plan built its data (the
+    # plan applied the same rule to its copy of the profile).
+    epochs_to_steps(profile, built["train_samples"], world, _refusal)
     if resume_run is not None and nodes is None:
         run_dir, creates = resume_run, False  # a resumed run continues in its own directory
     else:
@@ -365,3 +370,7 @@ def _rehearsal(r: dict[str, Any] | None) -> str:
 def show(plan: dict[str, Any], as_json: bool) -> int:
     print(strict_json.dumps(plan, indent=2) if as_json else text(plan))
     return 0
+
+
+def _refusal(key: str, problem: str, value: Any) -> launch.LaunchError:
+    return launch.LaunchError(f"{key}: {problem} (got {show_value(value)})")

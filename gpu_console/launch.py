@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from . import diskfull, lost, runs, session_lock, torchrun
-from .batching import batch_problem
+from .batching import batch_problem, epochs_to_steps
 from .devices import (
     FUSED_UNDER_SHARDED_SCALER,
     DeviceSpecError,
@@ -532,7 +532,6 @@ def prepare(
                 first.key, f"a resumed run cannot change it (was {show(first.old)}): "
                 f"{first.why}{more}", first.new,
             )  # fmt: skip
-        _steps_left(resume_run, resume_step, profile.train.max_steps, bad)
     try:
         placement = resolve_placement(profile.hardware.devices, profile.hardware.oversubscribe)
     except DeviceSpecError as e:
@@ -554,7 +553,11 @@ def prepare(
             "train.optimizer_impl", f"{FUSED_UNDER_SHARDED_SCALER}; use auto or foreach", "fused"
         )
     world = placement.nproc * (nodes.max_nodes if nodes else 1)
-    check_data(profile, placement, world, task_cwd or os.getcwd(), bad, build_data)
+    samples = check_data(profile, placement, world, task_cwd or os.getcwd(), bad, build_data)
+    if build_data or samples is not None:  # else --dry-run's plan turns them into steps
+        epochs_to_steps(profile, samples, world, bad)
+    if resume_run is not None:
+        _steps_left(resume_run, resume_step, profile.train.max_steps, bad)
     return profile, placement, resume_from
 
 
@@ -572,15 +575,15 @@ def data_check_s() -> float:
 
 def check_data(
     profile: Profile, placement: Placement, world: int, cwd: str, bad, build: bool = True
-) -> None:
+) -> int | None:
     """``data.batch_size`` against the training set (batching.py), as the ranks would judge it
     after launch. A built-in task's size is a key of its own; a user task's data sets are
     built once by the engine's own code in a subprocess (the console never imports torch),
-    unless ``build`` is False."""
+    unless ``build`` is False. The training set's size, where it was found."""
     samples = getattr(profile.task, "train_samples", None)
     if profile.task_kind not in BUILTIN or not isinstance(samples, int):
         if not build:
-            return
+            return None
         from .dry_run import PlanTimeout, engine_plan
 
         try:
@@ -593,10 +596,11 @@ def check_data(
             profile.notes.append(
                 f"data.batch_size: not checked before launch ({e}); the ranks check it"
             )
-            return
+            return None
         samples = answer["train_samples"]
     if problem := batch_problem(samples, world, profile.data.batch_size, profile.data.drop_last):
         raise bad("data.batch_size", problem, profile.data.batch_size)
+    return samples
 
 
 def _keep_chosen_batch(profile: Profile, run: Path) -> None:

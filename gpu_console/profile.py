@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import schema
+from .batching import IN_EPOCHS
 from .schema import opt
 from .tasks import BUILTIN, WITH_BLOCKS, is_import_path
 
@@ -111,6 +112,12 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = opt(300, "optimizer steps in the whole run", min=1)
+    max_epochs: int = opt(
+        0,
+        "epochs to train in place of max_steps (0: max_steps); the launch turns them into "
+        "steps for the run's ranks and batch, and run.toml holds the steps",
+        min=0,
+    )
     lr: float = opt(1e-3, "peak learning rate (before lr_scaling)", gt=0.0)
     optimizer: Literal["adamw", "adam", "sgd"] = opt(
         "adamw", "the optimizer (a task's configure_optimizers() replaces it)"
@@ -155,6 +162,9 @@ class TrainConfig:
         "the model and its batches' floating tensors in float64, losses reported unrounded",
     )
     eval_every: int = opt(0, "evaluate every N steps (0 = only at the end)", min=0)
+    eval_every_epochs: int = opt(
+        0, "evaluate every N epochs in place of eval_every (turned into steps at launch)", min=0
+    )
     eval_at: list[int] = opt(
         [],
         "evaluate after these steps too (e.g. [1, 500]), beside eval_every and the end; "
@@ -315,6 +325,9 @@ class Profile:
         out["task"] = task
         for name in ("data", "train", "distributed", "checkpoint", "hardware"):
             out[name] = schema.to_dict(getattr(self, name))
+        for epochs_key, steps_key in IN_EPOCHS.items():  # not yet steps: the epochs stand
+            if out["train"][epochs_key]:
+                del out["train"][steps_key]
         return out
 
     def to_toml(self) -> str:
@@ -431,8 +444,36 @@ def resolve(
     if errors:
         raise ProfileError([_blame(e, source, overridden) for e in errors])
     profile = Profile(task_kind=kind, task=task_cfg, **built)
-    _fit_warmup(profile, source, overridden)
+    _epochs_or_steps(profile, data, source, overridden)
+    if not profile.train.max_epochs:  # else the launch checks it, once it knows the steps
+        _fit_warmup(profile, source, overridden)
     return profile
+
+
+def _epochs_or_steps(
+    profile: Profile, data: dict[str, Any], source: str, overridden: set[str] | frozenset[str]
+) -> None:
+    """Both given: the one given last wins (``--set`` over the file), as ``--set
+    train.max_steps`` shortens a profile in epochs; both in one place contradict each other."""
+    train = profile.train
+    table = data.get("train") if isinstance(data.get("train"), dict) else {}
+    for epochs_key, steps_key in IN_EPOCHS.items():
+        epochs = getattr(train, epochs_key)
+        if not epochs or steps_key not in table:
+            continue
+        by_set = f"train.{steps_key}" in overridden
+        if by_set == (f"train.{epochs_key}" in overridden):
+            problem = (
+                f"train.{epochs_key}: give train.{epochs_key} or train.{steps_key}, not both "
+                f"(got {epochs} and {getattr(train, steps_key)})"
+            )
+            raise ProfileError([_blame(problem, source, overridden)])
+        if by_set:
+            profile.notes.append(
+                f"--set train.{steps_key}={getattr(train, steps_key)}: the profile's "
+                f"train.{epochs_key} = {epochs} is left out"
+            )
+            setattr(train, epochs_key, 0)
 
 
 def _fit_warmup(profile: Profile, source: str, overridden: set[str] | frozenset[str]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..batching import batch_problem
+from ..batching import IN_EPOCHS, batch_problem, epochs_to_steps
 from ..devices import fused_steps_ok
 from ..profile import Profile, resolve, with_task_config
 from ..schema import show
@@ -102,6 +102,8 @@ def plan(
     mode = p.train.activation_checkpointing
     blocks = _checkpointed_blocks(task, model, mode, kind)
     train_set, eval_set = datasets(p, task, kind, world_size)
+    if any(getattr(p.train, k) for k in IN_EPOCHS):  # a user task's --dry-run: known only here
+        epochs_to_steps(p, len(train_set), world_size, _refusal)
     # Rank 0's loader: every rank's has the same number of batches (ShardSampler). With
     # data.batch_size = "auto" the size is searched at the run's start: not known here.
     auto = p.data.batch_size == "auto"
@@ -206,6 +208,10 @@ def _schedule(p: Profile, lr: float, start_step: int, scheduler) -> dict[str, An
         else scheduler.get_last_lr()[0],
         "last_lr": lr * lr_factor(p.train.max_steps - 1, p.train),
     }
+
+
+def _refusal(key: str, problem: str, value: Any) -> TaskBuildError:
+    return TaskBuildError(f"{key}: {problem} (got {show(value)})")
 
 
 def datasets(p: Profile, task, kind: str, world_size: int) -> tuple[Any, Any]:
