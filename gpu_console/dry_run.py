@@ -293,7 +293,8 @@ def text(plan: dict[str, Any]) -> str:
         )
     rows.append(("batch", batch))
     left = ""
-    if plan["resume"]:
+    endless = not plan["max_steps"]
+    if plan["resume"] and not endless:
         start = plan["resume"]["step"]
         left = f"{plan['max_steps'] - start:,} left after step {start}; "
     epochs = (
@@ -301,7 +302,10 @@ def text(plan: dict[str, Any]) -> str:
         if data["epochs"] is not None
         else "epochs follow the size chosen at start"
     )
-    rows.append(("steps", f"{plan['max_steps']:,} ({left}{epochs})"))
+    if endless:
+        rows.append(("steps", "until stopped (train.max_steps = 0)"))
+    else:
+        rows.append(("steps", f"{plan['max_steps']:,} ({left}{epochs})"))
     scaled = f", scaled {plan['lr_scaling']}" if plan["lr_scaling"] != "none" else ""
     if s is not None:  # the profile's optimizer
         rows.append(("optimizer", f"{plan['optimizer']}, lr {_n(plan['lr'])}{scaled}"))
@@ -314,11 +318,12 @@ def text(plan: dict[str, Any]) -> str:
             if s["kind"] == "constant"
             else f"{s['kind']} decay to {floor} at step {s.get('decay_end', s['max_steps'])}"
         )
+        last = f"at step {s['max_steps']}" if s["max_steps"] else "from then on"
         rows.append(
             (
                 "schedule",
                 f"{warm}{decay} (lr {_n(s['first_lr'])} at step {s['start_step'] + 1}, "
-                f"{_n(s['last_lr'])} at step {s['max_steps']})",
+                f"{_n(s['last_lr'])} {last})",
             )
         )
     else:  # the task's configure_optimizers()
@@ -332,14 +337,21 @@ def text(plan: dict[str, Any]) -> str:
         rows.append(("compile", f"torch.compile mode {mode}" if mode else "no (eager)"))
     if (ac := plan["activation_checkpointing"])["mode"] != "none":
         rows.append(("activation ckpt", f"{ac['mode']}: {ac['blocks']} blocks of the task"))
-    every = (
-        f"every {plan['eval_every']} steps and at the end" if plan["eval_every"] else "at the end"
-    )
-    if points := [n for n in plan.get("eval_at") or [] if n <= plan["max_steps"]]:
-        every = f"after steps {', '.join(map(str, points))}; {every}"
+    if endless:  # no end to evaluate at (a stop does not evaluate)
+        every = f"every {plan['eval_every']} steps" if plan["eval_every"] else "never (no end)"
+    else:
+        every = (
+            f"every {plan['eval_every']} steps and at the end"
+            if plan["eval_every"]
+            else "at the end"
+        )
+    if points := [n for n in plan.get("eval_at") or [] if endless or n <= plan["max_steps"]]:
+        every = f"after steps {', '.join(map(str, points))}" + (
+            "" if endless and not plan["eval_every"] else f"; {every}"
+        )
     rows.append(("eval", every if data["eval_samples"] is not None else "none (no eval set)"))
     cadence = [f"every {ck['every_steps']} steps"] if ck["every_steps"] else []
-    cadence += ["at the end"] if ck["at_end"] else []
+    cadence += ["at the end"] if ck["at_end"] and not endless else []
     cadence += ["on stop"] if ck["on_stop"] else []
     keep = f"keep last {ck['keep_last']}" if ck["keep_last"] else "keep all"
     rows.append(("checkpoint", f"{', '.join(cadence) or 'never'}; {keep}"))

@@ -94,3 +94,15 @@ def strategy_text(start: dict[str, Any]) -> str:
     offload = ", cpu offload" if f.get("cpu_offload") else ""
     kept = ", kept gathered after forward" if f.get("reshard_after_forward") is False else ""
     return f"fsdp ({units}{offload}{kept})"
+
+
+def steps_text(step: int | None, max_steps: int | None, commas: bool = False) -> str:
+    """``step/max_steps``: ``-`` where the length is not known, ``∞`` for a run until
+    stopped (``train.max_steps = 0``)."""
+    n = step or 0
+    done = f"{n:,}" if commas else str(n)
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool):
+        return f"{done}/-"
+    if max_steps == 0:
+        return f"{done}/∞"
+    return f"{done}/{max_steps:,}" if commas else f"{done}/{max_steps}"

@@ -37,6 +37,7 @@ from .format import (
     human_bytes,
     human_duration,
     optimizer_line,
+    steps_text,
     strategy_text,
     uncut,
 )
@@ -408,7 +409,8 @@ def _follow_tty(follower: RunFollower, supervisor, console: Console, watch: Watc
                 shown = compiling_text(st.compiling_since, time.time())
             if st.session_began:  # before it, the figures are an earlier session's
                 info = _progress_text(st)
-                bar.update(task, total=st.max_steps, completed=st.step, state=shown, info=info)
+                total = st.max_steps or None  # until stopped: no bar's end
+                bar.update(task, total=total, completed=st.step, state=shown, info=info)
             else:
                 bar.update(task, state=shown)
             if ended:
@@ -476,7 +478,10 @@ def _follow_plain(
             eta = human_duration(st.eta_s())
             stalled = "  STALLED" if watch.stalls.said else ""
             console.print(
-                Text(f"step {st.step}/{st.max_steps}  {_progress_text(st)}  eta {eta}{stalled}"),
+                Text(
+                    f"step {steps_text(st.step, st.max_steps)}  {_progress_text(st)}  "
+                    f"eta {eta}{stalled}"
+                ),
                 highlight=False,
             )
             rhythm.shown(now, st.step)

@@ -677,6 +677,8 @@ def _same_task_kind(run: Path, profile_arg: str, sets: list[str], bad) -> None:
 
 def _steps_left(run: Path, step: int, max_steps: int, bad) -> None:
     """A run whose newest checkpoint is at (or past) max_steps has nothing left to train."""
+    if not max_steps:  # until stopped
+        return
     if step == max_steps:
         raise LaunchError(
             f"--resume: {run}: already at max_steps {step}; raise train.max_steps to continue "

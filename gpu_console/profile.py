@@ -111,7 +111,9 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = opt(300, "optimizer steps in the whole run", min=1)
+    max_steps: int = opt(
+        300, "optimizer steps in the whole run (0: until stopped, no end and no ETA)", min=0
+    )
     max_epochs: int = opt(
         0,
         "epochs to train in place of max_steps (0: max_steps); the launch turns them into "
@@ -482,7 +484,7 @@ def _fit_warmup(profile: Profile, source: str, overridden: set[str] | frozenset[
     for in one place (the file, or ``--set``): that is a contradiction, not a shortening.
     run.toml then holds the clamped value, the one the schedule uses."""
     train = profile.train
-    if train.warmup_steps <= train.max_steps:
+    if train.warmup_steps <= train.max_steps or not train.max_steps:  # 0: until stopped
         return
     if "train.max_steps" in overridden and "train.warmup_steps" not in overridden:
         profile.notes.append(
@@ -511,6 +513,12 @@ def _optimizer_conflicts(train: TrainConfig | None) -> list[str]:
         )
     if train.min_lr > train.lr:
         errors.append(f"train.min_lr: must not exceed train.lr={train.lr:g} (got {train.min_lr:g})")
+    if not train.max_steps and train.schedule != "constant" and not train.lr_decay_steps:
+        errors.append(
+            "train.max_steps: 0 (until stopped) needs a decay of its own length "
+            f"(train.lr_decay_steps > 0) or train.schedule = 'constant' (got schedule "
+            f"{schema.show(train.schedule)})"
+        )
     return errors
 
 

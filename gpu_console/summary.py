@@ -16,7 +16,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from .format import fmt, human_bytes, human_duration
+from .format import fmt, human_bytes, human_duration, steps_text
 from .runs import current_session, read_json
 from .state import RunState
 
@@ -160,7 +160,7 @@ def gpu_rows(gpus: list[dict[str, Any]]) -> list[tuple[str, str]]:
 def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
     """(what, value) rows of :func:`summary_fields`, in the order they are shown."""
     out = [("state", f["state"] + (f" ({f['reason']})" if f["reason"] else ""))]
-    out.append(("steps", f"{f['step']}/{f['max_steps'] or '-'}"))
+    out.append(("steps", steps_text(f["step"], f["max_steps"])))
     if f["task"]:
         params = f" ({f['params']:,} parameters)" if isinstance(f["params"], int) else ""
         out.append(("task", f"{f['task']}{params}"))

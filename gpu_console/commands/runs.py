@@ -256,7 +256,7 @@ def ls_main(runs_dir: Path, as_json: bool) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from ..format import fmt, human_duration, uncut
+    from ..format import fmt, human_duration, steps_text, uncut
 
     rows = list_runs(runs_dir)
     if as_json:
@@ -270,7 +270,7 @@ def ls_main(runs_dir: Path, as_json: bool) -> None:
     for col in LS_COLUMNS:
         table.add_column(col, overflow="fold")
     for r in rows:
-        step = f"{r['step'] or 0}/{r['max_steps'] or '-'}"
+        step = steps_text(r["step"], r["max_steps"])
         started, updated = (human_duration(now - t) + " ago" for t in (r["started"], r["updated"]))
         table.add_row(Text(r["name"]), r["state"], step, fmt(r["loss"]), started, updated)
     uncut(Console()).print(table)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 from . import checkpoint
+
+
+def end_step(train) -> float:
+    """The run's last step: ``train.max_steps``, or never (``max_steps = 0``: until stopped)."""
+    return train.max_steps or math.inf
 
 
 class Cadence:
@@ -22,7 +29,7 @@ class Cadence:
 
     def checkpoints(self, n: int, improved: bool) -> str | None:
         """The reason of step ``n``'s checkpoint, if one is due."""
-        return checkpoint.due(n, self.ckpt, self.train.max_steps, improved)
+        return checkpoint.due(n, self.ckpt, end_step(self.train), improved)
 
     def boundary(self, n: int) -> bool:
         """A step after which the host syncs anyway (log, control, eval, checkpoint)."""

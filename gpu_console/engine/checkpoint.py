@@ -140,14 +140,15 @@ class Newest:
         return self.event if self.event is not None and self.event["step"] == step else None
 
 
-def interval_due(step: int, cfg, max_steps: int) -> bool:
-    """An interval checkpoint after ``step`` (``cfg``: the profile's [checkpoint])."""
+def interval_due(step: int, cfg, max_steps: float) -> bool:
+    """An interval checkpoint after ``step`` (``cfg``: the profile's [checkpoint];
+    ``max_steps``: the last step, ``math.inf`` for a run until stopped)."""
     if cfg.at_end and step >= max_steps:
         return False  # the end checkpoint is this step's
     return bool(cfg.every_steps and step % cfg.every_steps == 0)
 
 
-def due(step: int, cfg, max_steps: int, improved: bool) -> str | None:
+def due(step: int, cfg, max_steps: float, improved: bool) -> str | None:
     """Why a checkpoint is due after ``step``'s eval: its interval, or a new best eval
     (``improved``; at the last step the end checkpoint is the best's)."""
     if interval_due(step, cfg, max_steps):

@@ -141,7 +141,7 @@ class ShardSampler(Sampler[int]):
         else:
             order = torch.arange(self.n)
         end = self.start + self.world * self.per_rank
-        if end > self.n:  # keep_last: padded with the order's first samples
+        if self.keep_last and end > self.n:  # padded with the order's first samples
             order = order.repeat(-(-end // self.n))
         first = self.start + self.rank
         return order[first : end : self.world].tolist()

@@ -121,7 +121,7 @@ def plan(
         "train_samples": len(train_set),
         "eval_samples": sum(len(s) for s in eval_splits(eval_set).values()) if eval_set else None,
         "batches_per_epoch": per_epoch,
-        "epochs": micro_steps / per_epoch if per_epoch else None,
+        "epochs": micro_steps / per_epoch if per_epoch and micro_steps else None,
         "global_batch": None if auto else p.data.batch_size * p.train.grad_accum * world_size,
         "lr": lr,
         "optimizer": opts.summary(),
@@ -195,6 +195,8 @@ def _checkpointed_blocks(task, model, mode: str, kind: str) -> int:
 
 def _schedule(p: Profile, lr: float, start_step: int, scheduler) -> dict[str, Any]:
     """The profile's schedule, as the run would follow it."""
+    # Until stopped (max_steps = 0): last_lr is the lr from the decay's end on.
+    last = p.train.max_steps or max(1, p.train.warmup_steps + decay_steps(p.train))
     return {
         "kind": p.train.schedule,
         "warmup_steps": p.train.warmup_steps,
@@ -206,7 +208,7 @@ def _schedule(p: Profile, lr: float, start_step: int, scheduler) -> dict[str, An
         "first_lr": lr * lr_factor(start_step, p.train)
         if start_step
         else scheduler.get_last_lr()[0],
-        "last_lr": lr * lr_factor(p.train.max_steps - 1, p.train),
+        "last_lr": lr * lr_factor(last - 1, p.train),
     }
 
 

@@ -10,6 +10,7 @@ rank of each node, into its node's run directory).
 from __future__ import annotations
 
 from .build import Built, Setup, build
+from .cadence import end_step
 from .evaluate import at_start as eval_at_start
 from .exchange import Row
 from .failure_checkpoint import naming
@@ -38,7 +39,8 @@ class Trainer:
             with naming("eval"):  # the loaded (or initial) state: nothing new to keep
                 b.evaluator.run(state)  # train.eval_at_start: step 0, or a resume that turns it on
 
-        while state.step < p.train.max_steps:
+        end = end_step(p.train)
+        while state.step < end:
             b.checkpointer.settle_finished()  # a background write that ended: its event
             if state.paused:
                 rows = b.control.paused(state.step)
@@ -68,7 +70,7 @@ class Trainer:
                 # Log, evaluate, checkpoint. A write in flight settles before the log of a
                 # step that saves (or ends) and would wait for it anyway: its event comes
                 # before this step's.
-                if state.step >= p.train.max_steps or b.cadence.checkpoints(state.step, False):
+                if state.step >= end or b.cadence.checkpoints(state.step, False):
                     b.checkpointer.settle_before_log()
                 with guard("logging"):
                     rows = self.log(update) if logging else None

@@ -13,6 +13,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
 from ...commands.runs import LS_COLUMNS
+from ...format import steps_text
 from ..messages import RunsListed
 from ..widgets.text import STATE_STYLE, human_duration, num
 
@@ -61,9 +62,7 @@ class RunsScreen(Screen):
         table.clear()
         now = time.time()
         for r in message.rows:
-            step = f"{r['step'] or 0:,}/{r['max_steps'] or '-'}"
-            if isinstance(r["max_steps"], int):
-                step = f"{r['step'] or 0:,}/{r['max_steps']:,}"
+            step = steps_text(r["step"], r["max_steps"], commas=True)
             state = Text(r["state"], style=STATE_STYLE.get(r["state"], ""))
             table.add_row(
                 Text(r["name"]),

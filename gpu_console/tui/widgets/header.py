@@ -25,6 +25,8 @@ def header_text(s: RunSnapshot, command: Text | None = None, readonly: bool = Fa
     t.append(f"{s.step:,}", style="bold")
     if s.max_steps:
         t.append(f"/{s.max_steps:,} ({100 * s.step / s.max_steps:.0f}%)")
+    elif s.max_steps == 0:  # train.max_steps = 0
+        t.append(" (until stopped)", style="dim")
     if s.eval_progress:
         t.append(f"  {eval_progress_text(s.eval_progress)}", style="bold #d7af5f")
     t.append(f"  elapsed {human_duration(s.elapsed_s)}")
