@@ -7,11 +7,15 @@ A user's task is named by import path, ``"my_pkg.tasks:MyTask"``; see :mod:`.bas
 
 from __future__ import annotations
 
-from .configs import MLPConfig, TransformerConfig
+from .configs import Autoencoder3DConfig, MLPConfig, TransformerConfig
 
 BUILTIN: dict[str, tuple[str, type]] = {
     "mlp": ("gpu_console.tasks.mlp:MLPTask", MLPConfig),
     "transformer": ("gpu_console.tasks.transformer:TransformerTask", TransformerConfig),
+    "autoencoder3d": (
+        "gpu_console.tasks.autoencoder3d:Autoencoder3DTask",
+        Autoencoder3DConfig,
+    ),
 }
 
 # Built-in tasks that name their blocks (``blocks``) for activation checkpointing.

@@ -42,3 +42,24 @@ class TransformerConfig:
             raise ValueError(
                 f"task.n_heads: must divide task.d_model={self.d_model} (got {self.n_heads})"
             )
+
+
+@dataclass
+class Autoencoder3DConfig:
+    size: int = opt(16, "voxels along each side of a volume (a multiple of 4)", min=8)
+    channels: int = opt(
+        8, "channels of the first convolution (doubled at each downsampling)", min=1
+    )
+    latent_channels: int = opt(16, "channels of the code at 1/4 resolution", min=1)
+    max_ellipsoids: int = opt(3, "ellipsoids per volume: 1 to this many", min=1)
+    noise: float = opt(0.1, "std of the Gaussian noise on the input (the target is clean)", min=0.0)
+    train_samples: int = opt(2048, "synthetic training volumes", min=1)
+    eval_samples: int = opt(128, "synthetic held-out volumes", min=0)
+    slice_png: bool = opt(
+        True, "each eval writes the middle slice of one held-out volume as a PNG (task/)"
+    )
+    data_seed: int = opt(1234, "seed of the synthetic data set (the same on every rank)")
+
+    def __post_init__(self) -> None:
+        if self.size % 4:
+            raise ValueError(f"task.size: must be a multiple of 4 (got {self.size})")

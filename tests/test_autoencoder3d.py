@@ -1,0 +1,126 @@
+"""The built-in ``autoencoder3d`` (issue 22): a denoising 3D conv autoencoder on synthetic
+volumes. Its pieces alone, then the profile through real torchrun on 2 CPU ranks: the loss
+falls, each eval writes its slice PNG, a Ctrl-C and a resume continue bit for bit, and
+``export`` gives weights its model class loads with plain torch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import zlib
+
+import pytest
+import torch
+from conftest import events_of, only_run, read_status, the_run, wait_for
+from torch.utils.flop_counter import FlopCounterMode
+
+from gpu_console.profile import ProfileError, load_profile
+from gpu_console.tasks.autoencoder3d import (
+    Autoencoder3D,
+    Autoencoder3DTask,
+    make_volumes,
+    psnr,
+    side_by_side,
+    write_png,
+)
+
+
+def read_png(path) -> torch.Tensor:
+    """An 8-bit grayscale, non-interlaced PNG of filter-0 rows (what write_png writes)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    chunks, at = {}, 8
+    while at < len(data):
+        (n,) = struct.unpack(">I", data[at : at + 4])
+        tag, body = data[at + 4 : at + 8], data[at + 8 : at + 8 + n]
+        assert struct.unpack(">I", data[at + 8 + n : at + 12 + n])[0] == zlib.crc32(tag + body)
+        chunks[tag] = body
+        at += 12 + n
+    width, height, depth, colour = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, colour) == (8, 0) and b"IEND" in chunks
+    rows = torch.frombuffer(bytearray(zlib.decompress(chunks[b"IDAT"])), dtype=torch.uint8)
+    rows = rows.view(height, width + 1)
+    assert (rows[:, 0] == 0).all()
+    return rows[:, 1:]
+
+
+def test_volumes_are_clean_in_the_unit_range_and_the_same_for_a_seed():
+    cfg = load_profile("autoencoder3d").task
+    noisy, clean = make_volumes(cfg, 32, torch.Generator().manual_seed(7))
+    assert noisy.shape == clean.shape == (32, 1, 16, 16, 16)
+    assert clean.min() == 0 and 0.3 <= clean.max() <= 1.0
+    assert (clean.flatten(1) > 0).any(1).all(), "every volume holds an ellipsoid"
+    noise = (noisy - clean).std().item()
+    assert noise == pytest.approx(cfg.noise, rel=0.05)
+    again = make_volumes(cfg, 32, torch.Generator().manual_seed(7))
+    assert torch.equal(again[0], noisy) and torch.equal(again[1], clean)
+    # Leaving the input as it is scores 20 dB at noise 0.1: what a denoiser must beat.
+    assert psnr(noisy, clean).mean().item() == pytest.approx(20.0, abs=0.5)
+
+
+def test_the_model_keeps_the_shape_and_its_flops_are_the_counters():
+    task = Autoencoder3DTask(load_profile("autoencoder3d").task)
+    model = task.build_model()
+    x = torch.randn(2, 1, 16, 16, 16)
+    assert model(x).shape == x.shape
+    with FlopCounterMode(display=False) as counter:
+        model(x[:1]).sum().backward()
+    assert task.flops_per_sample() == pytest.approx(counter.get_total_flops(), rel=0.02)
+
+
+def test_the_png_holds_the_three_slices_side_by_side(tmp_path):
+    panels = [torch.linspace(0, 1, 16).repeat(16, 1), torch.zeros(16, 16), torch.ones(16, 16)]
+    image = side_by_side(panels)
+    assert image.shape == (128, 3 * 128 + 2 * 2)
+    write_png(tmp_path / "s.png", image)
+    assert torch.equal(read_png(tmp_path / "s.png"), image)
+    assert [p.name for p in tmp_path.iterdir()] == ["s.png"], "no temporary file left"
+
+
+def test_a_size_that_is_not_a_multiple_of_4_is_refused_in_one_line():
+    with pytest.raises(ProfileError) as info:
+        load_profile("autoencoder3d", ["task.size=18"])
+    assert "--set: task.size: must be a multiple of 4 (got 18)" in str(info.value)
+
+
+SHORT = ["--devices", "cpu:2", "--set", "train.max_steps=40", "--set", "train.eval_every=20",
+         "--set", "task.eval_samples=32", "--set", "train.log_every=1"]  # fmt: skip
+
+
+def test_the_profile_trains_writes_slices_resumes_exactly_and_exports(procs, tmp_path):
+    whole_dir = tmp_path / "whole"
+    result = procs.cli("run", "autoencoder3d", "--headless", *SHORT, "--runs-dir",
+                       str(whole_dir))  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run(whole_dir)
+    losses = [e["loss"] for e in events_of(run, "step")]
+    assert len(losses) == 40 and max(losses[-5:]) < 0.5 * losses[0], losses
+    evals = events_of(run, "eval")
+    assert [e["step"] for e in evals] == [20, 40]
+    assert all(e["psnr"] > 10 for e in evals), evals
+    for step in (20, 40):
+        image = read_png(run / "task" / f"slice-step-{step:08d}.png")
+        assert image.shape == (128, 388) and image.float().std() > 0
+
+    # Ctrl-C once a few steps are done, then --resume: the same losses from there on.
+    cut_dir = tmp_path / "cut"
+    console = procs.start("run", "autoencoder3d", "--headless", *SHORT, "--runs-dir",
+                          str(cut_dir))  # fmt: skip
+    cut = wait_for(lambda: the_run(cut_dir), what="the run directory")
+    wait_for(lambda: events_of(cut, "step") and events_of(cut, "step")[-1]["step"] >= 8,
+             what="8 steps")  # fmt: skip
+    os.kill(console.pid, signal.SIGINT)
+    console.communicate(timeout=120)
+    stopped = read_status(cut)
+    assert stopped["state"] == "stopped", stopped
+    again = procs.cli("run", "--resume", str(cut), "--headless", "--runs-dir", str(cut_dir))
+    assert again.returncode == 0, again.stdout + again.stderr
+    after = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stopped["step"]}
+    assert after == {i + 1: loss for i, loss in enumerate(losses) if i + 1 > stopped["step"]}
+
+    out = tmp_path / "weights.pt"
+    exported = procs.cli("export", str(run), "--out", str(out), "--runs-dir", str(whole_dir))
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    model = Autoencoder3D(load_profile("autoencoder3d").task)
+    model.load_state_dict(torch.load(out, weights_only=True))  # plain torch, nothing else
