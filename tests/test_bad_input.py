@@ -171,7 +171,7 @@ def test_no_profile_and_no_resume(procs, runs_dir):
 def test_several_problems_in_one_file_are_all_reported(procs, runs_dir, tmp_path):
     path = write_profile(
         tmp_path / "many.toml",
-        '[train]\nlr = "fast"\nmax_steps = 0\n[data]\nbatch_size = -1\n[foo]\na = 1\n',
+        '[train]\nlr = "fast"\nmax_steps = -1\n[data]\nbatch_size = -1\n[foo]\na = 1\n',
     )
     lines = assert_bad(run_bad(procs, runs_dir, str(path)), runs_dir, lines=4)
     prefix = f"gpu-console: {path}: "
@@ -181,12 +181,12 @@ def test_several_problems_in_one_file_are_all_reported(procs, runs_dir, tmp_path
 
 
 def test_file_and_set_problems_each_name_their_source(procs, runs_dir, tmp_path):
-    path = write_profile(tmp_path / "bad.toml", "[train]\nmax_steps = 0\n")
+    path = write_profile(tmp_path / "bad.toml", "[train]\nmax_steps = -1\n")
     result = run_bad(procs, runs_dir, str(path), "--set", "data.batch_size=0")
     lines = assert_bad(result, runs_dir, lines=2)
     assert sorted(lines) == sorted(
         [
-            f"gpu-console: {path}: train.max_steps: must be at least 1 (got 0)",
+            f"gpu-console: {path}: train.max_steps: must be at least 0 (got -1)",
             "gpu-console: --set: data.batch_size: must be at least 1 (got 0)",
         ]
     )
