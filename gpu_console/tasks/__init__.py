@@ -7,7 +7,7 @@ A user's task is named by import path, ``"my_pkg.tasks:MyTask"``; see :mod:`.bas
 
 from __future__ import annotations
 
-from .configs import Autoencoder3DConfig, MLPConfig, TransformerConfig
+from .configs import Autoencoder3DConfig, LMConfig, MLPConfig, TransformerConfig
 
 BUILTIN: dict[str, tuple[str, type]] = {
     "mlp": ("gpu_console.tasks.mlp:MLPTask", MLPConfig),
@@ -16,10 +16,11 @@ BUILTIN: dict[str, tuple[str, type]] = {
         "gpu_console.tasks.autoencoder3d:Autoencoder3DTask",
         Autoencoder3DConfig,
     ),
+    "lm": ("gpu_console.tasks.lm:LMTask", LMConfig),
 }
 
 # Built-in tasks that name their blocks (``blocks``) for activation checkpointing.
-WITH_BLOCKS = frozenset({"transformer"})
+WITH_BLOCKS = frozenset({"transformer", "lm"})
 
 
 def is_import_path(kind: str) -> bool:

@@ -63,3 +63,29 @@ class Autoencoder3DConfig:
     def __post_init__(self) -> None:
         if self.size % 4:
             raise ValueError(f"task.size: must be a multiple of 4 (got {self.size})")
+
+
+@dataclass
+class LMConfig:
+    text_file: str = opt(
+        "",
+        "a UTF-8 text file to train on, as bytes (no tokenizer); empty: Python's own help "
+        "topics (pydoc_data, shipped with CPython)",
+    )
+    seq_len: int = opt(64, "bytes of context per sequence", min=2)
+    d_model: int = opt(128, "model width", min=8)
+    n_heads: int = opt(4, "attention heads (must divide d_model)", min=1)
+    n_layers: int = opt(2, "transformer blocks", min=1)
+    ff_mult: int = opt(4, "feed-forward width as a multiple of d_model", min=1)
+    dropout: float = opt(0.0, "dropout in attention and feed-forward", min=0.0, max=0.9)
+    eval_fraction: float = opt(
+        0.05, "the text's tail held out for eval (0: no eval)", min=0.0, max=0.5
+    )
+    sample_bytes: int = opt(80, "bytes of greedy sample written at each eval (0: none)", min=0)
+    prompt: str = opt("", "what each sample starts from (empty: the held-out text's start)")
+
+    def __post_init__(self) -> None:
+        if self.n_heads and self.d_model % self.n_heads:
+            raise ValueError(
+                f"task.n_heads: must divide task.d_model={self.d_model} (got {self.n_heads})"
+            )

@@ -1,0 +1,109 @@
+"""The built-in ``lm`` (issue 22): a GPT-style causal language model on a text's bytes. Its
+pieces alone, then through real torchrun on 2 CPU ranks: a text file given on the command
+line, the perplexity falls, the samples are shown, a Ctrl-C and a resume continue bit for
+bit, ``export`` loads into its model class with plain torch; FSDP with activation
+checkpointing trains it too."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from conftest import events_of, only_run, read_status, the_run, wait_for
+
+from gpu_console.profile import load_profile
+from gpu_console.tasks.lm import GPT, LMTask, greedy, read_text, windows
+
+
+def test_the_default_text_is_pythons_own_help_and_windows_are_consecutive():
+    cfg = load_profile("lm").task
+    text = read_text(cfg)
+    assert len(text) > 100_000 and b"assert" in text
+    data = torch.arange(10)
+    assert windows(data, 3).tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+
+def test_the_model_is_causal_and_ties_its_output_to_the_byte_table():
+    cfg = load_profile("lm", ["task.seq_len=16", "task.d_model=32", "task.n_heads=2"]).task
+    torch.manual_seed(0)
+    model = LMTask(cfg).build_model().eval()
+    assert model.head.weight is model.tok.weight
+    a = torch.randint(0, 256, (1, 16))
+    b = a.clone()
+    b[0, 10:] = (b[0, 10:] + 1) % 256  # a different future
+    with torch.no_grad():
+        assert torch.equal(model(a)[0, :10], model(b)[0, :10]), "no position sees ahead"
+        made = greedy(model, a[0, :5], 20)  # longer than nothing, through a 16-byte window
+    assert made.shape == (20,) and made.dtype == torch.long
+
+
+def test_a_missing_text_file_is_named(tmp_path):
+    cfg = load_profile("lm", [f"task.text_file={tmp_path / 'none.txt'}"]).task
+    with pytest.raises(FileNotFoundError, match="task.text_file: no such file: .*none.txt"):
+        LMTask(cfg).build_datasets()
+
+
+# A text a small model learns in a few dozen steps: short sentences over and over.
+TEXT = "the cat sat on the mat. the dog ate the log. a bird in the hand.\n" * 400
+
+
+def short(text_file) -> list[str]:
+    return ["--devices", "cpu:2", "--set", "train.max_steps=40", "--set",
+            "train.eval_every=20", "--set", "train.warmup_steps=5", "--set",
+            f"task.text_file={text_file}", "--set", "task.sample_bytes=24", "--set",
+            "train.log_every=1"]  # fmt: skip
+
+
+def test_lm_on_a_text_file_learns_samples_resumes_exactly_and_exports(procs, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    whole_dir = tmp_path / "whole"
+    result = procs.cli("run", "lm", "--headless", *short(text), "--runs-dir", str(whole_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run(whole_dir)
+    evals = events_of(run, "eval")
+    assert [e["step"] for e in evals] == [20, 40]
+    assert evals[1]["ppl"] < evals[0]["ppl"] < 256, evals  # below a uniform guess, and falling
+    assert evals[0]["ppl"] == pytest.approx(torch.tensor(evals[0]["loss"]).exp().item())
+    samples = [e["message"] for e in events_of(run, "log") if "sample @ step" in e["message"]]
+    assert [s.split(":")[0] for s in samples] == ["sample @ step 20", "sample @ step 40"]
+    assert "sample @ step 40: " in result.stdout
+    losses = {e["step"]: e["loss"] for e in events_of(run, "step")}
+
+    cut_dir = tmp_path / "cut"
+    console = procs.start("run", "lm", "--headless", *short(text), "--runs-dir", str(cut_dir))
+    cut = wait_for(lambda: the_run(cut_dir), what="the run directory")
+    wait_for(lambda: events_of(cut, "step") and events_of(cut, "step")[-1]["step"] >= 8,
+             what="8 steps")  # fmt: skip
+    os.kill(console.pid, signal.SIGINT)
+    console.communicate(timeout=120)
+    stopped = read_status(cut)
+    assert stopped["state"] == "stopped", stopped
+    again = procs.cli("run", "--resume", str(cut), "--headless", "--runs-dir", str(cut_dir))
+    assert again.returncode == 0, again.stdout + again.stderr
+    after = stopped["step"]
+    resumed = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > after}
+    assert resumed == {s: loss for s, loss in losses.items() if s > after}
+
+    out = tmp_path / "weights.pt"
+    exported = procs.cli("export", str(run), "--out", str(out), "--runs-dir", str(whole_dir))
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    model = GPT(load_profile("lm").task)
+    model.load_state_dict(torch.load(out, weights_only=True))  # plain torch, nothing else
+
+
+def test_lm_trains_under_fsdp_with_activation_checkpointing(procs, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    runs = tmp_path / "runs"
+    fsdp = ["--set", "distributed.strategy=fsdp", "--set", "train.activation_checkpointing=blocks"]
+    result = procs.cli("run", "lm", "--headless", *short(text), *fsdp, "--runs-dir", str(runs))
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run(runs)
+    start = events_of(run, "start")[0]
+    assert start["strategy"] == "fsdp"
+    losses = [e["loss"] for e in events_of(run, "step")]
+    assert losses[-1] < losses[0]
+    assert [e["step"] for e in events_of(run, "eval")] == [20, 40]
