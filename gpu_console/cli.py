@@ -210,12 +210,15 @@ def run(
     if dry_run:
         from . import dry_run as plan
 
+        said = len(prof.notes)
         try:
             built = plan.build(prof, placement, resume_from, folder, profile_arg=profile,
                                devices=devices, overrides=overrides, nodes=nodes,
                                step=not no_step)  # fmt: skip
         finally:
             launch.release_resumes()  # a dry run starts no session: the run is as it found it
+        for note in prof.notes[said:]:  # what the plan found (a user task's epochs in steps)
+            print(note, file=sys.stderr)
         raise typer.Exit(plan.show(built, as_json))
     from .timings import process_start_time
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import launch, runs, strict_json
-from .batching import epochs_to_steps
+from .batching import IN_EPOCHS, epochs_to_steps
 from .devices import Placement, parse_devices
 from .format import strategy_text
 from .profile import Profile, find_profile
@@ -146,7 +146,10 @@ def build(
     built = engine_plan(profile, placement, world, cwd, start, step=step)
     # A user task's lengths in epochs: its size is known once the plan built its data (the
     # plan applied the same rule to its copy of the profile).
-    epochs_to_steps(profile, built["train_samples"], world, _refusal)
+    if any(getattr(profile.train, k) for k in IN_EPOCHS):
+        epochs_to_steps(profile, built["train_samples"], world, _refusal)
+        if resume_run is not None:  # the check prepare left for now
+            launch.steps_left(resume_run, start, profile.train.max_steps, _refusal)
     if resume_run is not None and nodes is None:
         run_dir, creates = resume_run, False  # a resumed run continues in its own directory
     else:
@@ -318,7 +321,7 @@ def text(plan: dict[str, Any]) -> str:
             if s["kind"] == "constant"
             else f"{s['kind']} decay to {floor} at step {s.get('decay_end', s['max_steps'])}"
         )
-        last = f"at step {s['max_steps']}" if s["max_steps"] else "from then on"
+        last = f"at step {s['max_steps']}" if s["max_steps"] else f"from step {s['decay_end']} on"
         rows.append(
             (
                 "schedule",

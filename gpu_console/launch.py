@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from . import diskfull, lost, runs, session_lock, torchrun
-from .batching import batch_problem, epochs_to_steps
+from .batching import IN_EPOCHS, batch_problem, epochs_to_steps
 from .devices import (
     FUSED_UNDER_SHARDED_SCALER,
     DeviceSpecError,
@@ -556,8 +556,8 @@ def prepare(
     samples = check_data(profile, placement, world, task_cwd or os.getcwd(), bad, build_data)
     if build_data or samples is not None:  # else --dry-run's plan turns them into steps
         epochs_to_steps(profile, samples, world, bad)
-    if resume_run is not None:
-        _steps_left(resume_run, resume_step, profile.train.max_steps, bad)
+    if resume_run is not None and not any(getattr(profile.train, k) for k in IN_EPOCHS):
+        steps_left(resume_run, resume_step, profile.train.max_steps, bad)  # else --dry-run's
     return profile, placement, resume_from
 
 
@@ -675,7 +675,7 @@ def _same_task_kind(run: Path, profile_arg: str, sets: list[str], bad) -> None:
         )
 
 
-def _steps_left(run: Path, step: int, max_steps: int, bad) -> None:
+def steps_left(run: Path, step: int, max_steps: int, bad) -> None:
     """A run whose newest checkpoint is at (or past) max_steps has nothing left to train."""
     if not max_steps:  # until stopped
         return

@@ -124,3 +124,15 @@ def test_the_profile_trains_writes_slices_resumes_exactly_and_exports(procs, tmp
     assert exported.returncode == 0, exported.stdout + exported.stderr
     model = Autoencoder3D(load_profile("autoencoder3d").task)
     model.load_state_dict(torch.load(out, weights_only=True))  # plain torch, nothing else
+
+
+def test_the_slice_is_written_under_fp64_too(tmp_path):
+    from types import SimpleNamespace
+
+    task = Autoencoder3DTask(load_profile("autoencoder3d", ["task.eval_samples=4"]).task)
+    model = task.build_model().double()  # what train.precision = "fp64" makes of it
+    task.build_datasets()
+    ctx = SimpleNamespace(device=torch.device("cpu"), rank=0, step=7, task_dir=tmp_path)
+    task.on_eval_end(model, {"loss": 0.1}, ctx)
+    assert read_png(tmp_path / "slice-step-00000007.png").shape == (128, 388)
+    assert model.training, "left in train mode, as the hook found it"

@@ -131,3 +131,23 @@ def test_a_closure_step_says_what_it_needs():
     s = stepper(accum=2)
     with pytest.raises(ValueError, match=r"needs train.grad_accum = 1 .*got 2"):
         s.step("main", closure=closure(s))
+
+
+def test_a_closure_optimizer_in_a_tasks_own_step_is_checked_before_the_first_step():
+    from types import SimpleNamespace
+
+    import torch
+
+    from gpu_console.engine.optim_set import Optimizers, OptimizerSetupError
+    from gpu_console.engine.task_step import TaskStep
+
+    model = torch.nn.Linear(3, 1)
+    opts = Optimizers.from_task(torch.optim.LBFGS(model.parameters()), model)
+    d = SimpleNamespace(device=torch.device("cpu"), world_size=1)
+    train = SimpleNamespace(grad_accum=2, clip_grad_norm=0.0, nan_policy="skip")
+    with pytest.raises(OptimizerSetupError, match=r"'main' steps with a closure: needs "
+                       r"train.grad_accum = 1 \(got 2\)"):  # fmt: skip
+        TaskStep(object(), opts, train, d, None, None, None)
+    train.grad_accum = 1
+    with pytest.raises(OptimizerSetupError, match="not under fp16's loss scaling"):
+        TaskStep(object(), opts, train, d, object(), None, None)

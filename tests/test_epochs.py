@@ -83,6 +83,7 @@ def test_a_user_task_in_epochs_trains_them_and_evaluates_at_each_epochs_end(proc
     rows = {line[:12].strip(): line[12:] for line in plan.stdout.splitlines()}
     assert rows["steps"] == "8 (2 epochs)", plan.stdout
     assert rows["eval"] == "every 4 steps and at the end", plan.stdout
+    assert "train.max_epochs = 2: 8 steps; 4 steps per epoch" in plan.stderr, plan.stderr
     runs = tmp_path / "runs"
     result = procs.cli("run", str(profile), "--headless", *sets, "--runs-dir", str(runs),
                        cwd=tmp_path)  # fmt: skip

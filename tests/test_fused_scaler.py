@@ -2,7 +2,9 @@
 fused kernel (its found-inf flag has shape [1], the kernels' step counts shape []): the first
 step of such a run failed on an H200. The engine then picks foreach for ``auto`` and refuses a
 fused optimizer by name before the first step. The scaler runs here on CPU, where torch's
-failure is the same, in a gloo group of one (the sharded scaler all-reduces its flag)."""
+failure is the same, in a gloo group of one (the sharded scaler all-reduces its flag). The
+test asserts torch's own error too: when a torch release fixes the sharded scaler, it fails
+and says the rule (devices.fused_steps_ok) may go."""
 
 from __future__ import annotations
 

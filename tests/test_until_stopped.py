@@ -11,7 +11,8 @@ from gpu_console.events import append_control
 from gpu_console.format import steps_text
 from gpu_console.profile import ProfileError, load_profile
 
-ENDLESS = ["--set", "train.max_steps=0", "--set", "train.schedule=constant"]
+ENDLESS = ["--set", "train.max_steps=0", "--set", "train.schedule=constant", "--set",
+           "checkpoint.every_steps=20"]  # fmt: skip
 
 
 def test_a_run_without_end_needs_a_schedule_that_has_a_length_of_its_own():
@@ -58,7 +59,9 @@ def test_a_run_until_stopped_trains_until_stopped_and_resumes(procs, runs_dir, t
     assert console.returncode == 0, out + err
     stopped = read_status(run)
     assert stopped["state"] == "stopped"
-    assert [c["reason"] for c in events_of(run, "checkpoint")] == ["stop"], "no end, no interval"
+    reasons = [c["reason"] for c in events_of(run, "checkpoint")]
+    assert reasons[-1] == "stop" and set(reasons[:-1]) == {"interval"}, reasons  # no "end"
+    assert [c["step"] for c in events_of(run, "checkpoint")][:2] == [20, 40]
     assert f"steps: {stopped['step']}/∞" in out.replace("  ", " "), out
 
     again = procs.start("run", "--resume", str(run), *args)

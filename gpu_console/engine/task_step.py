@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .closure_step import needs_closure
-from .optim_set import Optimizers
+from .optim_set import Optimizers, OptimizerSetupError
 from .update_step import Update, UpdateStep
 
 
@@ -247,6 +247,18 @@ class TaskStep(UpdateStep):
     owner = "task"
 
     def __init__(self, task, opts, train, d, scaler, ctx, beat) -> None:
+        closures = [e.name for e in opts.entries if needs_closure(e.optimizer)]
+        if closures:  # what its step (optimizers.step with a closure) needs, checked now
+            where = f"task.configure_optimizers: optimizer {closures[0]!r} steps with a closure"
+            if train.grad_accum > 1:
+                raise OptimizerSetupError(
+                    f"{where}: needs train.grad_accum = 1 (got {train.grad_accum})"
+                )
+            if scaler is not None:
+                raise OptimizerSetupError(
+                    f"{where}: not under fp16's loss scaling; use train.precision = bf16, "
+                    "fp32 or fp64"
+                )
         self.step_optimizers = step_optimizers(task, opts, train, d, scaler)
         super().__init__(task, opts, train, d, self.step_optimizers.scalers, ctx, beat)
 

@@ -133,7 +133,8 @@ class Autoencoder3DTask:
         sharded model's needs every rank); rank 0 writes it."""
         if not self.cfg.slice_png or self._shown is None:
             return
-        noisy, clean = (t.to(ctx.device) for t in self._shown)
+        dtype = next(model.parameters()).dtype  # float64 under train.precision = "fp64"
+        noisy, clean = (t.to(ctx.device, dtype) for t in self._shown)
         was_training = model.training
         model.eval()  # BatchNorm's running statistics: nothing of the run changes
         try:

@@ -384,7 +384,7 @@ class RunFeed:
             state=state,
             reason=reason,
             step=m.step or (st.get("step") or 0),
-            max_steps=m.max_steps or st.get("max_steps"),
+            max_steps=m.max_steps if m.max_steps is not None else st.get("max_steps"),
             loss=last.get("loss", st.get("loss")),
             best_loss=m.best_loss,
             lr=last.get("lr"),
