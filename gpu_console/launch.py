@@ -28,6 +28,7 @@ from .devices import (
     FUSED_UNDER_SHARDED_SCALER,
     DeviceSpecError,
     Placement,
+    bf16_native,
     check_cpu_ranks,
     fused_steps_ok,
     parse_devices,
@@ -175,6 +176,18 @@ def precision_refusal(placement: Placement, precision: str) -> str:
         known = {g["index"]: g["compute_capability"] for g in nvml.identities()}
     refused = precision_refusals(placement.device_type, placement.gpus, known)
     return refused.get(precision, "")
+
+
+def precision_of(placement: Placement, precision: str) -> str:
+    """``precision`` as the ranks will resolve it (engine/precision.py): ``auto`` on GPUs is
+    bf16, or fp16 where NVML says a granted GPU is older than compute capability 8.0."""
+    if precision != "auto" or placement.device_type != "cuda":
+        return precision
+    from .telemetry import nvml
+
+    known = {g["index"]: g["compute_capability"] for g in nvml.identities()}
+    old = any(known.get(i) is not None and not bf16_native(known[i]) for i in placement.gpus)
+    return "fp16" if old else "bf16"
 
 
 # Where the installed torchrun lacks one of these flags, the run gets its behaviour this way.
@@ -547,8 +560,10 @@ def prepare(
         prec = profile.train.precision
         raise bad("train.precision", f"{why}; {instead[prec]}", prec)
     if profile.train.optimizer_impl == "fused" and not fused_steps_ok(
-        profile.distributed.strategy, profile.train.precision, placement.device_type
-    ):  # a precision of auto that becomes fp16 on an old GPU: the ranks refuse it the same
+        profile.distributed.strategy,
+        precision_of(placement, profile.train.precision),
+        placement.device_type,
+    ):
         raise bad(
             "train.optimizer_impl", f"{FUSED_UNDER_SHARDED_SCALER}; use auto or foreach", "fused"
         )

@@ -231,3 +231,20 @@ def test_a_fused_optimizer_under_fsdp_fp16_is_refused_before_anything_is_written
         "transformer", devices="0", precision="bf16", runs_dir=runs, overrides=fsdp[1::2]
     )
     assert profile.train.optimizer_impl == "fused"
+
+
+def test_auto_precision_on_an_old_gpu_refuses_a_fused_optimizer_under_fsdp_too(
+    monkeypatch, capsys, tmp_path
+):
+    # auto is fp16 on a GPU below capability 8.0, as the ranks resolve it.
+    install(monkeypatch, FakeNvml([FakeGpu(0, name="Tesla V100-SXM2-32GB", capability=(7, 0))]))
+    install_torch_build(monkeypatch, tmp_path)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    runs = tmp_path / "runs"
+    code, out, err = run_cli(
+        monkeypatch, capsys, "run", "transformer", "--headless", "--devices", "0",
+        "--set", "distributed.strategy=fsdp", "--set", "train.optimizer_impl=fused",
+        "--runs-dir", str(runs),
+    )  # fmt: skip
+    assert code == 2 and "train.optimizer_impl: the fused optimizer kernels cannot" in err, err
+    assert not runs.exists()
