@@ -26,6 +26,7 @@ events report).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -160,28 +161,34 @@ class StepOptimizers(Mapping):
                 "loss scaling; use train.precision = bf16, fp32 or fp64"
             )
         params = [q for q in entry.params if q.requires_grad]
-
-        def evaluate() -> tuple[torch.Tensor, torch.Tensor]:
-            entry.optimizer.zero_grad(set_to_none=True)
-            with torch.enable_grad():  # an optimizer's step runs under no_grad
-                loss = closure()
-            if not self.sharded:
-                average(params, self.world_size)
-            norm = self._clip(params, self.max_norm)
-            mean = loss.detach().clone()
-            if self.world_size > 1:
-                dist.all_reduce(mean)
-                mean /= self.world_size
-            return mean, norm
-
-        loss, norm = evaluate()
+        loss, norm = self._evaluate(entry, params, closure)
         self._norms[name] = norm
         if self.guard and not bool(torch.isfinite(norm)):
             self.skipped += 1
-        else:
-            first = [loss]
-            entry.optimizer.step(lambda: first.pop() if first else evaluate()[0])
+        else:  # the optimizer's first call gets the evaluation above back
+            again = functools.partial(self._evaluate_again, [loss], entry, params, closure)
+            entry.optimizer.step(again)
         entry.optimizer.zero_grad(set_to_none=True)
+
+    def _evaluate(self, entry, params, closure) -> tuple[torch.Tensor, torch.Tensor]:
+        """One evaluation: the task's closure from zeroed gradients, the gradients averaged
+        over the ranks and clipped; the loss averaged over the ranks, and the norm."""
+        entry.optimizer.zero_grad(set_to_none=True)
+        with torch.enable_grad():  # an optimizer's step runs under no_grad
+            loss = closure()
+        if not self.sharded:
+            average(params, self.world_size)
+        norm = self._clip(params, self.max_norm)
+        mean = loss.detach().clone()
+        if self.world_size > 1:
+            dist.all_reduce(mean)
+            mean /= self.world_size
+        return mean, norm
+
+    def _evaluate_again(self, first: list, entry, params, closure) -> torch.Tensor:
+        """The closure the optimizer calls: the evaluation made before the step, then new
+        ones."""
+        return first.pop() if first else self._evaluate(entry, params, closure)[0]
 
     def clip(self, name: str, max_norm: float) -> torch.Tensor:
         """Clip optimizer ``name``'s gradients to ``max_norm`` now (after :meth:`step`
