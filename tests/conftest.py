@@ -529,3 +529,19 @@ def stopped_run(procs, profile: Path, runs_dir: Path, cwd: Path, at_least: int, 
     out, err = console.communicate(timeout=120)
     assert console.returncode == 0, out + err
     return run, events_of(run, "checkpoint")[-1]["step"]
+
+
+def ctrl_c_then_resume(procs, runs_dir: Path, *run_args: str, after: int = 8) -> tuple[Path, int]:
+    """``gpu-console run RUN_ARGS --headless`` stopped by a Ctrl-C once ``after`` steps are
+    done, then resumed to its end: the run directory and the step it stopped at."""
+    console = procs.start("run", *run_args, "--headless", "--runs-dir", str(runs_dir))
+    run = wait_for(lambda: the_run(runs_dir), what="the run directory")
+    wait_for(lambda: events_of(run, "step") and events_of(run, "step")[-1]["step"] >= after,
+             what=f"{after} steps")  # fmt: skip
+    os.kill(console.pid, signal.SIGINT)
+    console.communicate(timeout=DEADLINE_S)
+    stopped = read_status(run)
+    assert stopped["state"] == "stopped", stopped
+    again = procs.cli("run", "--resume", str(run), "--headless", "--runs-dir", str(runs_dir))
+    assert again.returncode == 0, again.stdout + again.stderr
+    return run, stopped["step"]

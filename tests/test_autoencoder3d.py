@@ -5,14 +5,12 @@ falls, each eval writes its slice PNG, a Ctrl-C and a resume continue bit for bi
 
 from __future__ import annotations
 
-import os
-import signal
 import struct
 import zlib
 
 import pytest
 import torch
-from conftest import events_of, only_run, read_status, the_run, wait_for
+from conftest import ctrl_c_then_resume, events_of, only_run
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpu_console.profile import ProfileError, load_profile
@@ -104,20 +102,9 @@ def test_the_profile_trains_writes_slices_resumes_exactly_and_exports(procs, tmp
         assert image.shape == (128, 388) and image.float().std() > 0
 
     # Ctrl-C once a few steps are done, then --resume: the same losses from there on.
-    cut_dir = tmp_path / "cut"
-    console = procs.start("run", "autoencoder3d", "--headless", *SHORT, "--runs-dir",
-                          str(cut_dir))  # fmt: skip
-    cut = wait_for(lambda: the_run(cut_dir), what="the run directory")
-    wait_for(lambda: events_of(cut, "step") and events_of(cut, "step")[-1]["step"] >= 8,
-             what="8 steps")  # fmt: skip
-    os.kill(console.pid, signal.SIGINT)
-    console.communicate(timeout=120)
-    stopped = read_status(cut)
-    assert stopped["state"] == "stopped", stopped
-    again = procs.cli("run", "--resume", str(cut), "--headless", "--runs-dir", str(cut_dir))
-    assert again.returncode == 0, again.stdout + again.stderr
-    after = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stopped["step"]}
-    assert after == {i + 1: loss for i, loss in enumerate(losses) if i + 1 > stopped["step"]}
+    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "autoencoder3d", *SHORT)
+    after = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stop}
+    assert after == {i + 1: loss for i, loss in enumerate(losses) if i + 1 > stop}
 
     out = tmp_path / "weights.pt"
     exported = procs.cli("export", str(run), "--out", str(out), "--runs-dir", str(whole_dir))

@@ -6,12 +6,9 @@ checkpointing trains it too."""
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 import torch
-from conftest import events_of, only_run, read_status, the_run, wait_for
+from conftest import ctrl_c_then_resume, events_of, only_run
 
 from gpu_console.profile import load_profile
 from gpu_console.tasks.lm import GPT, LMTask, greedy, read_text, windows
@@ -72,20 +69,9 @@ def test_lm_on_a_text_file_learns_samples_resumes_exactly_and_exports(procs, tmp
     assert "sample @ step 40: " in result.stdout
     losses = {e["step"]: e["loss"] for e in events_of(run, "step")}
 
-    cut_dir = tmp_path / "cut"
-    console = procs.start("run", "lm", "--headless", *short(text), "--runs-dir", str(cut_dir))
-    cut = wait_for(lambda: the_run(cut_dir), what="the run directory")
-    wait_for(lambda: events_of(cut, "step") and events_of(cut, "step")[-1]["step"] >= 8,
-             what="8 steps")  # fmt: skip
-    os.kill(console.pid, signal.SIGINT)
-    console.communicate(timeout=120)
-    stopped = read_status(cut)
-    assert stopped["state"] == "stopped", stopped
-    again = procs.cli("run", "--resume", str(cut), "--headless", "--runs-dir", str(cut_dir))
-    assert again.returncode == 0, again.stdout + again.stderr
-    after = stopped["step"]
-    resumed = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > after}
-    assert resumed == {s: loss for s, loss in losses.items() if s > after}
+    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "lm", *short(text))
+    resumed = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stop}
+    assert resumed == {s: loss for s, loss in losses.items() if s > stop}
 
     out = tmp_path / "weights.pt"
     exported = procs.cli("export", str(run), "--out", str(out), "--runs-dir", str(whole_dir))

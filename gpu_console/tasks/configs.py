@@ -7,6 +7,12 @@ from dataclasses import dataclass
 from ..schema import opt
 
 
+def heads_divide(d_model: int, n_heads: int) -> None:
+    """The attention heads split the width evenly (a ValueError the profile loader reports)."""
+    if n_heads and d_model % n_heads:
+        raise ValueError(f"task.n_heads: must divide task.d_model={d_model} (got {n_heads})")
+
+
 @dataclass
 class MLPConfig:
     input_dim: int = opt(32, "features per sample", min=1)
@@ -38,10 +44,7 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         # Cross-field rule; reported through the profile loader like any other problem.
-        if self.n_heads and self.d_model % self.n_heads:
-            raise ValueError(
-                f"task.n_heads: must divide task.d_model={self.d_model} (got {self.n_heads})"
-            )
+        heads_divide(self.d_model, self.n_heads)
 
 
 @dataclass
@@ -85,7 +88,4 @@ class LMConfig:
     prompt: str = opt("", "what each sample starts from (empty: the held-out text's start)")
 
     def __post_init__(self) -> None:
-        if self.n_heads and self.d_model % self.n_heads:
-            raise ValueError(
-                f"task.n_heads: must divide task.d_model={self.d_model} (got {self.n_heads})"
-            )
+        heads_divide(self.d_model, self.n_heads)

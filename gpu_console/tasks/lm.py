@@ -26,27 +26,9 @@ from torch import nn
 
 from .base import TaskOutput, TensorSet, at_least_fp32
 from .configs import LMConfig
+from .transformer import Block
 
 VOCAB = 256  # bytes
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int, ff: int, dropout: float):
-        super().__init__()
-        self.heads, self.dropout = heads, dropout
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.ff = nn.Sequential(nn.Linear(d, ff), nn.GELU(), nn.Linear(ff, d))
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        p = self.dropout if self.training else 0.0
-        att = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.ff(self.ln2(x)))
 
 
 class GPT(nn.Module):
@@ -56,7 +38,8 @@ class GPT(nn.Module):
         self.tok = nn.Embedding(VOCAB, c.d_model)
         self.pos = nn.Parameter(torch.zeros(c.seq_len, c.d_model))
         self.blocks = nn.ModuleList(
-            Block(c.d_model, c.n_heads, c.ff_mult * c.d_model, c.dropout) for _ in range(c.n_layers)
+            Block(c.d_model, c.n_heads, c.ff_mult * c.d_model, c.dropout, causal=True)
+            for _ in range(c.n_layers)
         )
         self.ln = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, VOCAB, bias=False)

@@ -15,9 +15,12 @@ from .configs import TransformerConfig
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int, ff: int, dropout: float):
+    """A pre-norm transformer block (``causal``: each position attends to itself and before:
+    the ``lm`` task's)."""
+
+    def __init__(self, d: int, heads: int, ff: int, dropout: float, causal: bool = False):
         super().__init__()
-        self.heads, self.dropout = heads, dropout
+        self.heads, self.dropout, self.causal = heads, dropout, causal
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.ff = nn.Sequential(nn.Linear(d, ff), nn.GELU(), nn.Linear(ff, d))
@@ -28,7 +31,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         p = self.dropout if self.training else 0.0
-        att = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        att = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
         x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
         return x + self.drop(self.ff(self.ln2(x)))
 
