@@ -12,7 +12,8 @@ At each eval: the perplexity (``exp`` of the eval loss) joins the eval's figures
 greedy sample of ``sample_bytes`` bytes is written as a log event (the console's log pane
 and the headless output). The blocks are named for activation checkpointing and FSDP.
 
-Written against the public task contract alone (tasks/base.py), as a user's task would be.
+Written against the public task contract (tasks/base.py), as a user's task would be; its
+block is the ``transformer`` task's, made causal.
 """
 
 from __future__ import annotations
