@@ -23,6 +23,15 @@ from .optim_set import OptimizerSetupError
 from .update_step import EngineStep, Update
 
 
+def mean_over_ranks(loss: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The loss averaged over the ranks: what every rank's closure optimizer decides on."""
+    mean = loss.detach().clone()
+    if world_size > 1:
+        dist.all_reduce(mean)
+        mean /= world_size
+    return mean
+
+
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """``optimizer.step`` takes a closure it cannot do without (LBFGS's)."""
     try:
@@ -108,9 +117,4 @@ class ClosureStep(EngineStep):
         return total, output
 
     def _mean(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss averaged over the ranks: what every rank's LBFGS decides on."""
-        mean = loss.detach().clone()
-        if self.d.world_size > 1:
-            dist.all_reduce(mean)
-            mean /= self.d.world_size
-        return mean
+        return mean_over_ranks(loss, self.d.world_size)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .closure_step import needs_closure
+from .closure_step import mean_over_ranks, needs_closure
 from .optim_set import Optimizers, OptimizerSetupError
 from .update_step import Update, UpdateStep
 
@@ -179,11 +179,7 @@ class StepOptimizers(Mapping):
         if not self.sharded:
             average(params, self.world_size)
         norm = self._clip(params, self.max_norm)
-        mean = loss.detach().clone()
-        if self.world_size > 1:
-            dist.all_reduce(mean)
-            mean /= self.world_size
-        return mean, norm
+        return mean_over_ranks(loss, self.world_size), norm
 
     def _evaluate_again(self, first: list, entry, params, closure) -> torch.Tensor:
         """The closure the optimizer calls: the evaluation made before the step, then new
