@@ -112,8 +112,10 @@ def test_to_toml_round_trips_with_overrides(name, tmp_path, monkeypatch):
         "distributed.bucket_cap_mb=1",
         "profile.description=with overrides",
     ]
-    # A task key of each built-in (the lm reads a text, so its size is not a key).
-    task_key, value = ("seq_len", 32) if name == "lm" else ("train_samples", 512)
+    # A task key of each built-in (the lm reads a text and cvrp makes instances as it goes,
+    # so neither has train_samples).
+    task_key, value = {"lm": ("seq_len", 32), "cvrp20": ("epoch_instances", 512),
+                       "cvrp50": ("epoch_instances", 512)}.get(name, ("train_samples", 512))  # fmt: skip
     prof = load_profile(name, [*sets, f"task.{task_key}={value}"])
     assert prof.train.lr == 3e-4
     assert prof.train.schedule == "linear"

@@ -7,7 +7,7 @@ A user's task is named by import path, ``"my_pkg.tasks:MyTask"``; see :mod:`.bas
 
 from __future__ import annotations
 
-from .configs import Autoencoder3DConfig, LMConfig, MLPConfig, TransformerConfig
+from .configs import Autoencoder3DConfig, CVRPConfig, LMConfig, MLPConfig, TransformerConfig
 
 BUILTIN: dict[str, tuple[str, type]] = {
     "mlp": ("gpu_console.tasks.mlp:MLPTask", MLPConfig),
@@ -17,6 +17,7 @@ BUILTIN: dict[str, tuple[str, type]] = {
         Autoencoder3DConfig,
     ),
     "lm": ("gpu_console.tasks.lm:LMTask", LMConfig),
+    "cvrp": ("gpu_console.tasks.cvrp:CVRPTask", CVRPConfig),
 }
 
 # Built-in tasks that name their blocks (``blocks``) for activation checkpointing.

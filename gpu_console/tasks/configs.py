@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from ..schema import opt
 
 
-def heads_divide(d_model: int, n_heads: int) -> None:
+def heads_divide(d_model: int, n_heads: int, width: str = "d_model") -> None:
     """The attention heads split the width evenly (a ValueError the profile loader reports)."""
     if n_heads and d_model % n_heads:
-        raise ValueError(f"task.n_heads: must divide task.d_model={d_model} (got {n_heads})")
+        raise ValueError(f"task.n_heads: must divide task.{width}={d_model} (got {n_heads})")
 
 
 @dataclass
@@ -89,3 +90,57 @@ class LMConfig:
 
     def __post_init__(self) -> None:
         heads_divide(self.d_model, self.n_heads)
+
+
+# The paper's vehicle capacity per instance size (Kool et al. 2019, after Nazari et al. 2018).
+CVRP_CAPACITY = {10: 20, 20: 30, 50: 40, 100: 50}
+
+
+@dataclass
+class CVRPConfig:
+    num_customers: int = opt(20, "customers per instance (the depot is one more node)", min=2)
+    capacity: int = opt(
+        0, "vehicle capacity; demands are 1..9 (0: the paper's 20/30/40/50 for 10/20/50/100)", min=0
+    )
+    encoder: Literal["gat", "gt", "dgt"] = opt(
+        "gat",
+        "gat: graph attention (the paper's); gt: graph transformer with a distance bias; "
+        "dgt: dynamic graph transformer, re-embedding the nodes at every decoding step",
+    )
+    embed_dim: int = opt(128, "node embedding width", min=8)
+    n_heads: int = opt(8, "attention heads (must divide embed_dim)", min=1)
+    n_layers: int = opt(3, "encoder layers", min=1)
+    ff_dim: int = opt(512, "feed-forward width in the encoder", min=1)
+    tanh_clip: float = opt(10.0, "the pointer logits are clipped to ±this by tanh", gt=0.0)
+    epoch_instances: int = opt(
+        25600,
+        "training instances per epoch; the rollout baseline is tested at each epoch's end",
+        min=1,
+    )
+    baseline_instances: int = opt(
+        1024, "instances of the paired t-test that decides whether the baseline is replaced", min=2
+    )
+    baseline_alpha: float = opt(
+        0.05,
+        "one-sided p-value below which the current policy becomes the baseline",
+        gt=0.0,
+        max=1.0,
+    )
+    ema_beta: float = opt(
+        0.8, "decay of the moving-average baseline used during the first epoch", min=0.0, max=1.0
+    )
+    eval_instances: int = opt(1024, "fixed held-out instances of the eval (0: no eval)", min=0)
+    data_seed: int = opt(1234, "seed of every instance (training ones also by epoch and index)")
+
+    def __post_init__(self) -> None:
+        heads_divide(self.embed_dim, self.n_heads, "embed_dim")
+        if not self.capacity and self.num_customers not in CVRP_CAPACITY:
+            sizes = ", ".join(f"{n}→{c}" for n, c in CVRP_CAPACITY.items())
+            raise ValueError(
+                f"task.capacity: give one for num_customers={self.num_customers} "
+                f"(the paper's: {sizes})"
+            )
+        if self.capacity and self.capacity < 9:
+            raise ValueError(
+                f"task.capacity: must hold the largest demand, 9 (got {self.capacity})"
+            )
