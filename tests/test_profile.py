@@ -114,8 +114,9 @@ def test_to_toml_round_trips_with_overrides(name, tmp_path, monkeypatch):
     ]
     # A task key of each built-in (the lm reads a text and cvrp makes instances as it goes,
     # so neither has train_samples).
-    task_key, value = {"lm": ("seq_len", 32), "cvrp20": ("epoch_instances", 512),
-                       "cvrp50": ("epoch_instances", 512)}.get(name, ("train_samples", 512))  # fmt: skip
+    own = {"lm": ("seq_len", 32), "cvrp20": ("epoch_instances", 512),
+           "cvrp50": ("epoch_instances", 512)}  # fmt: skip
+    task_key, value = own.get(name, ("train_samples", 512))
     prof = load_profile(name, [*sets, f"task.{task_key}={value}"])
     assert prof.train.lr == 3e-4
     assert prof.train.schedule == "linear"
