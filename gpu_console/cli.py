@@ -125,7 +125,8 @@ def run(
         None,
         "--set",
         metavar="KEY=VALUE",
-        help="Override a profile key: --set train.lr=3e-4 (repeatable).",
+        help="Override a profile key: --set train.lr=3e-4 (repeatable); an entry of a table "
+        "key: --set task.config.n_layer=4.",
     ),
     resume: str | None = typer.Option(
         None,

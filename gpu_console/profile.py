@@ -388,7 +388,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> tuple[dict[st
         data.setdefault(section, {})
         if not isinstance(data[section], dict):
             raise ProfileError([f"--set: {section}: is not a section (got {text!r})"])
-        data[section][key] = value
+        outer, dot, inner = key.partition(".")
+        if dot and isinstance(data[section].get(outer, {}), dict):
+            # task.config.n_layer=4: one entry of a table key, the rest of the table kept.
+            table = data[section][outer] = dict(data[section].get(outer, {}))
+            *path, last = inner.split(".")
+            for name in path:
+                table = table.setdefault(name, {})
+            table[last] = value
+            key = outer
+        else:
+            data[section][key] = value
         touched.add(f"{section}.{key}")
     return data, touched
 

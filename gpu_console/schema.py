@@ -51,6 +51,8 @@ def _type_name(tp: Any) -> str:
         return "a list of " + item + "s"
     if get_origin(tp) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
+    if tp is dict or get_origin(tp) is dict:
+        return "a table"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         tp, str(tp)
     )
@@ -85,6 +87,11 @@ def coerce(tp: Any, value: Any) -> tuple[Any, str | None]:
                 return None, f"expected {_type_name(tp)}{finite}"
             out.append(got)
         return out, None
+    if tp is dict or origin is dict:
+        # A table handed on as it is (a third party's config): its keys must be names.
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return dict(value), None
+        return None, "expected a table"
     if tp is bool:
         return (value, None) if isinstance(value, bool) else (None, "expected true or false")
     if tp is int:

@@ -7,7 +7,14 @@ A user's task is named by import path, ``"my_pkg.tasks:MyTask"``; see :mod:`.bas
 
 from __future__ import annotations
 
-from .configs import Autoencoder3DConfig, CVRPConfig, LMConfig, MLPConfig, TransformerConfig
+from .configs import (
+    Autoencoder3DConfig,
+    CVRPConfig,
+    HFConfig,
+    LMConfig,
+    MLPConfig,
+    TransformerConfig,
+)
 
 BUILTIN: dict[str, tuple[str, type]] = {
     "mlp": ("gpu_console.tasks.mlp:MLPTask", MLPConfig),
@@ -18,6 +25,7 @@ BUILTIN: dict[str, tuple[str, type]] = {
     ),
     "lm": ("gpu_console.tasks.lm:LMTask", LMConfig),
     "cvrp": ("gpu_console.tasks.cvrp:CVRPTask", CVRPConfig),
+    "hf": ("gpu_console.tasks.hf:HFTask", HFConfig),
 }
 
 # Built-in tasks that name their blocks (``blocks``) for activation checkpointing.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
@@ -130,7 +131,9 @@ class CVRPConfig:
         0.8, "decay of the moving-average baseline used during the first epoch", min=0.0, max=1.0
     )
     eval_instances: int = opt(1024, "fixed held-out instances of the eval (0: no eval)", min=0)
-    data_seed: int = opt(1234, "seed of every instance (training ones also by epoch and index)")
+    data_seed: int = opt(
+        1234, "seed of every instance (a training batch's also by its step and first sample)"
+    )
 
     def __post_init__(self) -> None:
         heads_divide(self.embed_dim, self.n_heads, "embed_dim")
@@ -143,4 +146,50 @@ class CVRPConfig:
         if self.capacity and self.capacity < 9:
             raise ValueError(
                 f"task.capacity: must hold the largest demand, 9 (got {self.capacity})"
+            )
+
+
+def installed(package: str) -> bool:
+    """Whether ``package`` can be imported, found without importing it (it may import torch)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # ValueError: blocked (sys.modules[package] is None)
+        return False
+
+
+@dataclass
+class HFConfig:
+    model: str = opt(
+        "", "a local directory holding a saved transformers model (from_pretrained, offline)"
+    )
+    config: dict = opt(
+        {},
+        "a transformers config as a table (model_type and its keys), built with from_config: "
+        "new weights, no download; used when task.model is empty",
+    )
+    head: Literal["causal-lm", "sequence-classification"] = opt(
+        "causal-lm",
+        "causal-lm: predict each next token; sequence-classification: tell text read "
+        "forwards from text read backwards",
+    )
+    text_file: str = opt(
+        "",
+        "a UTF-8 text file to train on, through the model's own tokenizer when its directory "
+        "has one, else as bytes; empty: Python's own help topics (pydoc_data)",
+    )
+    seq_len: int = opt(64, "tokens per sequence", min=2)
+    eval_fraction: float = opt(
+        0.05, "the text's tail held out for eval (0: no eval)", min=0.0, max=0.5
+    )
+
+    def __post_init__(self) -> None:
+        if not installed("transformers"):
+            raise ValueError(
+                'task.kind: "hf" needs the transformers package: pip install "gpu-console[hf]"'
+            )
+        if not self.model and not self.config:
+            raise ValueError("task.model: give a model directory or a task.config table")
+        if not self.model and "model_type" not in self.config:
+            raise ValueError(
+                'task.config: needs model_type (e.g. "gpt2"), the architecture to build'
             )
