@@ -1,8 +1,9 @@
 """The built-in ``hf`` (issue 22): a Hugging Face transformers model from a tiny config,
 offline. Its pieces alone, then through real torchrun on 2 CPU ranks: it trains and its loss
 falls, a Ctrl-C and a resume continue bit for bit, ``export`` loads into the transformers
-class with plain torch, a saved model directory with its own tokenizer trains, and without
-transformers the profile fails before launch in one line that says what to install."""
+class with plain torch, the classifier learns, a saved model directory with its own tokenizer
+trains, and without transformers the profile fails before launch in one line that says what
+to install."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_config_problems_are_one_line_each(tmp_path):
         HFTask(cfg).build_model()
 
 
-def test_the_classifier_tells_text_read_forwards_from_text_read_backwards():
+def test_the_classifier_tells_the_text_from_the_text_shifted_by_one():
     cfg = load_profile("hf", [*TINY, "task.head=sequence-classification", "task.seq_len=8"]).task
     task = HFTask(cfg)
     model = task.build_model()
@@ -48,10 +49,11 @@ def test_the_classifier_tells_text_read_forwards_from_text_read_backwards():
     train, _ = task.build_datasets()
     seqs, labels = train.tensors
     assert labels[:4].tolist() == [0, 1, 0, 1]
-    text = bytes(seqs[0].tolist()) + bytes(seqs[1].flip(-1).tolist())  # the second, turned back
     from gpu_console.tasks.lm import read_text
 
-    assert read_text(cfg)[:16] == text
+    text = torch.tensor(list(read_text(cfg)[:16]))
+    assert torch.equal(seqs[0], text[:8])
+    assert torch.equal(seqs[1], (text[8:] + 1) % 256)  # the second window, each byte one up
     out = task.compute(model, (seqs[:4], labels[:4]))
     assert out.loss.ndim == 0 and 0 <= float(out.metrics["accuracy"]) <= 1
 
@@ -91,6 +93,17 @@ def test_hf_trains_a_tiny_config_offline_resumes_exactly_and_exports(procs, tmp_
         transformers.AutoConfig.for_model(**config)
     )
     model.load_state_dict(torch.load(out, weights_only=True))  # plain torch, nothing else
+
+
+def test_the_classifier_learns_through_torchrun(procs, tmp_path):
+    runs = tmp_path / "runs"
+    sets = [*TINY, "task.head=sequence-classification", "train.max_steps=20",
+            "train.eval_every=20", "task.seq_len=32", "task.config.n_positions=32"]  # fmt: skip
+    args = ["--devices", "cpu:2", *(a for s in sets for a in ("--set", s))]
+    result = procs.cli("run", "hf", "--headless", *args, "--runs-dir", str(runs))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (final,) = events_of(only_run(runs), "eval")
+    assert final["accuracy"] > 0.9 and final["loss"] < 0.3, final
 
 
 def test_a_saved_model_directory_trains_through_its_own_tokenizer(procs, tmp_path):

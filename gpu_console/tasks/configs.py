@@ -169,8 +169,8 @@ class HFConfig:
     )
     head: Literal["causal-lm", "sequence-classification"] = opt(
         "causal-lm",
-        "causal-lm: predict each next token; sequence-classification: tell text read "
-        "forwards from text read backwards",
+        "causal-lm: predict each next token; sequence-classification: tell the text from "
+        "the text with every token shifted by one",
     )
     text_file: str = opt(
         "",

@@ -8,8 +8,8 @@ of a transformers config (``model_type`` and its keys) and the model is built ne
 The text (``task.text_file``; by default Python's own help topics, as ``lm`` reads) goes
 through the model directory's tokenizer when it has one, else it is read as bytes (the
 model's vocabulary must then hold 256 tokens). ``causal-lm`` predicts each next token of
-consecutive windows; ``sequence-classification`` learns to tell a window read forwards from
-one read backwards (half of them are reversed), with its accuracy as a metric.
+consecutive windows; ``sequence-classification`` learns to tell a window from one with every
+token shifted by one (half of them are: a cipher), with its accuracy as a metric.
 
 transformers is an optional extra (``pip install "gpu-console[hf]"``): the profile checks
 for it before launch (configs.py, torch-free) and this module imports it on the ranks only.
@@ -37,6 +37,7 @@ class HFTask:
     def __init__(self, config: HFConfig):
         self.cfg = config
         self.tokenizer = None
+        self.vocab = BYTES  # the text's tokens: bytes, or the tokenizer's
 
     def model_class(self):
         import transformers
@@ -75,8 +76,10 @@ class HFTask:
         if self.tokenizer is not None:
             ids = self.tokenizer(text.decode("utf-8", errors="replace"))["input_ids"]
             data = torch.tensor(ids, dtype=torch.long)
+            self.vocab = len(self.tokenizer)
         else:
             data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+            self.vocab = BYTES
         held = int(len(data) * c.eval_fraction)
         length = c.seq_len + 1 if c.head == "causal-lm" else c.seq_len
         train = self.examples(windows(data[: len(data) - held], length))
@@ -92,9 +95,9 @@ class HFTask:
             return None
         if self.cfg.head == "causal-lm":
             return TensorSet(seqs)
-        backwards = torch.arange(len(seqs)) % 2
-        seqs = torch.where(backwards[:, None].bool(), seqs.flip(-1), seqs)
-        return TensorSet(seqs, backwards)
+        shifted = torch.arange(len(seqs)) % 2
+        seqs = torch.where(shifted[:, None].bool(), (seqs + 1) % self.vocab, seqs)
+        return TensorSet(seqs, shifted)
 
     def compute(self, model: nn.Module, batch) -> TaskOutput:
         if self.cfg.head == "causal-lm":
