@@ -114,7 +114,8 @@ async def test_t_asks_for_a_profile_and_shows_where_the_trace_went(fake_live):
     app = app_on(fake_live.run_dir)
     async with app.run_test(size=(100, 32)) as pilot:
         screen = await loaded(pilot, app)
-        assert "trace" in screen_text(app)  # the footer names the key
+        # The footer names the key (it may be drawn a frame after the snapshot on a busy machine).
+        await until(pilot, lambda: "trace" in screen_text(app), 10, "the footer's trace key")
         await pilot.press("t")
         await until(pilot, lambda: control_lines(fake_live.run_dir), 5, "a control line")
         (line,) = control_lines(fake_live.run_dir)
@@ -292,7 +293,7 @@ async def test_m_shows_a_task_train_metric_in_the_main_chart(tmp_path):
         await until(pilot, lambda: screen.snapshot.step == 60, 10, "the metrics' steps")
         chart = screen.query_one("#loss")
         assert [line.label for line in chart.lines] == ["train", "eval"]
-        assert "chart" in screen_text(app)  # the footer names the key
+        await until(pilot, lambda: "chart" in screen_text(app), 10, "the footer's chart key")
         await pilot.press("m")  # the task's first metric (by name)
         assert "D(x)" in str(chart.border_title) and "0.6" in str(chart.border_title)
         assert [line.label for line in chart.lines] == ["D(x)"]
