@@ -391,16 +391,28 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> tuple[dict[st
         outer, dot, inner = key.partition(".")
         if dot and isinstance(data[section].get(outer, {}), dict):
             # task.config.n_layer=4: one entry of a table key, the rest of the table kept.
-            table = data[section][outer] = dict(data[section].get(outer, {}))
-            *path, last = inner.split(".")
-            for name in path:
-                table = table.setdefault(name, {})
-            table[last] = value
+            table = data[section].get(outer, {})
+            data[section][outer] = _with_entry(table, inner.split("."), value, text)
             key = outer
         else:
             data[section][key] = value
         touched.add(f"{section}.{key}")
     return data, touched
+
+
+def _with_entry(table: dict[str, Any], path: list[str], value: Any, text: str) -> dict[str, Any]:
+    """A copy of ``table`` with the entry at ``path`` set; the tables on the way are copied
+    too (the profile's own are left as they were)."""
+    head, *rest = path
+    out = dict(table)
+    if not rest:
+        out[head] = value
+        return out
+    inner = out.get(head, {})
+    if not isinstance(inner, dict):
+        raise ProfileError([f"--set: {head}: is not a table (got {text!r})"])
+    out[head] = _with_entry(inner, rest, value, text)
+    return out
 
 
 def resolve(

@@ -531,6 +531,11 @@ def stopped_run(procs, profile: Path, runs_dir: Path, cwd: Path, at_least: int, 
     return run, events_of(run, "checkpoint")[-1]["step"]
 
 
+def set_args(*sets: str) -> list[str]:
+    """``--set`` before each ``SECTION.KEY=VALUE``: the command line of many overrides."""
+    return [arg for s in sets for arg in ("--set", s)]
+
+
 def ctrl_c_then_resume(procs, runs_dir: Path, *run_args: str, after: int = 8) -> tuple[Path, int]:
     """``gpu-console run RUN_ARGS --headless`` stopped by a Ctrl-C once ``after`` steps are
     done, then resumed to its end: the run directory and the step it stopped at."""

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import ctrl_c_then_resume, events_of, only_run
+from conftest import ctrl_c_then_resume, events_of, only_run, set_args
 
 from gpu_console.profile import load_profile
 from gpu_console.tasks.cvrp import (
@@ -134,7 +134,7 @@ def small(*extra: str) -> list[str]:
         "checkpoint.every_steps=20",
         *extra,
     ]
-    return ["--devices", "cpu:2", *(a for s in sets for a in ("--set", s))]  # fmt: skip
+    return ["--devices", "cpu:2", *set_args(*sets)]
 
 
 def test_cvrp_learns_tests_its_baseline_resumes_exactly_and_exports(procs, tmp_path):

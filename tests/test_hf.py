@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ctrl_c_then_resume, events_of, only_run, run_dirs
+from conftest import ctrl_c_then_resume, events_of, only_run, run_dirs, set_args, test_env
 
 from gpu_console.profile import ProfileError, load_profile
 from gpu_console.tasks.hf import HFTask
+from gpu_console.tasks.lm import read_text
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,6 +34,8 @@ def test_config_problems_are_one_line_each(tmp_path):
         load_profile("hf", ["task.config=3"])
     with pytest.raises(ProfileError, match="task.config: needs model_type"):
         load_profile("hf", ["task.config={n_layer = 1}"])
+    with pytest.raises(ProfileError, match=r"--set: n_layer: is not a table"):
+        load_profile("hf", ["task.config.n_layer.heads=1"])  # n_layer is a number
     cfg = load_profile("hf", [*TINY, "task.config.vocab_size=100"]).task
     with pytest.raises(ValueError, match="vocabulary needs 256 tokens \\(has 100\\)"):
         HFTask(cfg).build_model()
@@ -49,8 +52,6 @@ def test_the_classifier_tells_the_text_from_the_text_shifted_by_one():
     train, _ = task.build_datasets()
     seqs, labels = train.tensors
     assert labels[:4].tolist() == [0, 1, 0, 1]
-    from gpu_console.tasks.lm import read_text
-
     text = torch.tensor(list(read_text(cfg)[:16]))
     assert torch.equal(seqs[0], text[:8])
     assert torch.equal(seqs[1], (text[8:] + 1) % 256)  # the second window, each byte one up
@@ -69,7 +70,7 @@ def short() -> list[str]:
         "task.config.n_positions=32",
         "checkpoint.every_steps=15",
     ]
-    return ["--devices", "cpu:2", *(a for s in sets for a in ("--set", s))]  # fmt: skip
+    return ["--devices", "cpu:2", *set_args(*sets)]
 
 
 def test_hf_trains_a_tiny_config_offline_resumes_exactly_and_exports(procs, tmp_path):
@@ -99,7 +100,7 @@ def test_the_classifier_learns_through_torchrun(procs, tmp_path):
     runs = tmp_path / "runs"
     sets = [*TINY, "task.head=sequence-classification", "train.max_steps=20",
             "train.eval_every=20", "task.seq_len=32", "task.config.n_positions=32"]  # fmt: skip
-    args = ["--devices", "cpu:2", *(a for s in sets for a in ("--set", s))]
+    args = ["--devices", "cpu:2", *set_args(*sets)]
     result = procs.cli("run", "hf", "--headless", *args, "--runs-dir", str(runs))
     assert result.returncode == 0, result.stdout + result.stderr
     (final,) = events_of(only_run(runs), "eval")
@@ -125,7 +126,7 @@ def test_a_saved_model_directory_trains_through_its_own_tokenizer(procs, tmp_pat
     runs = tmp_path / "runs"
     sets = [f"task.model={saved}", f"task.text_file={text}", "task.seq_len=8",
             "train.max_steps=20", "train.eval_every=20", "train.log_every=1"]  # fmt: skip
-    args = ["--devices", "cpu:2", *(a for s in sets for a in ("--set", s))]
+    args = ["--devices", "cpu:2", *set_args(*sets)]
     result = procs.cli("run", "hf", "--headless", *args, "--runs-dir", str(runs))
     assert result.returncode == 0, result.stdout + result.stderr
     run = only_run(runs)
@@ -142,8 +143,6 @@ def test_without_transformers_the_profile_fails_in_one_line_before_launch(procs,
     blocker.mkdir()
     # The documented way to make a package unimportable: sys.modules[name] = None.
     (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['transformers'] = None\n")
-    from conftest import test_env
-
     env = test_env()
     env["PYTHONPATH"] = f"{blocker}:{env.get('PYTHONPATH', '')}"
     runs = tmp_path / "runs"

@@ -252,10 +252,11 @@ class CVRPModel(nn.Module):
         self.keys = nn.Linear(d, 3 * d, bias=False)  # the glimpse's keys, values; the pointer's
         self.glimpse_out = nn.Linear(d, d, bias=False)
 
-    def encode(self, coords: torch.Tensor, demand: torch.Tensor) -> torch.Tensor:
+    def encode(
+        self, coords: torch.Tensor, demand: torch.Tensor, dist: torch.Tensor
+    ) -> torch.Tensor:
         customers = torch.cat([coords[:, 1:], (demand[:, 1:] / self.capacity)[..., None]], -1)
         h = torch.cat([self.depot_in(coords[:, :1]), self.node_in(customers)], 1)
-        dist = torch.cdist(coords, coords)
         for layer in self.encoder:
             h = layer(h, dist)
         return h
@@ -268,11 +269,13 @@ class CVRPModel(nn.Module):
         per_head = (split_heads(t, self.heads).contiguous() for t in (glimpse_k, glimpse_v))
         return (h, h.mean(1), *per_head, pointer_k)
 
-    def point(self, fixed: tuple[torch.Tensor, ...], routes: Routes) -> torch.Tensor:
+    def point(
+        self, fixed: tuple[torch.Tensor, ...], routes: Routes, dist: torch.Tensor
+    ) -> torch.Tensor:
         """Log-probabilities (batch, nodes) of the next node; barred nodes get none."""
         if self.refresh is not None:
             h = fixed[0] + self.state_in(routes.state())
-            fixed = self.fixed(self.refresh(h, torch.cdist(routes.coords, routes.coords)))
+            fixed = self.fixed(self.refresh(h, dist))
         h, graph, glimpse_k, glimpse_v, pointer_k = fixed
         b, _, d = h.shape
         load = (routes.load / self.capacity)[:, None].to(h.dtype)
@@ -298,20 +301,26 @@ class CVRPModel(nn.Module):
         self, coords: torch.Tensor, demand: torch.Tensor, greedy: bool = False
     ) -> tuple[Routes, torch.Tensor]:
         """The tours (sampled, or each move the likeliest) and each one's log-probability."""
-        fixed = self.fixed(self.encode(coords, demand))
+        dist = torch.cdist(coords, coords)  # once per tour: the encoder's and dgt's bias
+        fixed = self.fixed(self.encode(coords, demand, dist))
         routes = Routes(coords, demand, self.capacity)
-        log_p = torch.zeros(len(coords), dtype=torch.float32, device=coords.device)
-        log_p = log_p.to(torch.promote_types(log_p.dtype, coords.dtype))
+        dtype = torch.promote_types(torch.float32, coords.dtype)  # fp64 stays fp64
+        log_p = torch.zeros(len(coords), dtype=dtype, device=coords.device)
         for _ in range(2 * coords.shape[1]):  # a customer and a return each: at most 2N moves
             done = routes.done()
             if bool(done.all()):
                 break
-            step_log_p = self.point(fixed, routes)
+            step_log_p = self.point(fixed, routes, dist)
             to = step_log_p.argmax(-1) if greedy else sample(step_log_p)
             taken = step_log_p.gather(1, to[:, None])[:, 0]
             log_p = log_p + torch.where(done, 0.0, taken)
             routes.move(to)
         return routes, log_p
+
+
+def dtype_of(model: nn.Module) -> torch.dtype:
+    """The policy's dtype (fp64 under train.precision = "fp64"): what its instances take."""
+    return next(unwrap(model).parameters()).dtype
 
 
 def sample(log_p: torch.Tensor) -> torch.Tensor:
@@ -344,8 +353,7 @@ class CVRPTask:
 
     def compute(self, model: nn.Module, batch) -> TaskOutput:
         if len(batch) == 2:  # the eval's fixed instances
-            dtype = next(unwrap(model).parameters()).dtype
-            coords, demand = (t.to(dtype) for t in batch)
+            coords, demand = (t.to(dtype_of(model)) for t in batch)
             length, _ = model(coords, demand, greedy=True)
             nn_length = nearest_neighbour(coords, demand, self.capacity)
             return TaskOutput(
@@ -369,8 +377,7 @@ class CVRPTask:
         coords, demand = instances(
             len(indices), self.cfg.num_customers, seeded(seed, indices.device), indices.device
         )
-        dtype = next(unwrap(model).parameters()).dtype
-        return coords.to(dtype), demand.to(dtype)
+        return coords.to(dtype_of(model)), demand.to(dtype_of(model))
 
     def baseline_of(self, coords, demand, length, model) -> torch.Tensor:
         """Per instance: the frozen copy's greedy tour after the first epoch; before it, the
@@ -406,8 +413,7 @@ class CVRPTask:
         coords, demand = instances(
             c.baseline_instances, c.num_customers, seeded(seed, ctx.device), ctx.device
         )
-        dtype = next(policy.parameters()).dtype
-        coords, demand = coords.to(dtype), demand.to(dtype)
+        coords, demand = coords.to(dtype_of(policy)), demand.to(dtype_of(policy))
         ours, theirs = self.rollout(policy, coords, demand), self.rollout(baseline, coords, demand)
         p = one_sided_p(ours - theirs)
         verdict = torch.tensor(
