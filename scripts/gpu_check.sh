@@ -4,7 +4,8 @@
 # log under $OUT (or ./gpu-check-out). Each stage stops itself before its budget and still
 # prints pytest's summary (SIGINT), so a cut-short call tells which tests failed and why.
 #
-#   scripts/gpu_check.sh tests [SECONDS]   # the gpu-marked tests, one at a time (~15 s each)
+#   scripts/gpu_check.sh tests [SECONDS]   # the gpu-marked tests: six workers, then the
+#                                          # device-wide ones alone (~5 min in all on an H100)
 #   scripts/gpu_check.sh bench [SECONDS]   # benchmarks/gpu_overhead.py: plain, compile,
 #                                          # checkpoint, deterministic; one round each
 #   scripts/gpu_check.sh suite [SECONDS]   # the CPU suite on this torch, 12 workers
@@ -36,8 +37,16 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$out/
 pytest_args=(-p no:cacheprovider -rfEs --tb=short)
 case "$stage" in
 tests)
-    timeout -s INT "$(left)" python3 -m pytest -m gpu -v "${pytest_args[@]}" --timeout 180 tests \
-        2>&1 | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|^(FAILED|ERROR) |passed|failed"
+    # Tests that read only their own processes share the GPU on six workers (--dist load: a
+    # module's tests spread too); those that read the whole device (out of memory, the auto
+    # batch's free memory, kill -9 freeing it, NVML's process list) run one at a time after.
+    device_wide="oom or out_of_memory or auto_batch or kill_9 or devices_marks or nvml_samples or records_its_gpu"
+    timeout -s INT $(($(left) * 3 / 5)) python3 -m pytest -m gpu -v -n 6 --dist load "${pytest_args[@]}" --timeout 180 \
+        -k "not ($device_wide)" tests 2>&1 | tee "$out/gpu-tests.log" \
+        | grep -E "PASSED|FAILED|ERROR|SKIPPED|^(FAILED|ERROR) |passed|failed"
+    timeout -s INT "$(left)" python3 -m pytest -m gpu -v "${pytest_args[@]}" --timeout 120 \
+        -k "$device_wide" tests 2>&1 | tee "$out/gpu-tests-device-wide.log" \
+        | grep -E "PASSED|FAILED|ERROR|SKIPPED|^(FAILED|ERROR) |passed|failed"
     ;;
 bench)
     for b in "" "--compile" "--checkpoint-every 50" "--deterministic"; do
