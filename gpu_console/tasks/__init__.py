@@ -13,6 +13,7 @@ from .configs import (
     HFConfig,
     LMConfig,
     MLPConfig,
+    MoEConfig,
     TransformerConfig,
 )
 
@@ -26,10 +27,11 @@ BUILTIN: dict[str, tuple[str, type]] = {
     "lm": ("gpu_console.tasks.lm:LMTask", LMConfig),
     "cvrp": ("gpu_console.tasks.cvrp:CVRPTask", CVRPConfig),
     "hf": ("gpu_console.tasks.hf:HFTask", HFConfig),
+    "moe": ("gpu_console.tasks.moe:MoETask", MoEConfig),
 }
 
 # Built-in tasks that name their blocks (``blocks``) for activation checkpointing.
-WITH_BLOCKS = frozenset({"transformer", "lm"})
+WITH_BLOCKS = frozenset({"transformer", "lm", "moe"})
 
 
 def is_import_path(kind: str) -> bool:

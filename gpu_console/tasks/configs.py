@@ -93,6 +93,47 @@ class LMConfig:
         heads_divide(self.d_model, self.n_heads)
 
 
+@dataclass
+class MoEConfig:
+    text_file: str = opt(
+        "",
+        "a UTF-8 text file to train on, as bytes (no tokenizer); empty: Python's own help "
+        "topics (pydoc_data, shipped with CPython)",
+    )
+    seq_len: int = opt(64, "bytes of context per sequence", min=2)
+    d_model: int = opt(128, "model width", min=8)
+    n_heads: int = opt(4, "attention heads (must divide d_model)", min=1)
+    n_layers: int = opt(2, "transformer blocks, each with a mixture-of-experts feed-forward", min=1)
+    ff_mult: int = opt(2, "each expert's feed-forward width as a multiple of d_model", min=1)
+    num_experts: int = opt(8, "experts in each block's feed-forward", min=2)
+    top_k: int = opt(2, "experts each token is routed to (1: Switch; 2: GShard)", min=1)
+    capacity_factor: float = opt(
+        1.25,
+        "tokens an expert takes per batch, as a multiple of an even share (tokens × top_k ÷ "
+        "num_experts); a token routed past it skips that expert (0: no limit)",
+        min=0.0,
+    )
+    aux_loss_coef: float = opt(
+        0.01, "weight of the load-balancing loss (Switch Transformer's) added to the loss", min=0.0
+    )
+    dropout: float = opt(0.0, "dropout in attention and feed-forward", min=0.0, max=0.9)
+    eval_fraction: float = opt(
+        0.05, "the text's tail held out for eval (0: no eval)", min=0.0, max=0.5
+    )
+
+    def __post_init__(self) -> None:
+        heads_divide(self.d_model, self.n_heads)
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"task.top_k: at most task.num_experts={self.num_experts} (got {self.top_k})"
+            )
+        if 0 < self.capacity_factor < 1 / self.top_k:
+            raise ValueError(
+                f"task.capacity_factor: 0 (no limit) or at least 1/top_k = {1 / self.top_k:g} "
+                f"(got {self.capacity_factor:g}): below it most tokens skip every expert"
+            )
+
+
 # The paper's vehicle capacity per instance size (Kool et al. 2019, after Nazari et al. 2018).
 CVRP_CAPACITY = {10: 20, 20: 30, 50: 40, 100: 50}
 

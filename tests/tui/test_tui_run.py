@@ -317,3 +317,36 @@ async def test_the_header_shows_the_eval_in_progress_until_its_event(tmp_path):
         out.emit("eval", step=50, loss=0.5)
         out.close()
         await until(pilot, lambda: "eval 120/400" not in screen_text(app), 10, "the eval's end")
+
+
+async def test_a_mixture_of_experts_run_shows_each_experts_share_of_the_tokens(tmp_path):
+    run = synthetic.write_run(tmp_path / "runs" / "moe-20260101-000000", state="running",
+                              steps=10, max_steps=1000, supervisor_pid=os.getpid())  # fmt: skip
+    out = EventWriter(run / "events.jsonl")
+    shares = [0.5, 0.25, 0.125, 0.125]  # expert 0 takes twice its even share
+    for step in range(11, 21):
+        metrics = {f"expert_load/{i}": share for i, share in enumerate(shares)}
+        out.emit("step", step=step, loss=2.0, lr=1e-3, samples_per_s=100.0, step_time_s=0.1,
+                 memory=[], metrics={**metrics, "dropped": 0.0123, "aux_loss": 1.5})  # fmt: skip
+    out.close()
+    plain = synthetic.write_run(tmp_path / "runs" / "mlp-20260101-000000", state="finished",
+                                steps=10, max_steps=10)  # fmt: skip
+    app = app_on(run)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await loaded(pilot, app)
+        await until(pilot, lambda: screen.snapshot.step == 20, 10, "the routed steps")
+        await until(pilot, lambda: screen.has_class("-experts"), 10, "the experts panel")
+        assert screen.query_one("#experts-box").display
+        text = screen.query_one("#experts").render().plain
+        lines = text.splitlines()
+        assert lines[0] == "dropped 0.0123  aux_loss 1.5"
+        assert [line.split()[0] for line in lines[1:]] == ["e0", "e1", "e2", "e3"]
+        assert lines[1].endswith("50.0%") and lines[3].endswith("12.5%")
+        # Bars against the even share (25 %): twice it fills the bar, half of it a quarter.
+        assert lines[1].count("█") == 12 and lines[2].count("█") == 6
+        assert lines[3].count("█") == 3
+    app = app_on(plain)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await loaded(pilot, app)
+        assert not screen.has_class("-experts")
+        assert not screen.query_one("#experts-box").display

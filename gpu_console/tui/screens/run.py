@@ -36,6 +36,7 @@ from ..widgets.chart import BrailleChart, Line
 from ..widgets.checkpoints import TITLE as CHECKPOINTS_TITLE
 from ..widgets.checkpoints import CheckpointList
 from ..widgets.devices import DevicePanel
+from ..widgets.experts import ExpertPanel, expert_loads
 from ..widgets.failure import FailurePanel
 from ..widgets.header import RunHeader
 from ..widgets.text import num
@@ -126,6 +127,8 @@ class RunScreen(Screen):
         with Horizontal(id="bottom"):
             with VerticalScroll(id="checkpoints-box"):
                 yield CheckpointList(id="checkpoints")
+            with VerticalScroll(id="experts-box"):
+                yield ExpertPanel(id="experts")
             yield RichLog(id="log", max_lines=500, wrap=False, markup=False, highlight=False)
         with VerticalScroll(id="failure-box"):
             yield FailurePanel(id="failure")
@@ -137,6 +140,7 @@ class RunScreen(Screen):
         self.query_one("#lr").border_title = "lr"
         self.query_one("#devices-box").border_title = "devices"
         self.query_one("#checkpoints-box").border_title = CHECKPOINTS_TITLE
+        self.query_one("#experts-box").border_title = "experts (share of tokens)"
         self.query_one("#log").border_title = "log"
         self.query_one("#failure-box").border_title = "failure"
         self.query_one("#header", RunHeader).update(Text(f"{self.run_dir.name}  loading…"))
@@ -197,6 +201,10 @@ class RunScreen(Screen):
             self._plot(s)
         self.query_one("#devices", DevicePanel).show(s.devices)
         self.query_one("#checkpoints", CheckpointList).show(s.checkpoints, s.now)
+        routed = bool(expert_loads(s.train_metrics))  # a mixture of experts' run
+        self.set_class(routed, "-experts")
+        if routed:
+            self.query_one("#experts", ExpertPanel).show(s.train_metrics)
         log = self.query_one("#log", RichLog)
         for line in s.new_logs:
             log.write(Text(line.text, style=LOG_STYLE.get(line.level, "")))

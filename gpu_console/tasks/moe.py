@@ -1,0 +1,222 @@
+"""``moe``: a causal byte-level language model whose feed-forward layers are mixtures of experts.
+
+The ``lm`` task's model and data (a text's bytes, Python's help topics by default), with each
+block's feed-forward replaced by ``num_experts`` experts and a router:
+
+- **Top-k routing.** A linear router scores the experts per token; softmax in float32; each
+  token goes to its ``top_k`` best, weighted by their probabilities renormalised over the k.
+- **Capacity.** An expert takes at most ``capacity_factor × tokens × top_k ÷ num_experts``
+  tokens of a batch (GShard, Switch Transformer). Assignments queue in priority order, every
+  token's first choice before any second choice, then by position; an assignment past its
+  expert's capacity is dropped (the token keeps its residual; with top-2 its other expert
+  may still take it). The experts then run as one batched matrix product over fixed-size
+  buffers: no host synchronisation. ``capacity_factor = 0``: no limit, each expert runs on
+  exactly its tokens (one host read of the counts per layer).
+- **Load balancing.** Switch Transformer's auxiliary loss, ``num_experts · Σᵢ fᵢ·Pᵢ`` (fᵢ
+  the share of assignments routed to expert i, Pᵢ its mean router probability; 1 when
+  balanced), averaged over the layers and added to the loss times ``aux_loss_coef``.
+
+Train metrics at each log step: ``ce`` (the language-model loss alone), ``aux_loss``,
+``dropped`` (the share of assignments past capacity) and ``expert_load/<i>``, each expert's
+share of the assignments averaged over the layers (1/num_experts each when balanced); the
+console's run screen draws the last as bars. The eval loss is the cross-entropy alone, with
+its perplexity.
+
+Every rank holds every expert here (data parallel); expert parallelism, the experts spread
+over the ranks with ``all_to_all``, is the next step (issue 22). Written against the public
+task contract (tasks/base.py), as a user's task would be.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import TaskOutput, TensorSet, at_least_fp32
+from .configs import MoEConfig
+from .lm import VOCAB, read_text, windows
+from .transformer import Block
+
+
+class Experts(nn.Module):
+    """``n`` two-layer feed-forward networks, their weights stacked expert-first."""
+
+    def __init__(self, n: int, d: int, ff: int):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.empty(n, d, ff)), nn.Parameter(torch.zeros(n, ff))
+        self.w2, self.b2 = nn.Parameter(torch.empty(n, ff, d)), nn.Parameter(torch.zeros(n, d))
+        for w in (self.w1, self.w2):  # nn.Linear's initialisation, per expert
+            bound = 1 / math.sqrt(w.shape[1])
+            nn.init.uniform_(w, -bound, bound)
+
+    def no_weight_decay(self) -> set[str]:
+        """The stacked biases are two-dimensional, but biases all the same."""
+        return {"b1", "b2"}
+
+    def batched(self, x: torch.Tensor) -> torch.Tensor:
+        """(experts, rows, d) → (experts, rows, d): every expert on its own rows."""
+        return torch.baddbmm(
+            self.b2[:, None], F.gelu(torch.baddbmm(self.b1[:, None], x, self.w1)), self.w2
+        )
+
+    def one(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """(rows, d) → (rows, d) through expert ``e``."""
+        return F.gelu(x @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e]
+
+
+class MoE(nn.Module):
+    """A router and its experts: the feed-forward of one block. After each forward,
+    :attr:`stats` holds that batch's auxiliary loss, each expert's share of the assignments
+    and the share dropped past capacity (tensors; the model gathers them)."""
+
+    def __init__(self, d: int, c: MoEConfig):
+        super().__init__()
+        self.k, self.capacity_factor = c.top_k, c.capacity_factor
+        self.router = nn.Linear(d, c.num_experts, bias=False)
+        self.experts = Experts(c.num_experts, d, c.ff_mult * d)
+        self.stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, d = x.shape, x.shape[-1]
+        flat = x.reshape(-1, d)
+        n, n_exp = flat.shape[0], self.router.out_features
+        probs = at_least_fp32(self.router(flat)).softmax(-1)
+        weight, expert = probs.topk(self.k, dim=-1)
+        weight = weight / weight.sum(-1, keepdim=True)
+        # Assignments in priority order: every token's first choice, then every second one.
+        choice, w = expert.t().reshape(-1), weight.t().reshape(-1)
+        token = torch.arange(n, device=x.device).repeat(self.k)
+        onehot = F.one_hot(choice, n_exp)
+        counts = onehot.sum(0)
+        load = counts.float() / choice.numel()
+        aux = n_exp * (load * probs.mean(0)).sum()
+        if self.capacity_factor > 0:
+            cap = max(1, math.ceil(self.capacity_factor * choice.numel() / n_exp))
+            out, kept = self._capped(flat, choice, w, token, onehot, cap)
+            dropped = 1 - kept.float().mean()
+        else:
+            out, dropped = (
+                self._exact(flat, choice, w, token, counts),
+                torch.zeros((), device=x.device),
+            )
+        self.stats = (aux, load.detach(), dropped.detach())
+        return out.view(shape)
+
+    def _capped(self, flat, choice, w, token, onehot, cap):
+        """Fixed buffers of ``cap`` rows per expert (a last, spare row takes the dropped)."""
+        n_exp, d = onehot.shape[1], flat.shape[1]
+        place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each assignment's place in its queue
+        kept = place < cap
+        slot = torch.where(kept, choice * cap + place, n_exp * cap)
+        buffers = flat.new_zeros(n_exp * cap + 1, d).index_copy(0, slot, flat[token])
+        done = self.experts.batched(buffers[:-1].view(n_exp, cap, d)).reshape(-1, d)
+        done = torch.cat([done, done.new_zeros(1, d)])
+        scale = (w * kept).to(flat.dtype)[:, None]
+        return flat.new_zeros(flat.shape).index_add(0, token, done[slot] * scale), kept
+
+    def _exact(self, flat, choice, w, token, counts):
+        """Every expert on exactly its assignments (sorted by expert: one host read)."""
+        order = choice.argsort(stable=True)
+        parts = flat[token[order]].split(counts.tolist())
+        done = torch.cat([self.experts.one(e, part) for e, part in enumerate(parts)])
+        scale = w[order].to(flat.dtype)[:, None]
+        return flat.new_zeros(flat.shape).index_add(0, token[order], done * scale)
+
+
+class MoEBlock(Block):
+    """The ``lm`` task's causal block with a mixture of experts as its feed-forward."""
+
+    def __init__(self, c: MoEConfig):
+        super().__init__(c.d_model, c.n_heads, c.d_model, c.dropout, causal=True)
+        self.ff = MoE(c.d_model, c)
+
+
+class MoEGPT(nn.Module):
+    def __init__(self, c: MoEConfig):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, c.d_model)
+        self.pos = nn.Parameter(torch.zeros(c.seq_len, c.d_model))
+        self.blocks = nn.ModuleList(MoEBlock(c) for _ in range(c.n_layers))
+        self.ln = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, VOCAB, bias=False)
+        self.head.weight = self.tok.weight
+        # GPT-2's scale: the tied table's default N(0, 1) makes first logits of ~√d_model.
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos, std=0.02)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"pos"}
+
+    def forward(self, tokens: torch.Tensor):
+        """(batch, time) bytes → the next-byte logits and the routing figures averaged over
+        the blocks: (logits, aux loss, each expert's share, the share dropped)."""
+        x = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        stats = [block.ff.stats for block in self.blocks]
+        aux, load, dropped = (torch.stack(s).mean(0) for s in zip(*stats, strict=True))
+        return self.head(self.ln(x)), aux, load, dropped
+
+
+class MoETask:
+    Config = MoEConfig
+
+    def __init__(self, config: MoEConfig):
+        self.cfg = config
+
+    def build_model(self) -> nn.Module:
+        return MoEGPT(self.cfg)
+
+    def blocks(self, model: MoEGPT) -> list[nn.Module]:
+        """The repeated blocks: the unit of FSDP sharding and of activation checkpointing."""
+        return list(model.blocks)
+
+    def flops_per_sample(self) -> float:
+        """Training FLOPs of one sequence (as ``lm``'s), the feed-forward counted for the
+        ``top_k`` experts a token goes to, plus the router: 2 per multiply-add, 3× with the
+        backward. Capacity's drops and the padding of its buffers are not counted."""
+        c = self.cfg
+        d, t, ff = c.d_model, c.seq_len, c.ff_mult * c.d_model
+        layer = 8 * d * d + c.top_k * 4 * d * ff + 2 * d * c.num_experts + 4 * t * d
+        return float(3 * (c.n_layers * layer + 2 * d * VOCAB) * t)
+
+    def build_datasets(self):
+        c = self.cfg
+        data = torch.frombuffer(bytearray(read_text(c)), dtype=torch.uint8).long()
+        held = int(len(data) * c.eval_fraction)
+        train = windows(data[: len(data) - held], c.seq_len + 1)
+        if len(train) == 0:
+            raise ValueError(
+                f"task.text_file: {len(data):,} bytes hold no training sequence of "
+                f"seq_len + 1 = {c.seq_len + 1} bytes"
+            )
+        evals = windows(data[len(data) - held :], c.seq_len + 1)
+        return TensorSet(train), TensorSet(evals) if len(evals) else None
+
+    def metric_reduce(self) -> dict[str, str]:
+        """Shares of tokens: averaged over every token of the window on every rank."""
+        names = ["ce", "aux_loss", "dropped"]
+        names += [f"expert_load/{i}" for i in range(self.cfg.num_experts)]
+        return dict.fromkeys(names, "mean_tokens")
+
+    def compute(self, model: nn.Module, batch) -> TaskOutput:
+        (seq,) = batch
+        logits, aux, load, dropped = model(seq[:, :-1])
+        target = seq[:, 1:]
+        ce = F.cross_entropy(at_least_fp32(logits).flatten(0, 1), target.flatten())
+        if not model.training:  # the eval: the language model's loss alone
+            return TaskOutput(loss=ce, samples=len(seq), tokens=target.numel())
+        metrics = {"ce": ce.detach(), "aux_loss": aux.detach(), "dropped": dropped}
+        metrics.update((f"expert_load/{i}", share) for i, share in enumerate(load))
+        return TaskOutput(
+            loss=ce + self.cfg.aux_loss_coef * aux,
+            samples=len(seq),
+            tokens=target.numel(),
+            metrics=metrics,
+        )
+
+    def on_eval_end(self, model: nn.Module, metrics, ctx) -> dict[str, float]:
+        return {"ppl": math.exp(min(metrics["loss"], 50.0))}
