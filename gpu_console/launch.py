@@ -568,6 +568,10 @@ def prepare(
             "train.optimizer_impl", f"{FUSED_UNDER_SHARDED_SCALER}; use auto or foreach", "fused"
         )
     world = placement.nproc * (nodes.max_nodes if nodes else 1)
+    # A built-in task's keys that depend on the world (moe: its experts over the ranks).
+    judge = getattr(profile.task, "world_problem", None)
+    if callable(judge) and (problem := judge(world, profile)):
+        raise bad(*problem)
     samples = check_data(profile, placement, world, task_cwd or os.getcwd(), bad, build_data)
     if build_data or samples is not None:  # else --dry-run's plan turns them into steps
         epochs_to_steps(profile, samples, world, bad)

@@ -2,7 +2,10 @@
 against a token-by-token mixture (top-1 and top-2, capacity and none), the drops past
 capacity, the balancing loss, the config's one-line refusals; then through real torchrun on
 2 CPU ranks: it trains, every step event carries each expert's share, and the reported loss
-is the cross-entropy plus the weighted balancing loss."""
+is the cross-entropy plus the weighted balancing loss. With ``task.expert_parallel`` (the
+engine's ``expert`` strategy): the replicated run's losses, checkpoints of the whole model
+that ``export`` writes out, an exact resume after a Ctrl-C, a resume on one rank, and the
+launch's refusals of a world the experts do not divide over."""
 
 from __future__ import annotations
 
@@ -10,11 +13,11 @@ import math
 
 import pytest
 import torch
-from conftest import events_of, only_run, run_dirs, set_args
+from conftest import ctrl_c_then_resume, events_of, only_run, run_dirs, set_args
 
 from gpu_console.profile import ProfileError, load_profile
 from gpu_console.tasks.configs import MoEConfig
-from gpu_console.tasks.moe import MoE
+from gpu_console.tasks.moe import MoE, MoEGPT
 
 D = 16
 
@@ -124,3 +127,81 @@ def test_it_trains_on_two_ranks_and_reports_each_experts_share(procs, runs_dir):
     for e in evals:  # the eval's loss is the cross-entropy alone
         assert e["ppl"] == pytest.approx(math.exp(e["loss"]), rel=1e-6)
         assert not any(k.startswith("expert_load") for k in e)
+
+
+def moe_run(procs, runs, *sets: str, devices: str = "cpu:2"):
+    result = procs.cli("run", "moe", "--headless", "--devices", devices, "--runs-dir",
+                       str(runs), *set_args(*sets))  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return only_run(runs)
+
+
+def whole_state(run, step: int) -> dict:
+    return torch.load(run / "checkpoints" / f"step-{step:08d}" / "state.pt", weights_only=True)
+
+
+def test_expert_parallel_trains_the_replicated_model_and_checkpoints_it_whole(procs, tmp_path):
+    sets = (*SMALL, "checkpoint.every_steps=20")
+    rep = moe_run(procs, tmp_path / "rep", *sets)
+    ep = moe_run(procs, tmp_path / "ep", *sets, "task.expert_parallel=true")
+    (start,) = events_of(ep, "start")
+    assert start["strategy"] == "expert"
+    assert start["expert_parallel"]["parameters"] == 2 * 4  # two blocks' w1, b1, w2, b2
+    assert events_of(rep, "start")[0]["strategy"] == "ddp"
+    # Measured: step losses equal to 1.2e-7, grad norms to 4e-7 (the experts' products
+    # batch differently); the checkpointed weights to 1e-4 after 40 Adam steps.
+    for a, b in zip(events_of(rep, "step"), events_of(ep, "step"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for a, b in zip(events_of(rep, "eval"), events_of(ep, "eval"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    saved, replicated = whole_state(ep, 40), whole_state(rep, 40)
+    assert saved["model"]["blocks.0.ff.experts.w1"].shape == (4, 32, 64)  # every expert
+    for name, value in replicated["model"].items():
+        torch.testing.assert_close(saved["model"][name], value, atol=1e-3, rtol=0)
+    out = tmp_path / "weights.pt"
+    exported = procs.cli("export", str(ep), "--out", str(out))
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    cfg = load_profile("moe", [s for s in SMALL if s.startswith("task.")]).task
+    MoEGPT(cfg).load_state_dict(torch.load(out, weights_only=True))  # plain torch
+
+
+LONG = ("task.d_model=32", "task.n_heads=2", "task.num_experts=4", "task.seq_len=32",
+        "data.batch_size=16", "train.max_steps=60", "train.warmup_steps=5",
+        "train.log_every=1", "train.eval_every=30", "checkpoint.every_steps=30",
+        "task.expert_parallel=true")  # fmt: skip
+
+
+def test_expert_parallel_resumes_exactly_after_ctrl_c_and_on_one_rank(procs, tmp_path):
+    whole = moe_run(procs, tmp_path / "whole", *LONG)
+    losses = {e["step"]: e["loss"] for e in events_of(whole, "step")}
+    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "moe", "--devices", "cpu:2",
+                                   *set_args(*LONG))  # fmt: skip
+    assert 0 < stop < 60
+    resumed = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stop}
+    assert resumed == {s: loss for s, loss in losses.items() if s > stop}
+    # The whole model on one rank: the checkpoint's experts need no slicing there.
+    again = procs.cli("run", "--resume", str(whole), "--headless", "--devices", "cpu:1",
+                      *set_args("train.max_steps=70"))  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert events_of(whole, "start")[-1]["strategy"] == "single"
+    after = [e for e in events_of(whole, "step") if e["step"] > 60]
+    assert [e["step"] for e in after] == list(range(61, 71))
+    assert all(math.isfinite(e["loss"]) and e["loss"] < losses[1] for e in after)
+
+
+def test_a_world_the_experts_do_not_divide_over_is_refused_at_launch(procs, runs_dir):
+    result = procs.cli("run", "moe", "--headless", "--devices", "cpu:2", "--runs-dir",
+                       str(runs_dir), *set_args("task.expert_parallel=true",
+                       "task.num_experts=3", "task.top_k=1"))  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "gpu-console: --set: task.num_experts: 3 experts do not divide evenly over 2 ranks "
+        "(task.expert_parallel) (got 3)"
+    ], result.stderr
+    result = procs.cli("run", "moe", "--headless", "--devices", "cpu:2", "--runs-dir",
+                       str(runs_dir), *set_args("task.expert_parallel=true",
+                       "distributed.strategy=fsdp"))  # fmt: skip
+    assert result.returncode == 2
+    assert "task.expert_parallel: not with distributed.strategy" in result.stderr
+    assert not run_dirs(runs_dir)

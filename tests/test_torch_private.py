@@ -17,6 +17,7 @@ DOOR = PACKAGE / "engine" / "torch_private.py"
 KNOWN_PRIVATE = {
     "_last_lr", "_step_count", "_get_fsdp_state", "_lazy_init", "_NormBase",
     "_record_memory_history", "_dump_snapshot", "_load_state_dict_from_keys",
+    "_set_params_and_buffers_to_ignore_for_model", "_ddp_params_and_buffers_to_ignore",
 }  # fmt: skip
 TORCH_ROOTS = {"torch", "nn", "dist", "F"}
 
@@ -121,3 +122,12 @@ def test_memory_snapshot_functions_exist_on_this_torch():
     # Recording needs CUDA; on this torch the functions must at least be there to call.
     assert callable(getattr(torch.cuda.memory, "_record_memory_history", None))
     assert callable(getattr(torch.cuda.memory, "_dump_snapshot", None))
+
+
+def test_ddp_leaves_the_ignored_parameters_alone(one_rank_group):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    torch_private.ddp_ignore(model, ["1.weight", "1.bias"])
+    ddp = nn.parallel.DistributedDataParallel(model)
+    assert set(ddp.parameters_to_ignore) == {"1.weight", "1.bias"}
+    ddp(torch.randn(4, 3)).sum().backward()  # the ignored ones still get their gradients
+    assert model[1].weight.grad is not None and model[0].weight.grad is not None

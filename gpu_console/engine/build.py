@@ -171,7 +171,7 @@ def _model(s: Setup, facts: Facts) -> _Model:
     torch.manual_seed(p.train.seed)  # identical init on every rank
     model = precision.cast_model(task.build_model().to(d.device), facts.prec)
     facts.lr = scaled_lr(p.train.lr, d.world_size, p.distributed.lr_scaling)
-    strategy = for_profile(p.distributed, d)
+    strategy = for_profile(p.distributed, d, task, model)
     scaler = strategy.make_scaler(facts.prec, d.device.type)
     # The task's configure_optimizers(), else train.optimizer: every one by name.
     fused_ok = fused_steps_ok(p.distributed.strategy, facts.prec, d.device.type)

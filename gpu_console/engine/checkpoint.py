@@ -350,7 +350,12 @@ def resume(path: Path, model, optimizers, scaler, rank: int, world_size: int) ->
     (the mapped pages are the page cache's). ``optimizers``: the run's (optim_set.py), which
     read the layout by name and the one before it (a single ``optimizer``).
     """
-    state = load(path)
+    return resume_state(load(path), model, optimizers, scaler, rank, world_size)
+
+
+def resume_state(state: dict[str, Any], model, optimizers, scaler, rank: int, world_size: int):
+    """:func:`resume` of a checkpoint's dict already read (a strategy may reshape it first:
+    strategy_expert.py takes this rank's experts out of the whole)."""
     model.load_state_dict(state["model"])
     optimizers.load_state_dict(state)  # or why their groups do not fit
     loaded = _tensors(state.get("optimizers") or state["optimizer"])

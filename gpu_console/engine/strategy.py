@@ -10,9 +10,11 @@ class that answers them (``distributed.strategy`` picks it, :func:`for_profile`)
   mixed precision is FSDP's (no autocast); the log table takes a collective of its own;
   every rank writes its shards through ``torch.distributed.checkpoint``.
 - ``single`` (strategy_single.py): ``ddp`` on one rank, without the DDP wrapper.
+- ``expert`` (strategy_expert.py): ``ddp`` for the replicated parameters, each rank alone
+  with its experts (a task's ``expert_parameters``), checkpoints of the whole model.
 
-A new strategy (expert parallelism) is a new class here, not branches in the trainer: see
-ARCHITECTURE.md, "Where new pieces go".
+A new strategy is a new class here, not branches in the trainer: see ARCHITECTURE.md,
+"Where new pieces go".
 """
 
 from __future__ import annotations
@@ -105,8 +107,19 @@ class Strategy:
         raise NotImplementedError
 
 
-def for_profile(cfg, d) -> Strategy:
-    """The strategy ``distributed.strategy`` names (``ddp`` on one rank: ``single``)."""
+def for_profile(cfg, d, task=None, model=None) -> Strategy:
+    """The strategy ``distributed.strategy`` names (``ddp`` on one rank: ``single``); a task
+    that names rank-local expert parameters on several ranks: ``expert``."""
+    from .strategy_expert import ExpertParallelError, ExpertParallelStrategy, expert_names
+
+    names = expert_names(task, model) if task is not None and d.world_size > 1 else []
+    if names:
+        if cfg.strategy == "fsdp":
+            raise ExpertParallelError(
+                'task.expert_parallel: not with distributed.strategy = "fsdp" (experts are '
+                "spread over the ranks, the rest replicated under DDP)"
+            )
+        return ExpertParallelStrategy(cfg, d, model, names)
     if cfg.strategy == "fsdp":
         from .strategy_fsdp import FsdpStrategy
 

@@ -129,6 +129,24 @@ def unique_graphs() -> int | None:
     return int(counters["stats"]["unique_graphs"])
 
 
+# -- expert parallelism (a task's expert_parameters) ------------------------------------------
+
+
+def ddp_ignore(model: nn.Module, names: list[str]) -> None:
+    """Have the DDP about to wrap ``model`` leave these parameters alone: no all-reduce, no
+    check that every rank holds the same shape (each rank holds its own experts). DDP's
+    static ``_set_params_and_buffers_to_ignore_for_model`` sets the attribute below, which
+    DDP's constructor reads; without the method, the attribute is set directly (what every
+    torch from 1.9 to 2.13 reads)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    setter = getattr(DDP, "_set_params_and_buffers_to_ignore_for_model", None)
+    if setter is not None:
+        setter(model, names)
+    else:
+        model._ddp_params_and_buffers_to_ignore = list(names)
+
+
 # -- distributed.strategy = "fsdp" -----------------------------------------------------------
 
 

@@ -116,6 +116,11 @@ class MoEConfig:
     aux_loss_coef: float = opt(
         0.01, "weight of the load-balancing loss (Switch Transformer's) added to the loss", min=0.0
     )
+    expert_parallel: bool = opt(
+        False,
+        "spread the experts over the ranks (each holds num_experts ÷ ranks; tokens travel "
+        "with all_to_all); false: every rank holds every expert, averaged by DDP",
+    )
     dropout: float = opt(0.0, "dropout in attention and feed-forward", min=0.0, max=0.9)
     eval_fraction: float = opt(
         0.05, "the text's tail held out for eval (0: no eval)", min=0.0, max=0.5
@@ -132,6 +137,23 @@ class MoEConfig:
                 f"task.capacity_factor: 0 (no limit) or at least 1/top_k = {1 / self.top_k:g} "
                 f"(got {self.capacity_factor:g}): below it most tokens skip every expert"
             )
+
+    def world_problem(self, world: int, profile) -> tuple[str, str, object] | None:
+        """What launch refuses once it knows the ranks: (key, why, value), or None."""
+        if not self.expert_parallel or world < 2:
+            return None
+        if self.num_experts % world:
+            why = f"{self.num_experts} experts do not divide evenly over {world} ranks"
+            return "task.num_experts", f"{why} (task.expert_parallel)", self.num_experts
+        if profile.distributed.strategy == "fsdp":
+            why = 'not with distributed.strategy = "fsdp": the experts are spread, the rest DDP'
+            return "task.expert_parallel", why, True
+        if profile.train.activation_checkpointing != "none":
+            # Seen to hang on 2 CPU ranks (the recompute's exchanges, or the held-memory
+            # measurement's forward: not diagnosed); refused until it is.
+            why = "not with train.activation_checkpointing (a block's exchanges are collectives)"
+            return "task.expert_parallel", why, True
+        return None
 
 
 # The paper's vehicle capacity per instance size (Kool et al. 2019, after Nazari et al. 2018).

@@ -22,9 +22,16 @@ share of the assignments averaged over the layers (1/num_experts each when balan
 console's run screen draws the last as bars. The eval loss is the cross-entropy alone, with
 its perplexity.
 
-Every rank holds every expert here (data parallel); expert parallelism, the experts spread
-over the ranks with ``all_to_all``, is the next step (issue 22). Written against the public
-task contract (tasks/base.py), as a user's task would be.
+Where the experts live: by default every rank holds every expert and DDP averages them as
+any parameter. ``expert_parallel = true`` on several ranks spreads them: each rank builds its
+``num_experts ÷ ranks`` (with the values the whole model would give them), the router stays
+replicated, and each kept assignment's token row travels with ``all_to_all`` to its expert's
+rank and back (a differentiable exchange: gradients travel the reverse way). The task names
+those parameters in ``expert_parameters``; the engine's ``expert`` strategy keeps them out
+of DDP and saves them whole (engine/strategy_expert.py). Routing, capacity and drops are
+decided on each rank exactly as in the replicated model, so both train the same model.
+
+Written against the public task contract (tasks/base.py), as a user's task would be.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -42,15 +50,20 @@ from .transformer import Block
 
 
 class Experts(nn.Module):
-    """``n`` two-layer feed-forward networks, their weights stacked expert-first."""
+    """Two-layer feed-forward networks, their weights stacked expert-first: experts
+    ``[first, first + held)`` of ``n``, initialised as the whole ``n`` are (one rank holding
+    them all or each its share: the same values)."""
 
-    def __init__(self, n: int, d: int, ff: int):
+    def __init__(self, n: int, d: int, ff: int, first: int = 0, held: int | None = None):
         super().__init__()
-        self.w1, self.b1 = nn.Parameter(torch.empty(n, d, ff)), nn.Parameter(torch.zeros(n, ff))
-        self.w2, self.b2 = nn.Parameter(torch.empty(n, ff, d)), nn.Parameter(torch.zeros(n, d))
-        for w in (self.w1, self.w2):  # nn.Linear's initialisation, per expert
+        w1, w2 = torch.empty(n, d, ff), torch.empty(n, ff, d)
+        for w in (w1, w2):  # nn.Linear's initialisation, per expert
             bound = 1 / math.sqrt(w.shape[1])
             nn.init.uniform_(w, -bound, bound)
+        mine = slice(first, first + (n if held is None else held))
+        self.w1, self.w2 = nn.Parameter(w1[mine].clone()), nn.Parameter(w2[mine].clone())
+        self.b1 = nn.Parameter(torch.zeros(n, ff)[mine].clone())
+        self.b2 = nn.Parameter(torch.zeros(n, d)[mine].clone())
 
     def no_weight_decay(self) -> set[str]:
         """The stacked biases are two-dimensional, but biases all the same."""
@@ -63,8 +76,36 @@ class Experts(nn.Module):
         )
 
     def one(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """(rows, d) → (rows, d) through expert ``e``."""
+        """(rows, d) → (rows, d) through expert ``e`` (of those held)."""
         return F.gelu(x @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e]
+
+
+class Spread:
+    """Expert parallelism: the ranks' group for the exchanges, this rank, how many."""
+
+    def __init__(self) -> None:
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        # A group of its own: the exchanges never interleave with DDP's all-reduces.
+        self.group = dist.new_group()
+
+
+class Exchange(torch.autograd.Function):
+    """``all_to_all`` of rows: ``got_rows`` from and ``sent_rows`` to each rank; the
+    gradient travels back the same way with the sizes swapped."""
+
+    @staticmethod
+    def forward(ctx, rows, got_rows, sent_rows, group):
+        ctx.sizes, ctx.group = (got_rows, sent_rows), group
+        out = rows.new_empty((sum(got_rows), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), got_rows, sent_rows, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        got_rows, sent_rows = ctx.sizes
+        out = grad.new_empty((sum(sent_rows), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), sent_rows, got_rows, group=ctx.group)
+        return out, None, None, None
 
 
 class MoE(nn.Module):
@@ -72,11 +113,14 @@ class MoE(nn.Module):
     :attr:`stats` holds that batch's auxiliary loss, each expert's share of the assignments
     and the share dropped past capacity (tensors; the model gathers them)."""
 
-    def __init__(self, d: int, c: MoEConfig):
+    def __init__(self, d: int, c: MoEConfig, spread: Spread | None = None):
         super().__init__()
         self.k, self.capacity_factor = c.top_k, c.capacity_factor
         self.router = nn.Linear(d, c.num_experts, bias=False)
-        self.experts = Experts(c.num_experts, d, c.ff_mult * d)
+        self.spread = spread
+        held = c.num_experts // spread.world if spread else None
+        first = spread.rank * held if spread else 0
+        self.experts = Experts(c.num_experts, d, c.ff_mult * d, first, held)
         self.stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,29 +137,30 @@ class MoE(nn.Module):
         counts = onehot.sum(0)
         load = counts.float() / choice.numel()
         aux = n_exp * (load * probs.mean(0)).sum()
+        cap = 0
         if self.capacity_factor > 0:
             cap = max(1, math.ceil(self.capacity_factor * choice.numel() / n_exp))
-            out, kept = self._capped(flat, choice, w, token, onehot, cap)
-            dropped = 1 - kept.float().mean()
+        place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each assignment's place in its queue
+        kept = place < cap if cap else torch.ones_like(choice, dtype=torch.bool)
+        if self.spread is not None:
+            out = self._exchanged(flat, choice, w, token, kept)
+        elif cap:
+            out = self._capped(flat, choice, w, token, place, kept, cap)
         else:
-            out, dropped = (
-                self._exact(flat, choice, w, token, counts),
-                torch.zeros((), device=x.device),
-            )
+            out = self._exact(flat, choice, w, token, counts)
+        dropped = 1 - kept.float().mean()
         self.stats = (aux, load.detach(), dropped.detach())
         return out.view(shape)
 
-    def _capped(self, flat, choice, w, token, onehot, cap):
+    def _capped(self, flat, choice, w, token, place, kept, cap):
         """Fixed buffers of ``cap`` rows per expert (a last, spare row takes the dropped)."""
-        n_exp, d = onehot.shape[1], flat.shape[1]
-        place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each assignment's place in its queue
-        kept = place < cap
+        n_exp, d = self.router.out_features, flat.shape[1]
         slot = torch.where(kept, choice * cap + place, n_exp * cap)
         buffers = flat.new_zeros(n_exp * cap + 1, d).index_copy(0, slot, flat[token])
         done = self.experts.batched(buffers[:-1].view(n_exp, cap, d)).reshape(-1, d)
         done = torch.cat([done, done.new_zeros(1, d)])
         scale = (w * kept).to(flat.dtype)[:, None]
-        return flat.new_zeros(flat.shape).index_add(0, token, done[slot] * scale), kept
+        return flat.new_zeros(flat.shape).index_add(0, token, done[slot] * scale)
 
     def _exact(self, flat, choice, w, token, counts):
         """Every expert on exactly its assignments (sorted by expert: one host read)."""
@@ -125,21 +170,44 @@ class MoE(nn.Module):
         scale = w[order].to(flat.dtype)[:, None]
         return flat.new_zeros(flat.shape).index_add(0, token[order], done * scale)
 
+    def _exchanged(self, flat, choice, w, token, kept):
+        """Expert parallelism: each kept assignment's row travels to the rank holding its
+        expert, and its output back; the sizes are agreed first (host reads of the counts)."""
+        sp, held = self.spread, self.experts.w1.shape[0]
+        order = kept.nonzero().squeeze(1)
+        order = order[choice[order].argsort(stable=True)]  # by expert: by rank, then expert
+        sent = torch.bincount(choice[order], minlength=sp.world * held)
+        got = torch.empty_like(sent)
+        dist.all_to_all_single(got, sent, group=sp.group)  # rows per (source rank, my expert)
+        sent_rows = sent.view(sp.world, held).sum(1).tolist()
+        got_rows = got.view(sp.world, held).sum(1).tolist()
+        rows = Exchange.apply(flat[token[order]], got_rows, sent_rows, sp.group)
+        # Received source by source, each source's rows by expert: regroup them by expert.
+        mine = torch.arange(held, device=flat.device).repeat(sp.world)
+        by_expert = torch.repeat_interleave(mine, got).argsort(stable=True)
+        parts = rows[by_expert].split(got.view(sp.world, held).sum(0).tolist())
+        done = torch.cat([self.experts.one(e, part) for e, part in enumerate(parts)])
+        back = torch.empty_like(done).index_copy(0, by_expert, done)
+        home = Exchange.apply(back, sent_rows, got_rows, sp.group)
+        scale = w[order].to(flat.dtype)[:, None]
+        return flat.new_zeros(flat.shape).index_add(0, token[order], home * scale)
+
 
 class MoEBlock(Block):
     """The ``lm`` task's causal block with a mixture of experts as its feed-forward."""
 
-    def __init__(self, c: MoEConfig):
+    def __init__(self, c: MoEConfig, spread: Spread | None = None):
         super().__init__(c.d_model, c.n_heads, c.d_model, c.dropout, causal=True)
-        self.ff = MoE(c.d_model, c)
+        self.ff = MoE(c.d_model, c, spread)
 
 
 class MoEGPT(nn.Module):
-    def __init__(self, c: MoEConfig):
+    def __init__(self, c: MoEConfig, spread: Spread | None = None):
         super().__init__()
+        self.spread = spread
         self.tok = nn.Embedding(VOCAB, c.d_model)
         self.pos = nn.Parameter(torch.zeros(c.seq_len, c.d_model))
-        self.blocks = nn.ModuleList(MoEBlock(c) for _ in range(c.n_layers))
+        self.blocks = nn.ModuleList(MoEBlock(c, spread) for _ in range(c.n_layers))
         self.ln = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, VOCAB, bias=False)
         self.head.weight = self.tok.weight
@@ -168,7 +236,26 @@ class MoETask:
         self.cfg = config
 
     def build_model(self) -> nn.Module:
-        return MoEGPT(self.cfg)
+        """Under ``expert_parallel`` on several ranks each rank holds its share of the
+        experts (the values the whole model gives them); else every expert."""
+        c, spread = self.cfg, None
+        if c.expert_parallel and dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+            if world > 1 and c.num_experts % world:
+                raise ValueError(
+                    f"task.num_experts: {c.num_experts} experts do not divide evenly over "
+                    f"{world} ranks (task.expert_parallel)"
+                )
+            spread = Spread() if world > 1 else None
+        return MoEGPT(c, spread)
+
+    def expert_parameters(self, model: MoEGPT) -> list[str]:
+        """The parameters each rank holds alone, its slice of the experts (first dimension):
+        the engine leaves them out of DDP's averaging and saves them whole
+        (engine/strategy_expert.py)."""
+        if getattr(model, "spread", None) is None:
+            return []
+        return [n for n, _ in model.named_parameters() if ".experts." in n]
 
     def blocks(self, model: MoEGPT) -> list[nn.Module]:
         """The repeated blocks: the unit of FSDP sharding and of activation checkpointing."""

@@ -214,3 +214,27 @@ def test_run_without_headless_opens_the_console_and_attach_shows_a_failure(tmp_p
         assert exit_file.read_text().strip() == "1"  # the run's own exit code (DESIGN.md)
     finally:
         tmux.end()
+
+
+def test_a_mixture_of_experts_run_shows_its_experts_in_the_console(tmp_path):
+    """The built-in moe with its experts spread over 2 CPU ranks, in the real console: the
+    experts panel shows each expert's share of the tokens as the run trains."""
+    runs = tmp_path / "runs"
+    sets = ["task.d_model=32", "task.n_heads=2", "task.num_experts=4", "task.seq_len=32",
+            "data.batch_size=16", "train.max_steps=30", "train.log_every=5", "train.eval_every=0",
+            "checkpoint.every_steps=0", "task.expert_parallel=true"]  # fmt: skip
+    args = ["run", "moe", "--devices", "cpu:2", "--runs-dir", str(runs)]
+    tmux, exit_file = console(tmp_path, *args, *[x for s in sets for x in ("--set", s)])
+    try:
+        pane = tmux.wait(" finished ", 120)
+        assert "experts (share of tokens)" in pane and "e0" in pane and "%" in pane, pane
+        run = only_run(runs)
+        assert events_of(run, "start")[0]["strategy"] == "expert"
+        tmux.keys("q")
+        wait_for(exit_file.exists, 30, "the console to exit")
+        assert exit_file.read_text().strip() == "0"
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{diagnosis(tmux, runs)}") from None
+    finally:
+        tmux.end()
+        kill_runs(runs)
