@@ -568,8 +568,9 @@ def prepare(
             "train.optimizer_impl", f"{FUSED_UNDER_SHARDED_SCALER}; use auto or foreach", "fused"
         )
     world = placement.nproc * (nodes.max_nodes if nodes else 1)
-    # A built-in task's keys that depend on the world (moe: its experts over the ranks).
-    judge = getattr(profile.task, "world_problem", None)
+    # What a built-in task refuses once the world is known (moe: its experts over the
+    # ranks; cvrp: a sharded policy).
+    judge = getattr(profile.task, "launch_problem", None)
     if callable(judge) and (problem := judge(world, profile)):
         raise bad(*problem)
     samples = check_data(profile, placement, world, task_cwd or os.getcwd(), bad, build_data)

@@ -184,3 +184,18 @@ def test_the_graph_transformer_encoders_train(procs, tmp_path, encoder):
     assert len(losses) == 12 and all(math.isfinite(v) for v in losses)
     assert sum(losses[-3:]) < sum(losses[:3]), losses
     assert any("rollout baseline" in e["message"] for e in events_of(run, "log"))
+
+
+def test_fsdp_is_refused_at_launch_in_one_line(procs, tmp_path):
+    """Under fsdp, replacing the rollout baseline copied sharded parameters into the plain
+    frozen copy and failed the run at its first replacement (seen at step 10): refused."""
+    runs = tmp_path / "runs"
+    args = small("distributed.strategy=fsdp")
+    result = procs.cli("run", "cvrp20", "--headless", *args, "--runs-dir", str(runs))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "gpu-console: --set: distributed.strategy: the cvrp task's rollout baseline is a whole "
+        "copy of the policy, replaced at an epoch's end: not with a sharded policy; use ddp "
+        "(got 'fsdp')"
+    ], result.stderr
+    assert not runs.exists() or not any(runs.iterdir())

@@ -138,7 +138,7 @@ class MoEConfig:
                 f"(got {self.capacity_factor:g}): below it most tokens skip every expert"
             )
 
-    def world_problem(self, world: int, profile) -> tuple[str, str, object] | None:
+    def launch_problem(self, world: int, profile) -> tuple[str, str, object] | None:
         """What launch refuses once it knows the ranks: (key, why, value), or None."""
         if not self.expert_parallel or world < 2:
             return None
@@ -210,6 +210,15 @@ class CVRPConfig:
             raise ValueError(
                 f"task.capacity: must hold the largest demand, 9 (got {self.capacity})"
             )
+
+    def launch_problem(self, world: int, profile) -> tuple[str, str, object] | None:
+        """What launch refuses once it knows the run: (key, why, value), or None."""
+        if profile.distributed.strategy == "fsdp":
+            # Seen: replacing the baseline copies sharded parameters into a plain module.
+            why = ("the cvrp task's rollout baseline is a whole copy of the policy, replaced "
+                   "at an epoch's end: not with a sharded policy; use ddp")  # fmt: skip
+            return "distributed.strategy", why, "fsdp"
+        return None
 
 
 def installed(package: str) -> bool:
