@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from conftest import events_of, fast_profile, read_status, run_dirs
+
+pytestmark = pytest.mark.torch_floor  # CI runs this module on the floor torch too
 
 COMPILE_DEADLINE_S = 600.0  # a cold compile on a loaded 2-core machine takes a minute or more
 STEPS = 6

@@ -34,6 +34,7 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events_of(run_dir, "step")}
 
 
+@pytest.mark.torch_floor
 def test_quickstart_learns_and_leaves_a_complete_run_directory(recorded_run):
     # The session's quickstart run (conftest), pinned to 2 CPU ranks: quickstart's devices are
     # "auto", a GPU wherever NVML sees one (tests/test_gpu.py runs it there).
@@ -101,6 +102,7 @@ def test_run_toml_reproduces_the_run(fast_run, procs, runs_dir):
     assert losses(run_a) == losses(run_b)  # bitwise deterministic on CPU
 
 
+@pytest.mark.torch_floor
 def test_ctrl_c_stops_with_a_checkpoint_and_resume_is_bit_exact(procs, runs_dir, tmp_path):
     profile = paced_profile(tmp_path, max_steps=400, extra="[checkpoint]\nkeep_last = 0\n")
     dropout = ["--set", "task.dropout=0.1"]  # dropout draws from every rank's RNG stream

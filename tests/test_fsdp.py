@@ -135,6 +135,7 @@ def test_a_resume_cannot_change_the_strategy(transformer_runs, procs, tmp_path):
     assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before
 
 
+@pytest.mark.torch_floor
 def test_the_mlp_without_a_blocks_hook_is_sharded_at_its_root_and_trains_as_ddp_does(
     transformer_runs,
 ):
@@ -211,6 +212,7 @@ class Paced(TransformerTask):
 """
 
 
+@pytest.mark.torch_floor
 def test_fsdp_stop_and_resume_continue_bit_for_bit_and_resume_on_one_rank(procs, tmp_path):
     steps = 12
     (tmp_path / "paced_tf.py").write_text(PACED)

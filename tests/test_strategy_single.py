@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
 from gpu_console.engine import strategy
 from gpu_console.engine.strategy_single import OneDevice, SingleStrategy
 from gpu_console.profile import DistributedConfig
+
+pytestmark = pytest.mark.torch_floor
 
 
 def _train(wrapped: nn.Module, bare: nn.Module, steps: int = 6, accum: int = 2) -> None:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 from gpu_console.engine import torch_private
+
+pytestmark = pytest.mark.torch_floor  # every use of the door, on the floor torch too
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpu_console"
 DOOR = PACKAGE / "engine" / "torch_private.py"

@@ -74,6 +74,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.torch_floor
 @pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
 def test_the_argv_launch_builds_parses_with_the_installed_torchruns_parser(tmp_path, variant):
     sets, placement, nodes = VARIANTS[variant]
