@@ -192,6 +192,7 @@ def make_setup(
         f"--kind={base.task_kind}",
         f"--steps={steps}",
         f"--warmup-steps={warm}",
+        f"--window={log_every}",
         f"--batch-size={p.data.batch_size}",
         f"--lr={p.train.lr}",
         f"--weight-decay={p.train.weight_decay}",
@@ -268,6 +269,11 @@ def steady_rate(events: list[dict], warm: int, steps: int) -> dict:
     return {
         "steps_per_s": measured / seconds,
         "steps_per_s_step_time": measured / inner,
+        # ms a step in each log interval, from the events' wall clock (tiny_step.py's median)
+        "window_ms": [
+            (e["t"] - p["t"]) * 1000 / (e["step"] - p["step"])
+            for p, e in zip(window, window[1:], strict=False)
+        ],
         "measured_steps": measured,
         "seconds": seconds,
         "final_loss": last["loss"],
@@ -300,6 +306,7 @@ def run_plain(
     out.unlink()
     return {
         "steps_per_s": result["steps_per_s"],
+        "window_ms": result.get("window_ms", []),
         "measured_steps": result["measured_steps"],
         "seconds": result["seconds"],
         "wall_s": wall,

@@ -79,6 +79,9 @@ def parse_args() -> argparse.Namespace:
         help="AdamW implementation (default: PyTorch's own choice, a Python loop on CPU)",
     )
     ap.add_argument("--out", default=None, help="also write the result JSON here")
+    ap.add_argument(
+        "--window", type=int, default=10, help="steps per timed window (the engine's log_every)"
+    )
     return ap.parse_args()
 
 
@@ -150,6 +153,7 @@ def main() -> None:
         return time.perf_counter()
 
     step, epoch, t0 = 0, 0, time.perf_counter()
+    marks: list[float] = []
     while step < a.steps:
         sampler.set_epoch(epoch)
         for batch in loader:
@@ -165,6 +169,8 @@ def main() -> None:
             step += 1
             if step == warm:
                 t0 = clock()
+            if step >= warm and step % a.window == 0:
+                marks.append(time.perf_counter())  # a window's end: the engine's log step
             if step == a.steps:
                 break
         epoch += 1
@@ -178,6 +184,9 @@ def main() -> None:
             "measured_steps": a.steps - warm,
             "seconds": elapsed,
             "steps_per_s": (a.steps - warm) / elapsed,
+            "window_ms": [
+                (t1 - t0_) * 1000 / a.window for t0_, t1 in zip(marks, marks[1:], strict=False)
+            ],
             "final_loss": final.item() / dist.get_world_size(),
             "threads": torch.get_num_threads(),
             "cores": cores,

@@ -37,6 +37,7 @@ from .devices import (
     read_grant,
 )
 from .profile import Profile, ProfileError, find_profile, load_profile
+from .results import tensorboard
 from .resume_changes import refused
 from .schema import show
 from .tasks import BUILTIN
@@ -534,6 +535,8 @@ def prepare(
             profile.notes.append(f"--resume: {resume_run.name}: {resume_note}")
     elif name:
         profile.profile.name = name
+    if profile.logging.tensorboard and not tensorboard.available():
+        profile.notes.append(tensorboard.off_note())
     profile = check_user_task(profile, source, set_keys | set(flags), cwd=task_cwd)
     if resume_run is not None:
         _keep_chosen_batch(profile, resume_run)

@@ -296,6 +296,16 @@ class HardwareConfig:
     )
 
 
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = opt(
+        True,
+        "TensorBoard scalars in RUN/tensorboard/ while the run trains (needs the tensorboard "
+        "package: pip install 'gpu-console[tensorboard]'; without it the launch says so and "
+        "the run trains)",
+    )
+
+
 SECTIONS: dict[str, type] = {
     "profile": ProfileMeta,
     "data": DataConfig,
@@ -303,6 +313,7 @@ SECTIONS: dict[str, type] = {
     "distributed": DistributedConfig,
     "checkpoint": CheckpointConfig,
     "hardware": HardwareConfig,
+    "logging": LoggingConfig,
 }
 
 
@@ -316,6 +327,7 @@ class Profile:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     # Lines the user should read about how the profile was resolved (the CLI prints them on
     # stderr); not part of run.toml.
     notes: list[str] = field(default_factory=list, compare=False)
@@ -325,7 +337,7 @@ class Profile:
         task = {"kind": self.task_kind}
         task.update(self.task if isinstance(self.task, dict) else schema.to_dict(self.task))
         out["task"] = task
-        for name in ("data", "train", "distributed", "checkpoint", "hardware"):
+        for name in ("data", "train", "distributed", "checkpoint", "hardware", "logging"):
             out[name] = schema.to_dict(getattr(self, name))
         for epochs_key, steps_key in IN_EPOCHS.items():  # not yet steps: the epochs stand
             if out["train"][epochs_key]:

@@ -136,6 +136,7 @@ TABLE: dict[str, tuple[str, str]] = {
     ),
     "checkpoint.*": (APPLIED, _EACH_STEP),
     "hardware.*": (APPLIED, "how this session's ranks are placed and set up"),
+    "logging.*": (APPLIED, "where this session's numbers are also written"),
     "world_size": (WARNING, f"{_SPLIT}; each rank's RNG is reseeded"),
 }
 

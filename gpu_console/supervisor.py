@@ -50,6 +50,7 @@ from .exit_watch import ExitWatch
 from .fold import RunFold
 from .state import read_heartbeats
 from .telemetry.recorder import Recorder
+from .telemetry.sampler import FILE as TELEMETRY_FILE
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -111,6 +112,12 @@ class Supervisor:
         self.fold.carry(runs.previous_status(run_dir, self.meta.get("sessions")))
         self.engine_checkpointed = True
         self.recorder = Recorder(run_dir)  # telemetry.jsonl, from start to the final status
+        self.profile_text = profile_text
+        # [logging] tensorboard: RUN/tensorboard/ from this session's events and telemetry,
+        # opened in run() once torchrun is on its way (its import is not on the start path).
+        self.tensorboard: Any = None
+        telemetry = run_dir / TELEMETRY_FILE
+        self.telemetry = JsonlTail(telemetry, telemetry.stat().st_size if telemetry.exists() else 0)
         self.torchrun_log_offset = 0
         self.torchrun_stop_deadline: float | None = None  # grace after torchrun was signalled
         self.kill_signal: int | None = None  # a kill on request, acted on at the next tick
@@ -266,10 +273,27 @@ class Supervisor:
         fields, so ``ls`` shows what every other reader of the run shows."""
         for e in self.events.read():
             self.fold.apply(e)
+            self._mirror("event", e)
+        if self.tensorboard is not None:
+            for sample in self.telemetry.read():
+                self._mirror("sample", sample)
         self.status.update(self.fold.to_status())
         if self.killed is not None:  # the engine's last word (running) is not the end
             self.status["state"], self.status["reason"] = self.killed
         self.engine_checkpointed = self.fold.checkpointed
+
+    def _mirror(self, what: str, *args: Any) -> None:
+        """Feed TensorBoard; an error it was not made for turns it off for the session, in
+        one line of supervisor.log: the run itself never depends on it."""
+        if self.tensorboard is None:
+            return
+        try:
+            getattr(self.tensorboard, what)(*args)
+        except Exception as e:  # noqa: BLE001 (anything: the run goes on without it)
+            _log_line(f"supervisor: TensorBoard off for this session: {_one_line(e)}")
+            with contextlib.suppress(Exception):
+                self.tensorboard.close()
+            self.tensorboard = None
 
     # -- the run -------------------------------------------------------------------------
     def install_signals(self) -> None:
@@ -301,6 +325,7 @@ class Supervisor:
         self.status["pids"]["torchrun"] = self.proc.pid
         self.recorder.start()  # after the fork: preexec_fn is not safe beside a running thread
         self.write_status()
+        self.tensorboard = tensorboard_mirror(self.run_dir, self.profile_text)
         torchrun_exit = ExitWatch(self.proc.pid)  # a tick, or torchrun's exit if sooner
         while self.proc.poll() is None:
             torchrun_exit.sleep(TICK_S)
@@ -346,6 +371,9 @@ class Supervisor:
         """Record how the run ended; the run's exit code (:func:`runs.exit_code`) is returned,
         torchrun's own is kept as ``torchrun_exit``."""
         self.recorder.stop()  # its last sample and summary land before the status says ended
+        self.fold_events()  # the last samples into TensorBoard too
+        if self.tensorboard is not None:
+            self._mirror("close")
         engine_state = self.fold.state
         self.status["torchrun_exit"] = code
         self.status["ended"] = time.time()
@@ -437,6 +465,28 @@ def _grace_from(profile_text: str) -> float:
         return float(tomllib.loads(profile_text)["distributed"]["shutdown_grace_s"])
     except (KeyError, ValueError, TypeError):
         return 30.0
+
+
+def tensorboard_mirror(run_dir: Path, profile_text: str) -> Any:
+    """This session's TensorBoard mirror, when ``[logging] tensorboard`` is on and the
+    package is installed (the launch said so otherwise); None else."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    from .results import tensorboard
+
+    try:
+        wanted = tomllib.loads(profile_text).get("logging", {}).get("tensorboard", True)
+    except (ValueError, AttributeError):
+        wanted = True
+    if wanted is not True or not tensorboard.available():
+        return None
+    try:
+        return tensorboard.TensorBoardMirror(run_dir, profile_text)
+    except Exception as e:  # noqa: BLE001 (a broken install: the run goes on without it)
+        _log_line(f"supervisor: TensorBoard off: {_one_line(e)}")
+        return None
 
 
 def torchrun_was_signalled(log_text: str) -> bool:

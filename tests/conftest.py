@@ -11,6 +11,7 @@ same on a laptop, in CI and on a GPU node. Tests marked ``gpu`` and tests that t
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -550,3 +551,56 @@ def ctrl_c_then_resume(procs, runs_dir: Path, *run_args: str, after: int = 8) ->
     again = procs.cli("run", "--resume", str(run), "--headless", "--runs-dir", str(runs_dir))
     assert again.returncode == 0, again.stdout + again.stderr
     return run, stopped["step"]
+
+
+# -- a real full disk: a small tmpfs (root only) -----------------------------------------
+
+
+class Disk:
+    """A tmpfs of its own at ``path``."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def mount(self, size: str) -> None:
+        _mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(self.path))
+
+    def resize(self, size: str) -> None:
+        _mount("-o", f"remount,size={size}", str(self.path))
+
+    def fill(self, name: str = "ballast") -> Path:
+        """Take every free byte: writes of a page, then of a byte, until ENOSPC (what a
+        process then frees is free again: a test asserts what it needs)."""
+        path = self.path / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            for chunk in (1 << 16, 4096, 1):
+                try:
+                    while os.write(fd, b"x" * chunk):
+                        pass
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        return path
+
+
+def _mount(*args: str) -> None:
+    done = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise PermissionError(done.stderr.strip() or f"mount exited {done.returncode}")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    where = tmp_path / "disk"
+    where.mkdir()
+    disk = Disk(where)
+    try:
+        disk.mount("3m")
+    except (OSError, PermissionError) as e:
+        pytest.skip(f"a real full disk needs a tmpfs, and this user cannot mount one: {e}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import conftest
@@ -20,57 +18,6 @@ from gpu_console.engine import checkpoint
 from gpu_console.engine.reporter import Reporter
 from gpu_console.events import EventWriter
 from gpu_console.supervisor import write_status_on_full_disk
-
-
-class Disk:
-    """A tmpfs of its own at ``path``."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def mount(self, size: str) -> None:
-        _mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(self.path))
-
-    def resize(self, size: str) -> None:
-        _mount("-o", f"remount,size={size}", str(self.path))
-
-    def fill(self, name: str = "ballast") -> Path:
-        """Take every free byte: writes of a page, then of a byte, until ENOSPC (what a
-        process then frees is free again: a test asserts what it needs)."""
-        path = self.path / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        try:
-            for chunk in (1 << 16, 4096, 1):
-                try:
-                    while os.write(fd, b"x" * chunk):
-                        pass
-                except OSError as e:
-                    assert e.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
-        return path
-
-
-def _mount(*args: str) -> None:
-    done = subprocess.run(["mount", *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise PermissionError(done.stderr.strip() or f"mount exited {done.returncode}")
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    where = tmp_path / "disk"
-    where.mkdir()
-    disk = Disk(where)
-    try:
-        disk.mount("3m")
-    except (OSError, PermissionError) as e:
-        pytest.skip(f"a real full disk needs a tmpfs, and this user cannot mount one: {e}")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
-
 
 # -- classification ---------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ included: the tests run the deferred path through real torchrun that way).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -127,6 +128,8 @@ class Guard:
         if not (self.stop or self.skip):
             return False
         if not self.deferred:
+            if type(grad_norm) is torch.Tensor:  # a plain number to read: no kernel for it
+                return not math.isfinite(grad_norm.item())
             return not bool(torch.isfinite(grad_norm))
         bad = torch.isfinite(grad_norm).logical_not().float()
         if self.stop:

@@ -1,0 +1,1 @@
+"""Readers of a run that write its results elsewhere (TensorBoard today); no torch here."""

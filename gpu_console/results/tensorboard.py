@@ -1,0 +1,272 @@
+"""TensorBoard scalars of a run, written while it trains, into ``RUN/tensorboard/``.
+
+The supervisor hands this mirror every event of its session (after THE fold has seen it) and
+every telemetry sample; nothing here reads the files again. Tags:
+
+- ``train/loss``, ``train/loss_avg``, ``train/grad_norm``, ``train/lr`` (several optimizers:
+  ``train/lr/<name>``, ``train/grad_norm/<name>``), ``train/skipped``, and each of the task's
+  train metrics as ``train/<metric>``;
+- ``throughput/samples_per_s``, ``throughput/tokens_per_s``, ``throughput/mfu``,
+  ``throughput/step_time_ms``; ``memory/rank<i>/allocated_gib`` and ``.../peak_gib``;
+- ``eval/<metric>`` for every eval metric (a named split's as ``eval/<split>/<metric>``);
+- ``gpu<i>/util_percent``, ``gpu<i>/memory_used_gib``, ``gpu<i>/temperature_c``,
+  ``gpu<i>/power_w``, ``host/cpu_percent``, ``host/ram_used_gib``: telemetry, at its own wall
+  time, on the step the run had reached then (from the last step event and the step time);
+- text: ``profile`` (the resolved run.toml) and ``start`` (the start event's settings).
+
+A ``start`` event (a launch, a resume, a torchrun restart) writes TensorBoard's purge mark
+(a ``SessionLog.START`` at ``start_step + 1``): a reader drops what an earlier session wrote
+past the checkpoint this one starts from, so a resumed run continues one curve without
+duplicate or backward steps. Each session writes a file of its own; the newest is read last.
+
+Written with the tensorboard package's own protobufs and record framing (what
+``torch.utils.tensorboard`` writes with), synchronously and one whole record per append
+(``diskfull.append_whole``), because its asynchronous writer thread dies on the first failed
+write: on a full disk a record is dropped and counted, none is torn, and writing goes on when
+there is room. tensorboardX is not used: its writer imports torch where torch is installed,
+and the supervisor must not. The package is optional (extra ``tensorboard``); without it a
+launch says so in one line and the run trains as before.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import diskfull
+
+DIR = "tensorboard"
+GIB = 1024**3
+INSTALL_HINT = "pip install 'gpu-console[tensorboard]'"
+_NUM = (int, float)
+
+
+def available() -> bool:
+    """Whether the tensorboard package can be imported (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec("tensorboard") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def off_note() -> str:
+    return (
+        f"TensorBoard: off, the tensorboard package is not installed ({INSTALL_HINT}; "
+        "[logging] tensorboard = false silences this)"
+    )
+
+
+def _number(v: Any) -> bool:
+    return type(v) in _NUM
+
+
+class TensorBoardMirror:
+    """One session's TensorBoard file. Every method may raise (the supervisor turns the mirror
+    off on the first unexpected error); a full disk only drops records (:attr:`dropped`)."""
+
+    def __init__(self, run_dir: Path, profile_text: str) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+
+        self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+        self.dir = Path(run_dir) / DIR
+        self.profile_text = profile_text
+        self.dropped = 0  # records a full disk kept out
+        self.path: Path | None = None
+        self._fd: int | None = None
+        self._step = 0  # the newest step of a step event (or the start's step)
+        self._step_t: float | None = None
+        self._step_time: float | None = None
+        self._max_steps: int | None = None
+        self._telemetry_step = 0  # telemetry's steps never go back
+        self._texts = False
+
+    # -- what the supervisor feeds -------------------------------------------------------
+    def event(self, e: dict[str, Any]) -> None:
+        kind, t = e.get("kind"), e.get("t")
+        t = float(t) if _number(t) else time.time()
+        if kind == "step" and type(e.get("step")) is int:
+            self._step_event(e, t)
+        elif kind == "eval" and type(e.get("step")) is int:
+            values = {
+                f"eval/{k}": v
+                for k, v in e.items()
+                if k not in ("v", "t", "kind", "step") and _number(v) and type(v) is not bool
+            }
+            self._scalars(e["step"], t, values)
+        elif kind == "start":
+            self._start(e, t)
+
+    def sample(self, s: dict[str, Any]) -> None:
+        """One telemetry sample, on the step the run had reached at its time."""
+        t = s.get("t")
+        if not _number(t):
+            return
+        values: dict[str, Any] = {}
+        for g in s.get("gpus") or []:
+            if not isinstance(g, dict) or g.get("lost") or type(g.get("index")) is not int:
+                continue
+            name = f"gpu{g['index']}"
+            values[f"{name}/util_percent"] = g.get("util_gpu")
+            if _number(g.get("memory_used")):
+                values[f"{name}/memory_used_gib"] = g["memory_used"] / GIB
+            values[f"{name}/temperature_c"] = g.get("temperature_c")
+            values[f"{name}/power_w"] = g.get("power_w")
+        host = s.get("host")
+        if isinstance(host, dict):
+            values["host/cpu_percent"] = host.get("cpu_percent")
+            if _number(host.get("ram_used")):
+                values["host/ram_used_gib"] = host["ram_used"] / GIB
+        self._telemetry_step = max(self._telemetry_step, self._step_at(float(t)))
+        self._scalars(self._telemetry_step, float(t), values)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    # -- events --------------------------------------------------------------------------
+    def _start(self, e: dict[str, Any], t: float) -> None:
+        step = e.get("start_step") if type(e.get("start_step")) is int else 0
+        self._step, self._step_t, self._step_time = step, None, None
+        self._telemetry_step = step
+        self._max_steps = e.get("max_steps") if type(e.get("max_steps")) is int else None
+        ev = self._event_pb2
+        # What an earlier session (or attempt) wrote past this start's checkpoint goes.
+        self._write(
+            ev.Event(
+                wall_time=t, step=step + 1, session_log=ev.SessionLog(status=ev.SessionLog.START)
+            )
+        )
+        if not self._texts:  # the first start of this session: what it runs
+            self._texts = True
+            self._text("profile", step, t, _code_block(self.profile_text))
+        self._text("start", step, t, _settings_table(e))
+
+    def _step_event(self, e: dict[str, Any], t: float) -> None:
+        step = e["step"]
+        values: dict[str, Any] = {
+            "train/loss": e.get("loss"),
+            "train/loss_avg": e.get("loss_avg"),
+            "train/grad_norm": e.get("grad_norm"),
+            "train/lr": e.get("lr"),
+            "train/skipped": e.get("skipped"),
+            "throughput/samples_per_s": e.get("samples_per_s"),
+            "throughput/tokens_per_s": e.get("tokens_per_s"),
+            "throughput/mfu": e.get("mfu"),
+        }
+        if _number(e.get("step_time_s")):
+            values["throughput/step_time_ms"] = e["step_time_s"] * 1000
+        for group, key in (("lrs", "train/lr"), ("grad_norms", "train/grad_norm")):
+            if isinstance(e.get(group), dict):
+                values.update((f"{key}/{k}", v) for k, v in e[group].items())
+        if isinstance(e.get("metrics"), dict):
+            values.update((f"train/{k}", v) for k, v in e["metrics"].items())
+        for m in e.get("memory") or []:
+            if isinstance(m, dict) and type(m.get("rank")) is int:
+                for field in ("allocated", "peak"):
+                    if _number(m.get(field)):
+                        values[f"memory/rank{m['rank']}/{field}_gib"] = m[field] / GIB
+        self._scalars(step, t, values)
+        self._step, self._step_t = step, t
+        if _number(e.get("step_time_s")) and e["step_time_s"] > 0:
+            self._step_time = float(e["step_time_s"])
+
+    def _step_at(self, t: float) -> int:
+        """The step the run had reached at wall time ``t``: the last step event's, moved on
+        at the step time it reported (telemetry is sampled between log steps)."""
+        step = self._step
+        if self._step_t is not None and self._step_time and t > self._step_t:
+            step += int((t - self._step_t) / self._step_time)
+        if self._max_steps:
+            step = min(step, self._max_steps)
+        return step
+
+    # -- records -------------------------------------------------------------------------
+    def _scalars(self, step: int, t: float, values: dict[str, Any]) -> None:
+        sp = self._summary_pb2
+        kept = [
+            sp.Summary.Value(tag=tag, simple_value=float(v))
+            for tag, v in values.items()
+            if _number(v) and type(v) is not bool
+        ]
+        if kept:
+            self._write(
+                self._event_pb2.Event(wall_time=t, step=step, summary=sp.Summary(value=kept))
+            )
+
+    def _text(self, tag: str, step: int, t: float, markdown: str) -> None:
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        self._write(self._event_pb2.Event(wall_time=t, step=step, summary=text_pb(tag, markdown)))
+
+    def _write(self, event) -> None:
+        if self._fd is None:
+            self._open(event.wall_time or time.time())
+        assert self._fd is not None
+        try:
+            diskfull.append_whole(self._fd, _record(event.SerializeToString()))
+        except OSError as e:
+            if diskfull.classify(e, self.dir) is None:
+                raise
+            self.dropped += 1  # no room now: this record goes, the next one tries again
+
+    def _open(self, t: float) -> None:
+        """This session's file, named as TensorBoard names its own: a reader takes a
+        directory's files in name order, so the session's first event time comes first."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        stem = f"events.out.tfevents.{int(t):010d}.{socket.gethostname()}.{os.getpid()}"
+        n = 0
+        while (self.dir / f"{stem}.{n}").exists():  # never append to another session's file
+            n += 1
+        self.path = self.dir / f"{stem}.{n}"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        self._write(self._event_pb2.Event(wall_time=t, file_version="brain.Event:2"))
+
+
+def _record(data: bytes) -> bytes:
+    """TFRecord framing, as the tensorboard package frames a record (its RecordWriter)."""
+    import struct
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    header = struct.pack("<Q", len(data))
+    return (
+        header
+        + struct.pack("<I", masked_crc32c(header))
+        + data
+        + struct.pack("<I", masked_crc32c(data))
+    )
+
+
+def _code_block(text: str) -> str:
+    """Markdown that TensorBoard's text tab shows verbatim (an indented code block)."""
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+SETTINGS = (
+    "task", "params", "world_size", "device_type", "precision", "strategy", "global_batch",
+    "optimizer", "compile", "activation_checkpointing", "start_step", "max_steps",
+    "resumed_from", "restart",
+)  # fmt: skip
+
+
+def _settings_table(e: dict[str, Any]) -> str:
+    rows = ["| setting | value |", "| --- | --- |"]
+    for key in SETTINGS:
+        if key in e and e[key] is not None:
+            rows.append(f"| {key} | {_cell(e[key])} |")
+    versions = e.get("versions")
+    if isinstance(versions, dict):
+        rows.extend(f"| {k} | {_cell(v)} |" for k, v in versions.items() if v is not None)
+    return "\n".join(rows)
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return str(v).replace("|", "\\|").replace("\n", " ")

@@ -1,0 +1,295 @@
+"""TensorBoard as the run trains (results/tensorboard.py, fed by the supervisor).
+
+The mirror alone, read back with TensorBoard's own EventAccumulator: tags, steps, texts, the
+purge mark that keeps a resumed run one curve, telemetry on the step axis, a real full disk.
+Then real runs through torchrun: a quickstart's curves while it trains and after, a Ctrl-C
+and a resume from an earlier checkpoint without duplicate steps, and a run without the
+package (one line at launch, the run trains).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import (
+    events_of,
+    fast_profile,
+    only_run,
+    paced_profile,
+    read_status,
+    wait_for,
+)
+from conftest import test_env as cli_env
+
+from gpu_console.results.tensorboard import TensorBoardMirror
+
+event_accumulator = pytest.importorskip(
+    "tensorboard.backend.event_processing.event_accumulator",
+    reason="the tensorboard package (the dev extra installs it)",
+)
+
+T0 = 1_800_000_000.0
+
+
+def _read(log_dir: Path):
+    acc = event_accumulator.EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def _steps(acc, tag: str) -> list[int]:
+    return [s.step for s in acc.Scalars(tag)]
+
+
+def _values(acc, tag: str) -> dict[int, float]:
+    return {s.step: s.value for s in acc.Scalars(tag)}
+
+
+def _start(step: int = 0, t: float = T0, **kw) -> dict:
+    versions = {"torch": "2.13.0"}
+    return dict(
+        kind="start",
+        t=t,
+        start_step=step,
+        max_steps=100,
+        task="mlp",
+        world_size=2,
+        precision="fp32",
+        versions=versions,
+        **kw,
+    )
+
+
+def _step(step: int, t: float, loss: float, **kw) -> dict:
+    return {"kind": "step", "t": t, "step": step, "loss": loss, "loss_avg": loss + 0.5,
+            "lr": 0.01, "grad_norm": 1.5, "samples_per_s": 640.0, "step_time_s": 0.05,
+            "memory": [{"rank": 0, "allocated": 2 * 1024**3, "reserved": 0, "peak": 3 * 1024**3}],
+            **kw}  # fmt: skip
+
+
+def test_steps_evals_and_texts_are_what_tensorboard_reads(tmp_path):
+    m = TensorBoardMirror(tmp_path, "[train]\nlr = 0.01\n")
+    m.event(_start())
+    m.event(_step(10, T0 + 1, 0.9, metrics={"accuracy": 0.5}, tokens_per_s=99.0, mfu=0.25))
+    two = {"lrs": {"gen": 0.01, "disc": 0.02}, "grad_norms": {"gen": 1.0, "disc": 2.0}}
+    m.event(_step(20, T0 + 2, 0.7, metrics={"accuracy": 0.75}, **two))
+    m.event({"kind": "eval", "t": T0 + 3, "step": 20, "loss": 0.6, "val/loss": 0.65,
+             "nn": 8.0, "flag": True})  # fmt: skip
+    m.close()
+    acc = _read(tmp_path / "tensorboard")
+    tags = set(acc.Tags()["scalars"])
+    assert {
+        "train/loss", "train/loss_avg", "train/grad_norm", "train/lr", "train/accuracy",
+        "train/lr/gen", "train/lr/disc", "train/grad_norm/gen", "train/grad_norm/disc",
+        "throughput/samples_per_s", "throughput/tokens_per_s", "throughput/mfu",
+        "throughput/step_time_ms", "memory/rank0/allocated_gib", "memory/rank0/peak_gib",
+        "eval/loss", "eval/val/loss", "eval/nn",
+    } <= tags  # fmt: skip
+    assert "eval/flag" not in tags  # a bool is no scalar
+    assert _values(acc, "train/loss") == {10: pytest.approx(0.9), 20: pytest.approx(0.7)}
+    assert _values(acc, "eval/val/loss") == {20: pytest.approx(0.65)}
+    assert _values(acc, "memory/rank0/peak_gib") == {10: 3.0, 20: 3.0}
+    assert _values(acc, "throughput/step_time_ms") == {
+        10: pytest.approx(50.0),
+        20: pytest.approx(50.0),
+    }
+    assert [s.wall_time for s in acc.Scalars("train/loss")] == [T0 + 1, T0 + 2]
+    texts = {t: acc.Tensors(t)[0].tensor_proto.string_val[0].decode() for t in ("profile", "start")}
+    assert "[train]" in texts["profile"] and "lr = 0.01" in texts["profile"]
+    assert "| world_size | 2 |" in texts["start"] and "| torch | 2.13.0 |" in texts["start"]
+
+
+def test_a_later_session_purges_what_the_last_wrote_past_its_checkpoint(tmp_path):
+    first = TensorBoardMirror(tmp_path, "")
+    first.event(_start())
+    for step in range(10, 60, 10):  # ran to 50; its last checkpoint was at 30
+        first.event(_step(step, T0 + step, 1.0 / step))
+    first.close()
+    second = TensorBoardMirror(tmp_path, "")
+    second.event(_start(30, T0 + 100, resumed_from="checkpoints/step-30"))
+    for step in (40, 50, 60):
+        second.event(_step(step, T0 + 100 + step, 2.0 / step))
+    second.close()
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 2  # a file per session
+    acc = _read(tmp_path / "tensorboard")
+    assert _steps(acc, "train/loss") == [10, 20, 30, 40, 50, 60]  # one curve, each step once
+    losses = _values(acc, "train/loss")
+    assert losses[30] == pytest.approx(1 / 30) and losses[40] == pytest.approx(2 / 40)
+
+
+def test_telemetry_lands_on_the_step_the_run_had_reached(tmp_path):
+    m = TensorBoardMirror(tmp_path, "")
+    m.event(_start())
+    gpu = {"index": 0, "util_gpu": 87.0, "memory_used": 4 * 1024**3, "temperature_c": 61,
+           "power_w": 250.5}  # fmt: skip
+    sample = {"t": T0 + 0.5, "gpus": [gpu, {"index": 1, "lost": True}],
+              "host": {"cpu_percent": 40.0, "ram_used": 1024**3}}  # fmt: skip
+    m.sample(sample)
+    m.event(_step(10, T0 + 1.0, 0.5))  # 0.05 s a step
+    m.sample({**sample, "t": T0 + 1.5})  # ten steps later
+    m.sample({**sample, "t": T0 + 1.2})  # taken before, read after: never backwards
+    m.close()
+    acc = _read(tmp_path / "tensorboard")
+    assert _steps(acc, "gpu0/util_percent") == [0, 20, 20]
+    assert _values(acc, "gpu0/memory_used_gib")[20] == 4.0
+    assert _values(acc, "gpu0/power_w")[20] == pytest.approx(250.5)
+    assert _values(acc, "host/ram_used_gib")[0] == 1.0
+    assert not any(t.startswith("gpu1/") for t in acc.Tags()["scalars"])  # a lost GPU
+
+
+def test_a_full_disk_drops_records_whole_and_writing_goes_on(small_disk):
+    m = TensorBoardMirror(small_disk.path, "")
+    m.event(_start())
+    m.event(_step(10, T0 + 1, 0.5))
+    ballast = small_disk.fill()
+    size = m.path.stat().st_size
+    for step in range(20, 220, 10):  # a page's rest fills, then ENOSPC
+        m.event(_step(step, T0 + step, 0.5, metrics={"pad": 1.0}))
+    assert m.dropped > 0
+    ballast.unlink()
+    m.event(_step(300, T0 + 300, 0.25))
+    m.close()
+    assert m.path.stat().st_size > size
+    steps = _steps(_read(small_disk.path / "tensorboard"), "train/loss")
+    assert steps[0] == 10 and steps[-1] == 300  # every record intact: the reader reached it
+    assert len(steps) == 22 - m.dropped
+
+
+def test_the_mirror_imports_no_torch(tmp_path):
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from gpu_console.results.tensorboard import TensorBoardMirror\n"
+        f"m = TensorBoardMirror(Path({str(tmp_path)!r}), '')\n"
+        "m.event({'kind': 'start', 't': 1.0, 'start_step': 0})\n"
+        "m.event({'kind': 'step', 't': 2.0, 'step': 1, 'loss': 0.5})\n"
+        "m.close(); print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"  # the supervisor side never imports torch
+
+
+def test_without_the_package_a_launch_says_so_once_and_the_run_trains(procs, runs_dir, tmp_path):
+    hide = tmp_path / "hide"
+    hide.mkdir()  # an import hook that finds no tensorboard package, as where it is absent
+    (hide / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _NoTensorBoard:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'tensorboard' or name.startswith('tensorboard.'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, _NoTensorBoard())\n"
+    )
+    env = cli_env(PYTHONPATH=f"{hide}{os.pathsep}{cli_env()['PYTHONPATH']}")
+    done = procs.cli(
+        "run", str(fast_profile(tmp_path, max_steps=20)), "--headless", "--runs-dir",
+        str(runs_dir), "--devices", "cpu:2", cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("TensorBoard: off, the tensorboard package is not installed") == 1
+    run = only_run(runs_dir)
+    assert read_status(run)["state"] == "finished"
+    assert not (run / "tensorboard").exists()
+
+
+def test_logging_tensorboard_false_writes_nothing(procs, runs_dir, tmp_path):
+    done = procs.cli(
+        "run", str(fast_profile(tmp_path, max_steps=20)), "--headless", "--runs-dir",
+        str(runs_dir), "--devices", "cpu:2", "--set", "logging.tensorboard=false", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    run = only_run(runs_dir)
+    assert read_status(run)["state"] == "finished" and not (run / "tensorboard").exists()
+    assert "TensorBoard" not in done.stderr
+
+
+def _started(procs, runs_dir, tmp_path, max_steps: int, pace_s: str, extra: str = ""):
+    profile = paced_profile(tmp_path, max_steps=max_steps, extra=extra)
+    proc = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                       cwd=tmp_path, env=cli_env(PACE_S=pace_s))  # fmt: skip
+    run = wait_for(lambda: runs_dir.is_dir() and next(runs_dir.iterdir(), None),
+                   what="the run directory")  # fmt: skip
+    return proc, run
+
+
+def _tags(run: Path) -> set[str]:
+    if not (run / "tensorboard").is_dir():
+        return set()
+    return set(_read(run / "tensorboard").Tags()["scalars"])
+
+
+def test_a_run_is_read_while_it_trains_and_after(procs, runs_dir, tmp_path):
+    proc, run = _started(procs, runs_dir, tmp_path, max_steps=150, pace_s="0.1")
+
+    def two_steps():
+        if "train/loss" not in _tags(run):
+            return None
+        return len(_steps(_read(run / "tensorboard"), "train/loss")) >= 2
+
+    wait_for(two_steps, what="two logged steps in TensorBoard while the run trains")
+    wait_for(lambda: "host/cpu_percent" in _tags(run), what="telemetry in TensorBoard")
+    assert read_status(run)["state"] == "running"  # all of it read while the run trains
+    assert {"profile", "start"} <= set(_read(run / "tensorboard").Tags()["tensors"])
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    acc = _read(run / "tensorboard")
+    logged = {e["step"]: e["loss"] for e in events_of(run, "step")}
+    assert _steps(acc, "train/loss") == sorted(logged) and max(logged) == 150
+    assert _values(acc, "train/loss") == pytest.approx(logged)
+    evals = {e["step"]: e["loss"] for e in events_of(run, "eval")}
+    assert evals and _values(acc, "eval/loss") == pytest.approx(evals)
+    assert "throughput/samples_per_s" in acc.Tags()["scalars"]
+    telemetry = _steps(acc, "host/cpu_percent")
+    assert telemetry == sorted(telemetry) and telemetry[-1] <= 150
+
+
+def _one_curve(run: Path) -> dict[int, float]:
+    acc = _read(run / "tensorboard")
+    steps = _steps(acc, "train/loss")
+    assert steps == sorted(set(steps))  # each step once, never backwards
+    return _values(acc, "train/loss")
+
+
+def test_ctrl_c_and_a_resume_continue_one_curve(procs, runs_dir, tmp_path):
+    proc, run = _started(procs, runs_dir, tmp_path, max_steps=60, pace_s="0.05")
+    wait_for(lambda: any(e["step"] >= 20 for e in events_of(run, "step")), what="step 20")
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=600)
+    stopped = read_status(run)
+    assert stopped["state"] == "stopped" and stopped["step"] < 60
+    done = procs.cli("run", "--resume", str(run), "--headless", "--runs-dir", str(runs_dir),
+                     cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert len(list((run / "tensorboard").iterdir())) == 2  # a file per session
+    losses = _one_curve(run)
+    assert losses == pytest.approx({e["step"]: e["loss"] for e in events_of(run, "step")})
+    assert list(losses) == list(range(1, 61))  # log_every = 1: every step, once
+
+
+def test_a_killed_run_resumed_from_an_earlier_checkpoint_drops_what_it_logged_past_it(
+    procs, runs_dir, tmp_path
+):
+    extra = "[checkpoint]\nevery_steps = 10\n"
+    proc, run = _started(procs, runs_dir, tmp_path, max_steps=40, pace_s="0.1", extra=extra)
+    wait_for(lambda: any(e["step"] >= 15 for e in events_of(run, "step")), what="step 15")
+    killed = procs.cli("stop", str(run), "--now", "--runs-dir", str(runs_dir), cwd=tmp_path)
+    assert killed.returncode == 0, killed.stderr
+    proc.communicate(timeout=600)
+    assert read_status(run)["state"] == "killed"
+    first = {e["step"]: e["loss"] for e in events_of(run, "step")}
+    done = procs.cli("run", "--resume", str(run), "--headless", "--runs-dir", str(runs_dir),
+                     cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    resumed_at = events_of(run, "start")[-1]["start_step"]
+    assert resumed_at % 10 == 0 and max(first) > resumed_at  # it logged past its checkpoint
+    after = [e for e in events_of(run, "step")][len(first) :]  # the resumed session's
+    losses = _one_curve(run)
+    assert list(losses) == list(range(1, 41))
+    assert {s: v for s, v in losses.items() if s > resumed_at} == pytest.approx(
+        {e["step"]: e["loss"] for e in after}
+    )
