@@ -318,12 +318,37 @@ def check_cmd(
 def ls_cmd(
     as_json: bool = JsonOpt,
     runs_dir: Path | None = RunsDirOpt,
+    state: list[str] = typer.Option(
+        [],
+        "--state",
+        metavar="STATE",
+        help="Only runs in this state (repeat, or a,b; live and ended stand for their states).",
+    ),
+    since: str | None = typer.Option(
+        None,
+        "--since",
+        metavar="WHEN",
+        help="Only runs started since WHEN: a time ago (90m, 2h, 3d, 1w) or a date (2026-11-25).",
+    ),
+    profile: str | None = typer.Option(
+        None,
+        "--profile",
+        metavar="NAME",
+        help="Only runs of this profile (or run) name; a shell pattern like 'cvrp*'.",
+    ),
+    sort: str | None = typer.Option(
+        None,
+        "--sort",
+        metavar="KEY",
+        help="started or updated (newest first), name, state, step (furthest first), loss or "
+        "best_loss (lowest first); default: the newest session first.",
+    ),
 ) -> None:
     """Runs under the runs directory, newest first: state, step, loss, when started and
     last updated."""
     from .commands import runs as command
 
-    command.ls_main(_runs_dir(runs_dir), as_json)
+    command.ls_main(_runs_dir(runs_dir), as_json, state, since, profile, sort)
 
 
 @app.command("status")
@@ -338,6 +363,21 @@ def status_cmd(
     from .commands import status as command
 
     raise typer.Exit(command.main(run, _runs_dir(runs_dir), as_json))
+
+
+@app.command("diff")
+def diff_cmd(
+    run_a: str = typer.Argument(..., metavar="RUN1", help=RUN_HELP),
+    run_b: str = typer.Argument(..., metavar="RUN2", help=RUN_HELP),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print JSON: the differing keys, the rows, both runs' summaries."
+    ),
+    runs_dir: Path | None = RunsDirOpt,
+) -> None:
+    """Two runs side by side: the profile keys that differ, then their summary figures."""
+    from .commands import diff as command
+
+    raise typer.Exit(command.main(run_a, run_b, _runs_dir(runs_dir), as_json))
 
 
 @app.command("stop")

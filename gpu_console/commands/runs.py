@@ -249,21 +249,40 @@ def json_row(row: dict[str, Any]) -> dict[str, Any]:
 LS_COLUMNS = ("run", "state", "step", "loss", "started", "updated")
 
 
-def ls_main(runs_dir: Path, as_json: bool) -> None:
+def ls_main(
+    runs_dir: Path,
+    as_json: bool,
+    states: list[str] | None = None,
+    since: str | None = None,
+    profile: str | None = None,
+    sort: str | None = None,
+) -> None:
     """``ls``: a table, or JSON. ``started`` and ``updated`` are how long ago the run began
-    and last moved (its last step, or its end)."""
+    and last moved (its last step, or its end). Filters and the order: :mod:`.select`."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     from ..format import fmt, human_duration, steps_text, uncut
+    from . import select
 
+    # Every option is judged before a run is read.
+    wanted = select.parse_states(states or [])
+    after = select.parse_since(since) if since is not None else None
+    if sort is not None:
+        select.sort_rows([], sort)
     rows = list_runs(runs_dir)
+    for r in rows:
+        r["profile"] = select.profile_name(Path(r["path"]))
+    filtered = wanted is not None or after is not None or profile is not None
+    rows = select.select(rows, wanted, after, profile)
+    if sort is not None:  # else list_runs' order: the newest session first
+        rows = select.sort_rows(rows, sort)
     if as_json:
         print(to_json(rows))
         return
     if not rows:
-        print(f"no runs under {runs_dir}")
+        print(f"no run under {runs_dir} matches" if filtered else f"no runs under {runs_dir}")
         return
     now = time.time()
     table = Table(box=None, header_style="bold")
