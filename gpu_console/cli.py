@@ -380,6 +380,24 @@ def diff_cmd(
     raise typer.Exit(command.main(run_a, run_b, _runs_dir(runs_dir), as_json))
 
 
+@app.command("report")
+def report_cmd(
+    runs: list[str] = typer.Argument(..., metavar="RUN...", help=RUN_HELP),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        metavar="DIR",
+        help="Where to write (default: RUN/report/; several runs: ./report-RUN1-vs-RUN2).",
+    ),
+    runs_dir: Path | None = RunsDirOpt,
+) -> None:
+    """PNG plots and one HTML page of a run (several: their curves overlaid, their profiles
+    compared); needs matplotlib (pip install 'gpu-console[report]')."""
+    from .results import report as command
+
+    raise typer.Exit(command.main(runs, _runs_dir(runs_dir), out))
+
+
 @app.command("stop")
 def stop_cmd(
     run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),

@@ -93,6 +93,8 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "best_checkpoint": st.best_checkpoint,
         "checkpoint_failed": st.status.get("checkpoint_failed"),
         "failure": failure if isinstance(failure, dict) else None,
+        # RUN/tensorboard/ (results/tensorboard.py), where a session wrote it
+        "tensorboard": str(tb) if (tb := Path(run_dir) / "tensorboard").is_dir() else None,
         "profiles": [  # the profile command's traces, oldest first
             {k: e.get(k) for k in ("path", "first_step", "last_step", "ended_by")}
             for e in st.profiles
@@ -209,6 +211,8 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
         tb = (failure.get("traceback") or "").strip().splitlines()
         if tb:
             out.append(("traceback", "\n".join(tb[-TRACEBACK_LINES:])))
+    if f.get("tensorboard"):
+        out.append(("tensorboard", f"tensorboard --logdir {f['tensorboard']}"))
     out.append(("run dir", f["path"]))
     return out
 

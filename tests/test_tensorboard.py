@@ -17,14 +17,17 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    REPO,
     events_of,
     fast_profile,
     only_run,
     paced_profile,
     read_status,
+    run_dirs,
     wait_for,
 )
 from conftest import test_env as cli_env
+from nvml_run_fake import POWER_W, UTIL
 
 from gpu_console.results.tensorboard import TensorBoardMirror
 
@@ -109,36 +112,51 @@ def test_a_later_session_purges_what_the_last_wrote_past_its_checkpoint(tmp_path
     first.event(_start())
     for step in range(10, 60, 10):  # ran to 50; its last checkpoint was at 30
         first.event(_step(step, T0 + step, 1.0 / step))
+        first.sample(_sample(T0 + step + 1))
     first.close()
     second = TensorBoardMirror(tmp_path, "")
+    second.sample(_sample(T0 + 99))  # the resumed session's start-up: no step yet
     second.event(_start(30, T0 + 100, resumed_from="checkpoints/step-30"))
     for step in (40, 50, 60):
         second.event(_step(step, T0 + 100 + step, 2.0 / step))
+        second.sample(_sample(T0 + 100 + step + 0.1))
     second.close()
     assert len(list((tmp_path / "tensorboard").iterdir())) == 2  # a file per session
     acc = _read(tmp_path / "tensorboard")
     assert _steps(acc, "train/loss") == [10, 20, 30, 40, 50, 60]  # one curve, each step once
     losses = _values(acc, "train/loss")
     assert losses[30] == pytest.approx(1 / 30) and losses[40] == pytest.approx(2 / 40)
+    telemetry = _steps(acc, "host/cpu_percent")  # each session's from the step it was at
+    assert telemetry == sorted(set(telemetry)) and telemetry[-1] > 50
+    assert telemetry == [19, 29, 41, 51, 61]  # none from before a start, none purged twice
 
 
-def test_telemetry_lands_on_the_step_the_run_had_reached(tmp_path):
-    m = TensorBoardMirror(tmp_path, "")
-    m.event(_start())
+def _sample(t: float) -> dict:
     gpu = {"index": 0, "util_gpu": 87.0, "memory_used": 4 * 1024**3, "temperature_c": 61,
            "power_w": 250.5}  # fmt: skip
-    sample = {"t": T0 + 0.5, "gpus": [gpu, {"index": 1, "lost": True}],
-              "host": {"cpu_percent": 40.0, "ram_used": 1024**3}}  # fmt: skip
-    m.sample(sample)
-    m.event(_step(10, T0 + 1.0, 0.5))  # 0.05 s a step
-    m.sample({**sample, "t": T0 + 1.5})  # ten steps later
-    m.sample({**sample, "t": T0 + 1.2})  # taken before, read after: never backwards
+    host = {"cpu_percent": 40.0, "ram_used": 1024**3}
+    return {"t": t, "gpus": [gpu, {"index": 1, "lost": True}], "host": host}
+
+
+def test_telemetry_takes_steps_of_its_own_between_logged_steps(tmp_path):
+    m = TensorBoardMirror(tmp_path, "")
+    m.sample(_sample(T0 - 1))  # before the start: no step yet, left out
+    m.event(_start())
+    m.event(_step(10, T0 + 1.0, 0.5))  # logged every 10 steps, 0.05 s a step
+    m.sample(_sample(T0 + 1.2))  # 4 steps on: 14
+    m.sample(_sample(T0 + 1.15))  # taken before, read after: the next step, never back
+    m.sample(_sample(T0 + 1.5))  # 10 steps on, but step 20 is the next log's: 19
+    m.sample(_sample(T0 + 1.6))  # no step left before 20: left out
+    m.event(_step(20, T0 + 2.0, 0.4))
+    m.sample(_sample(T0 + 2.12))
     m.close()
     acc = _read(tmp_path / "tensorboard")
-    assert _steps(acc, "gpu0/util_percent") == [0, 20, 20]
-    assert _values(acc, "gpu0/memory_used_gib")[20] == 4.0
-    assert _values(acc, "gpu0/power_w")[20] == pytest.approx(250.5)
-    assert _values(acc, "host/ram_used_gib")[0] == 1.0
+    assert _steps(acc, "gpu0/util_percent") == [14, 15, 19, 22]
+    assert _steps(acc, "host/cpu_percent") == [14, 15, 19, 22]
+    assert m.telemetry_skipped == 1
+    assert _values(acc, "gpu0/memory_used_gib")[22] == 4.0
+    assert _values(acc, "gpu0/power_w")[22] == pytest.approx(250.5)
+    assert _values(acc, "host/ram_used_gib")[22] == 1.0
     assert not any(t.startswith("gpu1/") for t in acc.Tags()["scalars"])  # a lost GPU
 
 
@@ -158,6 +176,20 @@ def test_a_full_disk_drops_records_whole_and_writing_goes_on(small_disk):
     steps = _steps(_read(small_disk.path / "tensorboard"), "train/loss")
     assert steps[0] == 10 and steps[-1] == 300  # every record intact: the reader reached it
     assert len(steps) == 22 - m.dropped
+
+
+def test_a_full_disk_at_the_first_record_leaves_no_file_and_a_later_one_opens_it(small_disk):
+    ballast = small_disk.fill()
+    m = TensorBoardMirror(small_disk.path, "")
+    m.event(_start())  # the purge mark, then two texts: none fits
+    assert m.dropped >= 1 and m.path is None
+    logs = small_disk.path / "tensorboard"
+    assert not logs.exists() or not any(logs.iterdir())  # no file without its version record
+    ballast.unlink()
+    m.event(_step(10, T0 + 1, 0.5))
+    m.close()
+    assert m.path is not None and m.path.parent == logs
+    assert _steps(_read(logs), "train/loss") == [10]
 
 
 def test_the_mirror_imports_no_torch(tmp_path):
@@ -208,12 +240,11 @@ def test_logging_tensorboard_false_writes_nothing(procs, runs_dir, tmp_path):
     assert "TensorBoard" not in done.stderr
 
 
-def _started(procs, runs_dir, tmp_path, max_steps: int, pace_s: str, extra: str = ""):
+def _started(procs, runs_dir, tmp_path, max_steps: int, pace_s: str, extra: str = "", env=None):
     profile = paced_profile(tmp_path, max_steps=max_steps, extra=extra)
     proc = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-                       cwd=tmp_path, env=cli_env(PACE_S=pace_s))  # fmt: skip
-    run = wait_for(lambda: runs_dir.is_dir() and next(runs_dir.iterdir(), None),
-                   what="the run directory")  # fmt: skip
+                       cwd=tmp_path, env={**(env or cli_env()), "PACE_S": pace_s})  # fmt: skip
+    (run,) = wait_for(lambda: run_dirs(runs_dir), what="the run directory")
     return proc, run
 
 
@@ -223,8 +254,16 @@ def _tags(run: Path) -> set[str]:
     return set(_read(run / "tensorboard").Tags()["scalars"])
 
 
+def _fake_gpus_env() -> dict[str, str]:
+    """The NVML seam's two fake GPUs (tests/nvml_run_fake.py), for runs on CPU ranks."""
+    tests = str(REPO / "tests")
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
+    return cli_env(GPU_CONSOLE_FAKE_NVML="nvml_run_fake:two_gpus", PYTHONPATH=path)
+
+
 def test_a_run_is_read_while_it_trains_and_after(procs, runs_dir, tmp_path):
-    proc, run = _started(procs, runs_dir, tmp_path, max_steps=150, pace_s="0.1")
+    env = _fake_gpus_env()
+    proc, run = _started(procs, runs_dir, tmp_path, max_steps=150, pace_s="0.1", env=env)
 
     def two_steps():
         if "train/loss" not in _tags(run):
@@ -245,7 +284,13 @@ def test_a_run_is_read_while_it_trains_and_after(procs, runs_dir, tmp_path):
     assert evals and _values(acc, "eval/loss") == pytest.approx(evals)
     assert "throughput/samples_per_s" in acc.Tags()["scalars"]
     telemetry = _steps(acc, "host/cpu_percent")
-    assert telemetry == sorted(telemetry) and telemetry[-1] <= 150
+    assert telemetry == sorted(set(telemetry)) and telemetry[-1] <= 150
+    # The fake GPUs' readings (utilisation constant, power constant: nvml_run_fake.py).
+    for index in (0, 1):
+        util = {v for v in _values(acc, f"gpu{index}/util_percent").values()}
+        power = {v for v in _values(acc, f"gpu{index}/power_w").values()}
+        assert util == {float(UTIL[index])} and power == {float(POWER_W[index])}
+        assert _steps(acc, f"gpu{index}/memory_used_gib") == telemetry
 
 
 def _one_curve(run: Path) -> dict[int, float]:
@@ -274,22 +319,27 @@ def test_ctrl_c_and_a_resume_continue_one_curve(procs, runs_dir, tmp_path):
 def test_a_killed_run_resumed_from_an_earlier_checkpoint_drops_what_it_logged_past_it(
     procs, runs_dir, tmp_path
 ):
-    extra = "[checkpoint]\nevery_steps = 10\n"
-    proc, run = _started(procs, runs_dir, tmp_path, max_steps=40, pace_s="0.1", extra=extra)
-    wait_for(lambda: any(e["step"] >= 15 for e in events_of(run, "step")), what="step 15")
+    # Checkpoints 50 steps apart at 0.2 s a step: the kill lands 10 s or more from the next.
+    extra = "[checkpoint]\nevery_steps = 50\n"
+    proc, run = _started(procs, runs_dir, tmp_path, max_steps=150, pace_s="0.2", extra=extra)
+    wait_for(lambda: any(e["step"] >= 55 for e in events_of(run, "step")), what="step 55")
     killed = procs.cli("stop", str(run), "--now", "--runs-dir", str(runs_dir), cwd=tmp_path)
     assert killed.returncode == 0, killed.stderr
     proc.communicate(timeout=600)
     assert read_status(run)["state"] == "killed"
     first = {e["step"]: e["loss"] for e in events_of(run, "step")}
-    done = procs.cli("run", "--resume", str(run), "--headless", "--runs-dir", str(runs_dir),
-                     cwd=tmp_path)  # fmt: skip
+    assert 55 <= max(first) < 100  # it logged past its checkpoint at 50
+    done = procs.cli(
+        "run", "--resume", str(run), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path
+    )  # fmt: skip (unpaced: the resumed session runs at speed)
     assert done.returncode == 0, done.stderr
-    resumed_at = events_of(run, "start")[-1]["start_step"]
-    assert resumed_at % 10 == 0 and max(first) > resumed_at  # it logged past its checkpoint
-    after = [e for e in events_of(run, "step")][len(first) :]  # the resumed session's
+    assert events_of(run, "start")[-1]["start_step"] == 50
+    after = events_of(run, "step")[len(first) :]  # the resumed session's
+    assert [e["step"] for e in after] == list(range(51, 151))
     losses = _one_curve(run)
-    assert list(losses) == list(range(1, 41))
-    assert {s: v for s, v in losses.items() if s > resumed_at} == pytest.approx(
+    assert list(losses) == list(range(1, 151))
+    assert {s: v for s, v in losses.items() if s > 50} == pytest.approx(
         {e["step"]: e["loss"] for e in after}
     )
+    telemetry = _steps(_read(run / "tensorboard"), "host/cpu_percent")
+    assert telemetry == sorted(set(telemetry))  # telemetry too: no step twice, none back

@@ -27,6 +27,7 @@ from ..lost import settle
 from ..runs import FINAL_STATES, RunDirError, find_run, read_json, read_status, status_exit_code
 from ..session_lock import is_held
 from ..state import derived_state, describe_stopped, gpu_figures, read_heartbeats
+from .select import profile_name
 
 DUMP_TIMEOUT_S = 30.0
 
@@ -69,6 +70,7 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
             {
                 "name": run.name,
                 "path": str(run),
+                "profile": profile_name(run),  # run.toml's [profile] name: ls --profile
                 "state": state,
                 "reason": status.get("reason", ""),
                 "step": status.get("step"),
@@ -272,8 +274,6 @@ def ls_main(
     if sort is not None:
         select.sort_rows([], sort)
     rows = list_runs(runs_dir)
-    for r in rows:
-        r["profile"] = select.profile_name(Path(r["path"]))
     filtered = wanted is not None or after is not None or profile is not None
     rows = select.select(rows, wanted, after, profile)
     if sort is not None:  # else list_runs' order: the newest session first

@@ -76,13 +76,16 @@ class TensorBoardMirror:
         self.dir = Path(run_dir) / DIR
         self.profile_text = profile_text
         self.dropped = 0  # records a full disk kept out
+        self.telemetry_skipped = 0  # samples with no step of their own left (see sample())
         self.path: Path | None = None
         self._fd: int | None = None
+        self._started = False  # a start event seen: until then a sample has no step
         self._step = 0  # the newest step of a step event (or the start's step)
         self._step_t: float | None = None
         self._step_time: float | None = None
+        self._interval: int | None = None  # steps between the last two step events
         self._max_steps: int | None = None
-        self._telemetry_step = 0  # telemetry's steps never go back
+        self._telemetry_step = -1  # the newest step a sample was written at
         self._texts = False
 
     # -- what the supervisor feeds -------------------------------------------------------
@@ -102,9 +105,21 @@ class TensorBoardMirror:
             self._start(e, t)
 
     def sample(self, s: dict[str, Any]) -> None:
-        """One telemetry sample, on the step the run had reached at its time."""
+        """One telemetry sample, on the step the run had reached at its time.
+
+        Each sample takes a step of its own, never an earlier one, and never one past the
+        next logged step's (a step time guessed across an eval or a checkpoint would run
+        ahead): TensorBoard's server keeps one point per step and tag, and drops the points
+        after a step that comes again. A sample with no such step left (a long eval, a
+        step slower than the sampling) is left out; ``telemetry.jsonl`` keeps it. Before
+        the session's start event there is no step yet: its start-up samples are left out.
+        """
         t = s.get("t")
-        if not _number(t):
+        if not _number(t) or not self._started:
+            return
+        step = max(self._step_at(float(t)), self._telemetry_step + 1)
+        if step > self._step_limit():
+            self.telemetry_skipped += 1
             return
         values: dict[str, Any] = {}
         for g in s.get("gpus") or []:
@@ -121,8 +136,8 @@ class TensorBoardMirror:
             values["host/cpu_percent"] = host.get("cpu_percent")
             if _number(host.get("ram_used")):
                 values["host/ram_used_gib"] = host["ram_used"] / GIB
-        self._telemetry_step = max(self._telemetry_step, self._step_at(float(t)))
-        self._scalars(self._telemetry_step, float(t), values)
+        self._telemetry_step = step
+        self._scalars(step, float(t), values)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -132,8 +147,9 @@ class TensorBoardMirror:
     # -- events --------------------------------------------------------------------------
     def _start(self, e: dict[str, Any], t: float) -> None:
         step = e.get("start_step") if type(e.get("start_step")) is int else 0
-        self._step, self._step_t, self._step_time = step, None, None
-        self._telemetry_step = step
+        self._started = True
+        self._step, self._step_t, self._step_time, self._interval = step, None, None, None
+        self._telemetry_step = step  # the purge mark is at step + 1: samples from there
         self._max_steps = e.get("max_steps") if type(e.get("max_steps")) is int else None
         ev = self._event_pb2
         # What an earlier session (or attempt) wrote past this start's checkpoint goes.
@@ -172,6 +188,8 @@ class TensorBoardMirror:
                     if _number(m.get(field)):
                         values[f"memory/rank{m['rank']}/{field}_gib"] = m[field] / GIB
         self._scalars(step, t, values)
+        if step > self._step:
+            self._interval = step - self._step
         self._step, self._step_t = step, t
         if _number(e.get("step_time_s")) and e["step_time_s"] > 0:
             self._step_time = float(e["step_time_s"])
@@ -182,9 +200,13 @@ class TensorBoardMirror:
         step = self._step
         if self._step_t is not None and self._step_time and t > self._step_t:
             step += int((t - self._step_t) / self._step_time)
-        if self._max_steps:
-            step = min(step, self._max_steps)
-        return step
+        return min(step, self._step_limit())
+
+    def _step_limit(self) -> int:
+        """The last step a sample may take: before the next logged step (its interval as the
+        last one's), or the run's last step."""
+        limit = self._step + (self._interval - 1 if self._interval else 0)
+        return min(limit, self._max_steps) if self._max_steps else limit
 
     # -- records -------------------------------------------------------------------------
     def _scalars(self, step: int, t: float, values: dict[str, Any]) -> None:
@@ -205,10 +227,10 @@ class TensorBoardMirror:
         self._write(self._event_pb2.Event(wall_time=t, step=step, summary=text_pb(tag, markdown)))
 
     def _write(self, event) -> None:
-        if self._fd is None:
-            self._open(event.wall_time or time.time())
-        assert self._fd is not None
         try:
+            if self._fd is None:
+                self._open(event.wall_time or time.time())
+            assert self._fd is not None
             diskfull.append_whole(self._fd, _record(event.SerializeToString()))
         except OSError as e:
             if diskfull.classify(e, self.dir) is None:
@@ -217,15 +239,25 @@ class TensorBoardMirror:
 
     def _open(self, t: float) -> None:
         """This session's file, named as TensorBoard names its own: a reader takes a
-        directory's files in name order, so the session's first event time comes first."""
+        directory's files in name order, so the session's first event time comes first.
+        It starts with its version record (a reader purges by START marks only in files
+        that have it), or it is not kept: a full disk then leaves no file, and the next
+        record tries again."""
         self.dir.mkdir(parents=True, exist_ok=True)
         stem = f"events.out.tfevents.{int(t):010d}.{socket.gethostname()}.{os.getpid()}"
         n = 0
         while (self.dir / f"{stem}.{n}").exists():  # never append to another session's file
             n += 1
-        self.path = self.dir / f"{stem}.{n}"
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
-        self._write(self._event_pb2.Event(wall_time=t, file_version="brain.Event:2"))
+        path = self.dir / f"{stem}.{n}"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        version = self._event_pb2.Event(wall_time=t, file_version="brain.Event:2")
+        try:
+            diskfull.append_whole(fd, _record(version.SerializeToString()))
+        except OSError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        self._fd, self.path = fd, path
 
 
 def _record(data: bytes) -> bytes:

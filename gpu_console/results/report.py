@@ -1,0 +1,479 @@
+"""``gpu-console report RUN… [--out DIR]``: a run's report, PNG plots and one HTML page.
+
+The plots: the train loss and every eval metric over steps (checkpoints and the starts of
+resumed or restarted sessions marked), samples/s and tokens/s, the learning rate, and each
+GPU's memory, utilisation, temperature and power over time (the host's CPU and RAM on a run
+without GPUs). The page holds the plots inline (one self-contained file), the summary
+``status`` prints, the resolved profile, the checkpoints, the sessions (launch, resumes,
+torchrun restarts) and any failure. Several runs: one set of plots with every run's curves
+overlaid, the profile keys that differ from the first run, and the summaries side by side.
+
+The events go through THE fold (:class:`Series` extends :class:`~gpu_console.fold.RunFold`
+with the series it draws); a start drops what an earlier session logged past the
+checkpoint it starts from, as TensorBoard's purge does, so each curve is the run's one curve.
+Made with matplotlib's Agg backend (optional extra ``report``); no torch, no display.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import strict_json
+from ..events import JsonlTail, read_events
+from ..fold import RunFold
+from ..runs import RunDirError
+from ..telemetry.sampler import FILE as TELEMETRY_FILE
+
+INSTALL_HINT = "pip install 'gpu-console[report]'"
+GIB = 1024**3
+_NUM = (int, float)
+
+
+class ReportError(RunDirError):
+    """A report that cannot be made (matplotlib missing, an unwritable --out): exit 2."""
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if type(v) in _NUM else None
+
+
+class Series(RunFold):
+    """THE fold of a run's events, plus the series a report draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.checkpoints: list[dict[str, Any]] = []
+        self.sessions: list[dict[str, Any]] = []  # every start: launch, resume, restart
+
+    def apply(self, e: dict[str, Any]) -> None:
+        super().apply(e)
+        kind = e.get("kind")
+        if kind == "step" and type(e.get("step")) is int:
+            self.steps.append(e)
+        elif kind == "eval" and type(e.get("step")) is int:
+            self.evals.append(e)
+        elif kind == "checkpoint" and e.get("path"):
+            self.checkpoints.append(e)
+        elif kind == "start":
+            at = int(e.get("start_step") or 0)
+            # What an earlier session logged past this start's checkpoint is trained again.
+            self.steps = [s for s in self.steps if s["step"] <= at]
+            self.evals = [s for s in self.evals if s["step"] <= at]
+            self.sessions.append(e)
+
+
+@dataclass
+class Telemetry:
+    """A run's telemetry as series over time (seconds since its first sample)."""
+
+    t0: float | None = None
+    gpus: dict[int, dict[str, list[tuple[float, float]]]] = field(default_factory=dict)
+    host: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+
+    def add(self, s: dict[str, Any]) -> None:
+        t = _num(s.get("t"))
+        if t is None:
+            return
+        self.t0 = t if self.t0 is None else self.t0
+        x = t - self.t0  # seconds since the first sample
+        for g in s.get("gpus") or []:
+            if not isinstance(g, dict) or g.get("lost") or type(g.get("index")) is not int:
+                continue
+            series = self.gpus.setdefault(g["index"], {})
+            for key, scale in GPU_SERIES:
+                if (v := _num(g.get(key))) is not None:
+                    series.setdefault(key, []).append((x, v * scale))
+        host = s.get("host")
+        if isinstance(host, dict):
+            for key, scale in HOST_SERIES:
+                if (v := _num(host.get(key))) is not None:
+                    self.host.setdefault(key, []).append((x, v * scale))
+
+
+# (telemetry field, scale) → plotted as (title, unit)
+GPU_SERIES = (("memory_used", 1 / GIB), ("util_gpu", 1), ("temperature_c", 1), ("power_w", 1))
+HOST_SERIES = (("cpu_percent", 1), ("ram_used", 1 / GIB))
+TITLES = {
+    "memory_used": "memory used (GiB)",
+    "util_gpu": "utilisation (%)",
+    "temperature_c": "temperature (°C)",
+    "power_w": "power (W)",
+    "cpu_percent": "host CPU (%)",
+    "ram_used": "host RAM used (GiB)",
+}
+
+
+@dataclass
+class RunData:
+    run: Path
+    series: Series
+    telemetry: Telemetry
+    fields: dict[str, Any]  # ``status --json``
+    profile_text: str
+
+    @property
+    def name(self) -> str:
+        return self.run.name
+
+
+def load(run: Path, runs_dir: Path) -> RunData:
+    from ..commands import status as status_cmd
+
+    series = Series()
+    for e in read_events(run / "events.jsonl"):
+        series.apply(e)
+    telemetry = Telemetry()
+    for s in JsonlTail(run / TELEMETRY_FILE).read():
+        if s.get("kind") == "sample":
+            telemetry.add(s)
+    path, follower, row = status_cmd.status(str(run), runs_dir)
+    fields = status_cmd.to_json(path, follower, row)
+    try:
+        profile_text = (run / "run.toml").read_text()
+    except OSError:
+        profile_text = ""
+    return RunData(run, series, telemetry, fields, profile_text)
+
+
+# -- plots ---------------------------------------------------------------------------------
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ReportError(f"report: needs matplotlib ({INSTALL_HINT})") from None
+    matplotlib.use("Agg")  # files only: no display, over SSH too
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _marks(ax, d: RunData, color: str, several: bool) -> None:
+    """Checkpoints (dotted) and the starts of later sessions (dashed) on a step axis."""
+    alpha = 0.25 if several else 0.45
+    for c in d.series.checkpoints:
+        if type(c.get("step")) is int:
+            ax.axvline(c["step"], color=color, linestyle=":", linewidth=0.8, alpha=alpha)
+    for s in d.series.sessions[1:]:
+        ax.axvline(int(s.get("start_step") or 0), color=color, linestyle="--", linewidth=1.0,
+                   alpha=min(1.0, alpha * 2))  # fmt: skip
+
+
+def _xy(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v = _num(r.get(key))
+        if v is not None:
+            xs.append(r["step"])
+            ys.append(v)
+    return xs, ys
+
+
+def _eval_metrics(runs: list[RunData]) -> list[str]:
+    names: list[str] = []
+    for d in runs:
+        for e in d.series.evals:
+            for k, v in e.items():
+                if k not in ("v", "t", "kind", "step") and type(v) in _NUM and k not in names:
+                    names.append(k)
+    return names
+
+
+def plot_all(runs: list[RunData], out: Path) -> list[tuple[str, Path]]:
+    """Every plot with something to draw: (title, PNG path)."""
+    plt = _pyplot()
+    colors = [c["color"] for c in plt.rcParams["axes.prop_cycle"]]
+    several = len(runs) > 1
+    made: list[tuple[str, Path]] = []
+
+    def save(fig, name: str, title: str) -> None:
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append((title, path))
+
+    def label(d: RunData, what: str) -> str:
+        return f"{d.name} {what}".strip() if several else what
+
+    # Loss, with each eval's loss-like metrics on the same axis.
+    if any(d.series.steps for d in runs):
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        for i, d in enumerate(runs):
+            color = colors[i % len(colors)]
+            ax.plot(*_xy(d.series.steps, "loss"), color=color, linewidth=1.2,
+                    label=label(d, "train loss"))  # fmt: skip
+            xs, ys = _xy(d.series.evals, "loss")
+            if xs:
+                ax.plot(xs, ys, color=color, marker="o", markersize=3, linestyle="--",
+                        label=label(d, "eval loss"))  # fmt: skip
+            _marks(ax, d, color, several)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_title("loss (dotted: checkpoints; dashed: a resumed or restarted session)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        save(fig, "loss", "Loss")
+
+    metrics = [m for m in _eval_metrics(runs) if m != "loss"]
+    if metrics:
+        cols = min(3, len(metrics))
+        rows = (len(metrics) + cols - 1) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+        for ax, metric in zip(axes.flat, metrics, strict=False):
+            for i, d in enumerate(runs):
+                xs, ys = _xy(d.series.evals, metric)
+                if xs:
+                    ax.plot(xs, ys, color=colors[i % len(colors)], marker="o", markersize=3,
+                            label=d.name if several else None)  # fmt: skip
+                    _marks(ax, d, colors[i % len(colors)], several)
+            ax.set_title(f"eval {metric}", fontsize=10)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(metrics) :]:
+            ax.set_visible(False)
+        if several:
+            axes.flat[0].legend(fontsize=7)
+        save(fig, "eval", "Eval metrics")
+
+    if any(_xy(d.series.steps, "samples_per_s")[0] for d in runs):
+        tokens = any(_xy(d.series.steps, "tokens_per_s")[0] for d in runs)
+        fig, axes = plt.subplots(1, 2 if tokens else 1, figsize=(9, 3.6), squeeze=False)
+        for j, key in enumerate(["samples_per_s", "tokens_per_s"][: 2 if tokens else 1]):
+            ax = axes[0][j]
+            for i, d in enumerate(runs):
+                ax.plot(*_xy(d.series.steps, key), color=colors[i % len(colors)], linewidth=1,
+                        label=d.name if several else None)  # fmt: skip
+            ax.set_title(key.replace("_per_s", "/s"), fontsize=10)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            if several:
+                ax.legend(fontsize=7)
+        save(fig, "throughput", "Throughput")
+
+    if any(_xy(d.series.steps, "lr")[0] for d in runs):
+        fig, ax = plt.subplots(figsize=(9, 3.2))
+        for i, d in enumerate(runs):
+            color = colors[i % len(colors)]
+            groups = {k for s in d.series.steps for k in (s.get("lrs") or {})}
+            if groups:
+                for g in sorted(groups):
+                    xs = [s["step"] for s in d.series.steps if _num((s.get("lrs") or {}).get(g))]
+                    ys = [s["lrs"][g] for s in d.series.steps if _num((s.get("lrs") or {}).get(g))]
+                    ax.plot(xs, ys, linewidth=1, label=label(d, g))
+            else:
+                ax.plot(*_xy(d.series.steps, "lr"), color=color, linewidth=1,
+                        label=d.name if several else None)  # fmt: skip
+        ax.set_title("learning rate", fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if several or ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        save(fig, "lr", "Learning rate")
+
+    span = max((p[0] for d in runs for series in [*d.telemetry.gpus.values(), d.telemetry.host]
+                for points in series.values() for p in points), default=0.0)  # fmt: skip
+    per, unit = (60.0, "minutes") if span > 180 else (1.0, "seconds")
+
+    def timeline(points: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+        return [p[0] / per for p in points], [p[1] for p in points]
+
+    if any(d.telemetry.gpus for d in runs):
+        fig, axes = plt.subplots(2, 2, figsize=(10, 6), squeeze=False)
+        for ax, (key, _) in zip(axes.flat, GPU_SERIES, strict=True):
+            for i, d in enumerate(runs):
+                for gi, (index, series) in enumerate(sorted(d.telemetry.gpus.items())):
+                    points = series.get(key) or []
+                    if points:
+                        ax.plot(*timeline(points), linewidth=1,
+                                color=colors[(i * 4 + gi) % len(colors)],
+                                label=label(d, f"GPU {index}"))  # fmt: skip
+            ax.set_title(TITLES[key], fontsize=10)
+            ax.set_xlabel(unit)
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+        save(fig, "gpus", "GPUs")
+    elif any(d.telemetry.host for d in runs):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), squeeze=False)
+        for ax, (key, _) in zip(axes.flat, HOST_SERIES, strict=True):
+            for i, d in enumerate(runs):
+                points = d.telemetry.host.get(key) or []
+                color = colors[i % len(colors)]
+                ax.plot(*timeline(points), linewidth=1, color=color,
+                        label=d.name if several else None)  # fmt: skip
+            ax.set_title(TITLES[key], fontsize=10)
+            ax.set_xlabel(unit)
+            ax.grid(alpha=0.3)
+            if several:
+                ax.legend(fontsize=7)
+        save(fig, "host", "Host (no GPU telemetry)")
+    return made
+
+
+# -- the page ------------------------------------------------------------------------------
+
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: 0.5em 0; font-size: 0.92em; }
+td, th { padding: 3px 10px; border-bottom: 1px solid #eee; text-align: left; vertical-align: top; }
+th { background: #f5f5f5; } td.what { color: #555; white-space: nowrap; }
+pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
+img { max-width: 100%; border: 1px solid #eee; margin: 0.4em 0; }
+.failed { color: #b00020; } .muted { color: #777; }
+"""
+
+
+def _e(v: Any) -> str:
+    return html.escape(str(v))
+
+
+def _table(head: list[str], rows: list[list[str]], first_is_what: bool = True) -> str:
+    out = ["<table>", "<tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>"]
+    for row in rows:
+        cells = [
+            f'<td class="what">{_e(c)}</td>' if i == 0 and first_is_what else f"<td>{_e(c)}</td>"
+            for i, c in enumerate(row)
+        ]
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def _when(t: Any) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if type(t) in _NUM else "-"
+
+
+def _sessions(d: RunData) -> str:
+    rows = []
+    for s in d.series.sessions:
+        if s.get("restart"):
+            what = f"torchrun restart {s['restart']}"
+        elif s.get("resumed_from"):
+            what = "resume"
+        else:
+            what = "launch"
+        rows.append([what, _when(s.get("t")), str(s.get("start_step") or 0),
+                     str(s.get("resumed_from") or "-"),
+                     f"{s.get('world_size', '-')} × {s.get('device_type', '-')}"])  # fmt: skip
+    if not rows:
+        return '<p class="muted">no session started training</p>'
+    return _table(["session", "started", "at step", "from", "ranks"], rows)
+
+
+def _checkpoints(d: RunData) -> str:
+    rows = [
+        [str(c.get("step")), str(c.get("reason") or ""), str(c.get("path")), _when(c.get("t"))]
+        for c in d.series.checkpoints
+    ]
+    if not rows:
+        return '<p class="muted">no checkpoint</p>'
+    return _table(["step", "reason", "path", "written"], rows)
+
+
+def page(runs: list[RunData], plots: list[tuple[str, Path]]) -> str:
+    from ..commands.diff import _merged, profile_changes
+    from ..summary import summary_rows
+
+    title = "report: " + " vs ".join(d.name for d in runs)
+    parts = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{_e(title)}</title><style>{CSS}</style></head><body>",
+        f"<h1>{_e(title)}</h1>",
+        f'<p class="muted">written {_e(_when(time.time()))} by gpu-console report</p>',
+    ]
+    # The summaries, one column per run (the rows ``status`` prints).
+    per_run = [dict(summary_rows(d.fields)) for d in runs]
+    whats: list[str] = []
+    for rows in per_run:
+        whats = _merged(whats, list(rows))
+    parts.append("<h2>Summary</h2>")
+    parts.append(
+        _table(
+            ["", *(d.name for d in runs)], [[w, *(r.get(w, "-") for r in per_run)] for w in whats]
+        )
+    )
+    for d in runs:
+        failure = d.fields.get("failure")
+        if isinstance(failure, dict) and failure.get("summary"):
+            parts.append(f'<p class="failed">{_e(d.name)} failed: {_e(failure["summary"])}</p>')
+            if failure.get("traceback"):
+                parts.append(f"<pre>{_e(failure['traceback'])}</pre>")
+    if len(runs) > 1:
+        parts.append(f"<h2>Profile: what differs from {_e(runs[0].name)}</h2>")
+        for d in runs[1:]:
+            changes = profile_changes(runs[0].run, d.run)
+            if not changes:
+                parts.append(f"<p>{_e(d.name)}: the same profile</p>")
+                continue
+            rows = [[c["key"], _value(c["a"]), _value(c["b"])] for c in changes]
+            parts.append(_table(["key", runs[0].name, d.name], rows))
+    parts.append("<h2>Plots</h2>")
+    for caption, path in plots:
+        data = base64.b64encode(path.read_bytes()).decode()
+        parts.append(f"<h3>{_e(caption)}</h3>")
+        parts.append(f'<img alt="{_e(caption)}" src="data:image/png;base64,{data}">')
+    if not plots:
+        parts.append('<p class="muted">nothing to plot: no step was logged</p>')
+    for d in runs:
+        head = f" of {_e(d.name)}" if len(runs) > 1 else ""
+        parts.append(f"<h2>Sessions{head}</h2>")
+        parts.append(_sessions(d))
+        parts.append(f"<h2>Checkpoints{head}</h2>")
+        parts.append(_checkpoints(d))
+        parts.append(f"<h2>Profile{head} (run.toml)</h2>")
+        parts.append(f"<pre>{_e(d.profile_text)}</pre>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return "(missing)"
+    return v if isinstance(v, str) else strict_json.dumps(v)
+
+
+def write(runs: list[RunData], out: Path) -> tuple[Path, list[Path]]:
+    """The plots and the page into ``out``: (the page, the PNGs)."""
+    _pyplot()  # the missing extra is said before anything is written
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportError(f"--out: {out}: cannot create it ({e.strerror})") from None
+    plots = plot_all(runs, out)
+    index = out / "index.html"
+    from ..runs import atomic_write_text
+
+    atomic_write_text(index, page(runs, plots))
+    return index, [p for _, p in plots]
+
+
+def default_out(runs: list[Path]) -> Path:
+    """One run: ``RUN/report/``; several: ``report-<first>-vs-<n-1>-more`` here."""
+    if len(runs) == 1:
+        return runs[0] / "report"
+    more = len(runs) - 1
+    return Path.cwd() / f"report-{runs[0].name}-vs-{runs[1].name if more == 1 else f'{more}-runs'}"
+
+
+def main(run_args: list[str], runs_dir: Path, out: Path | None) -> int:
+    from ..runs import find_run
+
+    runs = [find_run(a, runs_dir) for a in run_args]
+    _pyplot()
+    data = [load(r, runs_dir) for r in runs]
+    index, pngs = write(data, out or default_out(runs))
+    print(f"report: {index}")
+    for p in pngs:
+        print(f"  {p}")
+    return 0
