@@ -128,6 +128,26 @@ async def test_t_asks_for_a_profile_and_shows_where_the_trace_went(fake_live):
         assert any(ack["path"] in str(n.message) for n in app._notifications)
 
 
+async def test_o_writes_the_report_and_shows_where(fake_live):
+    pytest.importorskip("matplotlib", reason="the report extra (the dev extra has it)")
+    app = app_on(fake_live.run_dir)
+    async with app.run_test(size=(100, 32)) as pilot:
+        screen = await loaded(pilot, app)
+        await until(pilot, lambda: "report" in screen_text(app), 10, "the footer's report key")
+        await pilot.press("o")
+        index = fake_live.run_dir / "report" / "index.html"
+
+        def logged() -> str:
+            return "\n".join(strip.text for strip in screen.query_one("#log").lines)
+
+        await until(pilot, lambda: "report written" in logged(), 60, "the report's line")
+        assert f"report written: {index}" in logged()
+        assert index.is_file() and "<h2>Summary</h2>" in index.read_text()
+        assert (fake_live.run_dir / "report" / "loss.png").is_file()
+        assert any(str(index) in str(n.message) for n in app._notifications)
+        assert control_lines(fake_live.run_dir) == []  # nothing asked of the run
+
+
 async def test_s_asks_and_y_stops_the_run(fake_live):
     app = app_on(fake_live.run_dir)
     async with app.run_test(size=(80, 24)) as pilot:

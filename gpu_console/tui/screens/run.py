@@ -78,6 +78,7 @@ class RunScreen(Screen):
         Binding("s", "stop", "stop"),
         Binding("k", "kill", "kill"),
         Binding("t", "profile", "trace"),
+        Binding("o", "report", "report"),  # gpu-console report of the run, into RUN/report/
         Binding("d", "detach", "detach"),
         Binding("w", "window", "window"),
         Binding("m", "series", "chart"),  # the main chart: loss, then each task metric
@@ -374,6 +375,28 @@ class RunScreen(Screen):
         style = "#ff5f5f" if not message.ok else "#ffaf5f"
         self.last_command = Text(message.text, style=style)
         self.query_one("#log", RichLog).write(Text(message.text, style=style))
+
+    def action_report(self) -> None:
+        self.last_command = Text("writing the report…", style="#ffd75f")
+        self._report()
+
+    @work(thread=True, group="report", exclusive=True, exit_on_error=False)
+    def _report(self) -> None:
+        """``gpu-console report`` of this run (results/report.py), in a thread: matplotlib
+        is imported here, on the key, never at the console's start."""
+        from ...results import report
+        from ...runs import RunDirError
+
+        try:
+            data = report.load(self.run_dir, self.run_dir.parent)
+            index, _ = report.write([data], report.default_out([self.run_dir]))
+        except (RunDirError, OSError) as e:
+            self.post_message(Notice(f"report: {e}".replace("report: report: ", "report: "), False))
+            return
+        self.post_message(Notice(f"report written: {index}", True))
+        self.app.call_from_thread(
+            self.notify, f"open it in a browser: {index}", title="report", timeout=10
+        )
 
     def action_detach(self) -> None:
         s = self.snapshot
