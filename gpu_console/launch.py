@@ -537,6 +537,10 @@ def prepare(
         profile.profile.name = name
     if profile.logging.tensorboard and not tensorboard.available():
         profile.notes.append(tensorboard.off_note())
+    if profile.logging.wandb and not _importable("wandb"):
+        profile.notes.append(
+            "W&B: off, the wandb package is not installed (pip install wandb); the run trains"
+        )
     profile = check_user_task(profile, source, set_keys | set(flags), cwd=task_cwd)
     if resume_run is not None:
         _keep_chosen_batch(profile, resume_run)
@@ -641,6 +645,16 @@ def _keep_chosen_batch(profile: Profile, run: Path) -> None:
     if isinstance(chosen, int) and not isinstance(chosen, bool) and chosen > 0:
         profile.data.batch_size = chosen
         profile.notes.append(f"data.batch_size = auto: {chosen}, as {run.name} chose at its start")
+
+
+def _importable(name: str) -> bool:
+    """Whether a package can be imported (looked up, not imported)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 # Every run.toml a launch writes (Profile.to_toml) has these tables, and task.kind.

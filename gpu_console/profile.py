@@ -296,6 +296,24 @@ class HardwareConfig:
     )
 
 
+WANDB_KEYS = {"project": str, "mode": str, "entity": str}
+
+
+def _wandb_check(value: dict[str, Any]) -> str | None:
+    if not value:
+        return None  # off
+    unknown = sorted(set(value) - set(WANDB_KEYS))
+    if unknown:
+        return f"unknown key {unknown[0]!r}; the keys are project, mode and entity"
+    if not isinstance(value.get("project"), str) or not value["project"]:
+        return 'needs project = "..." (the W&B project the run is logged into)'
+    if value.get("mode", "offline") not in ("offline", "online"):
+        return f"mode: 'offline' or 'online' (got {value['mode']!r})"
+    if "entity" in value and not isinstance(value["entity"], str):
+        return "entity: a string (your W&B user or team)"
+    return None
+
+
 @dataclass
 class LoggingConfig:
     tensorboard: bool = opt(
@@ -303,6 +321,13 @@ class LoggingConfig:
         "TensorBoard scalars in RUN/tensorboard/ while the run trains (needs the tensorboard "
         "package: pip install 'gpu-console[tensorboard]'; without it the launch says so and "
         "the run trains)",
+    )
+    wandb: dict[str, Any] = opt(
+        {},
+        'mirror the run to Weights & Biases: { project = "...", mode = "offline" or '
+        '"online", entity = "..." } (needs the wandb package; never required: a missing '
+        "package, login or network turns it off and the run trains); empty = off",
+        check=_wandb_check,
     )
 
 

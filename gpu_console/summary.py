@@ -93,6 +93,7 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "best_checkpoint": st.best_checkpoint,
         "checkpoint_failed": st.status.get("checkpoint_failed"),
         "failure": failure if isinstance(failure, dict) else None,
+        "wandb": _wandb(Path(run_dir)),  # RUN/wandb.json (results/wandb_follower.py)
         # RUN/tensorboard/ (results/tensorboard.py), where a session wrote it
         "tensorboard": str(tb) if (tb := Path(run_dir) / "tensorboard").is_dir() else None,
         "profiles": [  # the profile command's traces, oldest first
@@ -100,6 +101,19 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
             for e in st.profiles
         ],
     }
+
+
+def _wandb(run_dir: Path) -> dict[str, Any] | None:
+    value = read_json(run_dir / "wandb.json")
+    return value if isinstance(value, dict) and value.get("state") else None
+
+
+def wandb_text(w: dict[str, Any]) -> str:
+    if w.get("state") == "off":
+        return f"off: {w.get('why') or 'not started'}"
+    if w.get("mode") == "offline":
+        return f"offline run {w.get('id')}: wandb sync {w.get('dir')}"
+    return f"{w.get('url') or w.get('id')}"
 
 
 def _compile_fields(st: RunState) -> dict[str, Any] | None:
@@ -211,6 +225,8 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
         tb = (failure.get("traceback") or "").strip().splitlines()
         if tb:
             out.append(("traceback", "\n".join(tb[-TRACEBACK_LINES:])))
+    if w := f.get("wandb"):
+        out.append(("W&B", wandb_text(w)))
     if f.get("tensorboard"):
         out.append(("tensorboard", f"tensorboard --logdir {f['tensorboard']}"))
     out.append(("run dir", f["path"]))

@@ -55,6 +55,7 @@ from .telemetry.sampler import FILE as TELEMETRY_FILE
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 TICK_S = 0.2
+WANDB_GRACE_S = 15.0  # for the W&B follower to finish its run once the run's end is recorded
 KILL_AFTER_TERM_S = 5.0
 COALESCE_S = 5.0
 REAP_PEERS_AFTER_S = 2.0
@@ -116,6 +117,7 @@ class Supervisor:
         # [logging] tensorboard: RUN/tensorboard/ from this session's events and telemetry,
         # opened in run() once torchrun is on its way (its import is not on the start path).
         self.tensorboard: Any = None
+        self.follower: subprocess.Popen | None = None  # [logging] wandb (results/wandb_follower)
         telemetry = run_dir / TELEMETRY_FILE
         self.telemetry = JsonlTail(telemetry, telemetry.stat().st_size if telemetry.exists() else 0)
         self.torchrun_log_offset = 0
@@ -146,10 +148,14 @@ class Supervisor:
 
     # -- processes -----------------------------------------------------------------------
     def _tree(self) -> list[psutil.Process]:
+        """torchrun, the ranks and what they started; not the W&B follower (a reader of the
+        run, ended by :meth:`_end_follower` once the run's end is recorded)."""
         try:
-            return psutil.Process().children(recursive=True)
+            tree = psutil.Process().children(recursive=True)
         except psutil.Error:
             return []
+        spared = _subtree(self.follower.pid) if self.follower is not None else set()
+        return [p for p in tree if p.pid not in spared]
 
     def _workers(self) -> list[psutil.Process]:
         """The ranks: torchrun's own children running the engine.
@@ -326,6 +332,9 @@ class Supervisor:
         self.recorder.start()  # after the fork: preexec_fn is not safe beside a running thread
         self.write_status()
         self.tensorboard = tensorboard_mirror(self.run_dir, self.profile_text)
+        self.follower = start_wandb_follower(self.run_dir, self.profile_text)
+        if self.follower is not None:
+            self.status["pids"]["wandb"] = self.follower.pid
         torchrun_exit = ExitWatch(self.proc.pid)  # a tick, or torchrun's exit if sooner
         while self.proc.poll() is None:
             torchrun_exit.sleep(TICK_S)
@@ -421,7 +430,28 @@ class Supervisor:
         self.status["checkpointed_on_stop"] = checkpointed
         self.status["exit_code"] = runs.exit_code(state, checkpointed)
         self._write_final()
+        self._end_follower()
         return self.status["exit_code"]
+
+    def _end_follower(self) -> None:
+        """The W&B follower sees the recorded end, logs the last lines and finishes its run;
+        given :data:`WANDB_GRACE_S` for that (an offline run takes a second or two), then
+        ended. The run's end is already recorded: nothing here can change it."""
+        f = self.follower
+        if f is None:
+            return
+        try:
+            f.wait(WANDB_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        victims = _children(f.pid)
+        with contextlib.suppress(psutil.Error):
+            victims.insert(0, psutil.Process(f.pid))
+        for p in victims:
+            _send(p, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            f.wait(5)
 
     def _write_final(self) -> None:
         """The run's end must land: a full disk gets :data:`FINAL_TRIES_S` to free room (the
@@ -465,6 +495,48 @@ def _grace_from(profile_text: str) -> float:
         return float(tomllib.loads(profile_text)["distributed"]["shutdown_grace_s"])
     except (KeyError, ValueError, TypeError):
         return 30.0
+
+
+def start_wandb_follower(run_dir: Path, profile_text: str) -> subprocess.Popen | None:
+    """The W&B follower of this session (results/wandb_follower.py), when ``[logging] wandb``
+    is set and the package is installed (the launch said so otherwise)."""
+    import importlib.util
+
+    from .results.wandb_follower import settings
+
+    try:
+        if not settings(profile_text) or importlib.util.find_spec("wandb") is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    try:
+        with open(run_dir / "logs" / "wandb.log", "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "gpu_console.results.wandb_follower", str(run_dir)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_follower_preexec,
+            )
+    except (OSError, subprocess.SubprocessError) as e:
+        _log_line(f"supervisor: W&B off: cannot start its follower: {_one_line(e)}")
+        return None
+
+
+def _follower_preexec() -> None:
+    # The supervisor gone, the follower finishes its W&B run (SIGTERM: it drains, then ends).
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _subtree(pid: int) -> set[int]:
+    return {pid, *(p.pid for p in _children(pid))}
 
 
 def tensorboard_mirror(run_dir: Path, profile_text: str) -> Any:

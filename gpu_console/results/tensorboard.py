@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import diskfull
+from . import scalars
 
 DIR = "tensorboard"
-GIB = 1024**3
 INSTALL_HINT = "pip install 'gpu-console[tensorboard]'"
 _NUM = (int, float)
 
@@ -95,12 +95,7 @@ class TensorBoardMirror:
         if kind == "step" and type(e.get("step")) is int:
             self._step_event(e, t)
         elif kind == "eval" and type(e.get("step")) is int:
-            values = {
-                f"eval/{k}": v
-                for k, v in e.items()
-                if k not in ("v", "t", "kind", "step") and _number(v) and type(v) is not bool
-            }
-            self._scalars(e["step"], t, values)
+            self._scalars(e["step"], t, scalars.of_eval(e))
         elif kind == "start":
             self._start(e, t)
 
@@ -121,21 +116,7 @@ class TensorBoardMirror:
         if step > self._step_limit():
             self.telemetry_skipped += 1
             return
-        values: dict[str, Any] = {}
-        for g in s.get("gpus") or []:
-            if not isinstance(g, dict) or g.get("lost") or type(g.get("index")) is not int:
-                continue
-            name = f"gpu{g['index']}"
-            values[f"{name}/util_percent"] = g.get("util_gpu")
-            if _number(g.get("memory_used")):
-                values[f"{name}/memory_used_gib"] = g["memory_used"] / GIB
-            values[f"{name}/temperature_c"] = g.get("temperature_c")
-            values[f"{name}/power_w"] = g.get("power_w")
-        host = s.get("host")
-        if isinstance(host, dict):
-            values["host/cpu_percent"] = host.get("cpu_percent")
-            if _number(host.get("ram_used")):
-                values["host/ram_used_gib"] = host["ram_used"] / GIB
+        values = scalars.of_sample(s)
         self._telemetry_step = step
         self._scalars(step, float(t), values)
 
@@ -165,28 +146,7 @@ class TensorBoardMirror:
 
     def _step_event(self, e: dict[str, Any], t: float) -> None:
         step = e["step"]
-        values: dict[str, Any] = {
-            "train/loss": e.get("loss"),
-            "train/loss_avg": e.get("loss_avg"),
-            "train/grad_norm": e.get("grad_norm"),
-            "train/lr": e.get("lr"),
-            "train/skipped": e.get("skipped"),
-            "throughput/samples_per_s": e.get("samples_per_s"),
-            "throughput/tokens_per_s": e.get("tokens_per_s"),
-            "throughput/mfu": e.get("mfu"),
-        }
-        if _number(e.get("step_time_s")):
-            values["throughput/step_time_ms"] = e["step_time_s"] * 1000
-        for group, key in (("lrs", "train/lr"), ("grad_norms", "train/grad_norm")):
-            if isinstance(e.get(group), dict):
-                values.update((f"{key}/{k}", v) for k, v in e[group].items())
-        if isinstance(e.get("metrics"), dict):
-            values.update((f"train/{k}", v) for k, v in e["metrics"].items())
-        for m in e.get("memory") or []:
-            if isinstance(m, dict) and type(m.get("rank")) is int:
-                for field in ("allocated", "peak"):
-                    if _number(m.get(field)):
-                        values[f"memory/rank{m['rank']}/{field}_gib"] = m[field] / GIB
+        values = scalars.of_step(e)
         self._scalars(step, t, values)
         if step > self._step:
             self._interval = step - self._step
