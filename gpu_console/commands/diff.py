@@ -93,19 +93,14 @@ def _show(value: Any) -> str:
     return strict_json.dumps(value) if not isinstance(value, str) else repr(value)
 
 
-def main(run_a: str, run_b: str, runs_dir: Path, as_json: bool) -> int:
-    out = compare(run_a, run_b, runs_dir)
-    if as_json:
-        print(strict_json.dumps(out, indent=2))
-        return 0
-    from rich.console import Console
+def renderables(out: dict[str, Any]) -> list[Any]:
+    """The comparison as Rich renderables: the differing keys, then the summaries (the CLI
+    prints them; the runs screen shows them)."""
     from rich.table import Table
     from rich.text import Text
 
-    from ..format import uncut
-
-    console = uncut(Console())
     name_a, name_b = (r["name"] for r in out["runs"])
+    shown: list[Any] = []
     if out["profile"]:
         table = Table(title="profile: what differs", box=None, header_style="bold",
                       title_justify="left")  # fmt: skip
@@ -113,14 +108,29 @@ def main(run_a: str, run_b: str, runs_dir: Path, as_json: bool) -> int:
             table.add_column(col, overflow="fold")
         for c in out["profile"]:
             table.add_row(Text(c["key"]), Text(_show(c["a"])), Text(_show(c["b"])))
-        console.print(table)
+        shown.append(table)
     else:
-        console.print("profile: the same")
-    console.print()
+        shown.append(Text("profile: the same"))
+    shown.append(Text(""))
     table = Table(title="summary", box=None, header_style="bold", title_justify="left")
     for col in ("", name_a, name_b):
         table.add_column(col, overflow="fold")
     for row in out["figures"]:
         table.add_row(Text(row["what"]), Text(row["a"]), Text(row["b"]))
-    console.print(table)
+    shown.append(table)
+    return shown
+
+
+def main(run_a: str, run_b: str, runs_dir: Path, as_json: bool) -> int:
+    out = compare(run_a, run_b, runs_dir)
+    if as_json:
+        print(strict_json.dumps(out, indent=2))
+        return 0
+    from rich.console import Console
+
+    from ..format import uncut
+
+    console = uncut(Console())
+    for shown in renderables(out):
+        console.print(shown)
     return 0

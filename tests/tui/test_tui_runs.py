@@ -8,6 +8,7 @@ from tui_support import screen_text, until
 
 from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.screens.launch import LaunchScreen
+from gpu_console.tui.screens.modals import DiffScreen
 from gpu_console.tui.screens.run import RunScreen
 from gpu_console.tui.screens.runs import RunsScreen
 
@@ -64,3 +65,33 @@ async def test_an_empty_runs_directory_says_so(tmp_path, monkeypatch):
         assert "no runs under" in screen_text(app)
         await pilot.press("escape")
         assert isinstance(app.screen, LaunchScreen)
+
+
+async def test_space_marks_two_runs_and_x_compares_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    old = synthetic.write_run(runs / "old-20260101-000000", state="failed", steps=120)
+    new = synthetic.write_run(runs / "new-20260102-000000", state="finished", steps=300,
+                              t0=synthetic.T0 + 3600)  # fmt: skip
+    app = ConsoleApp(runs_dir=runs, telemetry=False, refresh_s=0.05)
+    async with app.run_test(size=(110, 34)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 5, "the launch screen")
+        await pilot.press("r")
+        screen = app.screen
+        await until(pilot, lambda: screen.listed, 5, "the list")
+        await pilot.press("x")  # nothing marked: it says what to do
+        await until(pilot, lambda: any("mark two runs" in str(n.message)
+                                       for n in app._notifications), 5, "the hint")  # fmt: skip
+        await pilot.press("space", "down", "space")
+        assert screen.marked == [str(new), str(old)]
+        await until(pilot, lambda: screen_text(app).count("● ") == 2, 5, "both marks shown")
+        await pilot.press("x")
+        await until(pilot, lambda: isinstance(app.screen, DiffScreen), 10, "the comparison")
+        await until(pilot, lambda: "profile: what differs" in screen_text(app), 5, "drawn")
+        text = screen_text(app)
+        assert "train.max_steps" in text  # 300 against 120: their run.toml differ there
+        assert "finished" in text and "failed" in text and "300/300" in text
+        await pilot.press("escape")
+        assert app.screen is screen
+        await pilot.press("space")  # the cursor's run again: unmarked
+        assert screen.marked == [str(new)]

@@ -74,10 +74,14 @@ Run screen
   d   detach: quit the console, the run keeps training
   w   loss window: whole run / last 10k / 1k / 100 steps
   m   main chart: the loss, then each train metric the task reports
+  o   write the run's report (plots and one HTML page): RUN/report/
 
 Launch screen
   ↑↓ Enter   pick a profile and launch it
   Tab        devices (Space toggles, + / - CPU ranks), precision, overrides
+
+Runs screen
+  Enter   attach    Space   mark a run    x   compare the two marked runs
 
 Anywhere
   r   runs under the runs directory (Enter attaches)
@@ -97,6 +101,27 @@ class HelpScreen(ModalScreen[None]):
         with Vertical(classes="dialog help"):
             yield Static(Text("gpu-console keys", style="bold"))
             yield Static(Text(HELP))
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class DiffScreen(ModalScreen[None]):
+    """Two runs side by side (``gpu-console diff``): the keys that differ, the summaries."""
+
+    BINDINGS = [Binding("escape,q", "close", "close")]
+
+    def __init__(self, shown: list) -> None:
+        super().__init__()
+        self.shown = shown
+
+    def compose(self) -> ComposeResult:
+        from textual.containers import VerticalScroll
+
+        with VerticalScroll(classes="dialog diff"):
+            yield Static(Text("two runs side by side   (esc closes)", style="bold"))
+            for renderable in self.shown:
+                yield Static(renderable)
 
     def action_close(self) -> None:
         self.dismiss(None)

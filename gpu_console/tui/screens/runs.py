@@ -1,4 +1,5 @@
-"""The runs screen: every run under the runs directory, newest first; Enter attaches."""
+"""The runs screen: every run under the runs directory, newest first; Enter attaches; Space
+marks runs and x compares two of them (``gpu-console diff``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ...commands.runs import LS_COLUMNS
 from ...format import steps_text
 from ..messages import RunsListed
 from ..widgets.text import STATE_STYLE, human_duration, num
+from .modals import DiffScreen
 
 
 def ago(now: float, t: float | None) -> str:
@@ -26,6 +28,8 @@ class RunsScreen(Screen):
     BINDINGS = [
         Binding("escape", "back", "back"),
         Binding("enter", "attach", "attach", show=True, priority=False),
+        Binding("space", "mark", "mark"),
+        Binding("x", "compare", "compare two"),
     ]
 
     def __init__(self, runs_dir: Path, refresh_s: float = 2.0) -> None:
@@ -34,6 +38,7 @@ class RunsScreen(Screen):
         self.refresh_s = refresh_s
         self.rows: list[dict] = []
         self.listed = 0
+        self.marked: list[str] = []  # run paths, at most two: x compares them
 
     def compose(self) -> ComposeResult:
         yield Static(Text.assemble(("runs", "bold"), f"  under {self.runs_dir}"), id="runs-title")
@@ -64,8 +69,9 @@ class RunsScreen(Screen):
         for r in message.rows:
             step = steps_text(r["step"], r["max_steps"], commas=True)
             state = Text(r["state"], style=STATE_STYLE.get(r["state"], ""))
+            mark = "● " if r["path"] in self.marked else ""
             table.add_row(
-                Text(r["name"]),
+                Text(mark + r["name"], style="bold" if mark else ""),
                 state,
                 step,
                 num(r["loss"]),
@@ -96,6 +102,40 @@ class RunsScreen(Screen):
         key = self._cursor_key()
         if key:
             self.app.open_run(Path(key))
+
+    def action_mark(self) -> None:
+        """Mark the run under the cursor (again: unmark it); a third mark drops the first."""
+        key = self._cursor_key()
+        if not key:
+            return
+        if key in self.marked:
+            self.marked.remove(key)
+        else:
+            self.marked = [*self.marked, key][-2:]
+        self.on_runs_listed(RunsListed(self.rows))
+
+    def action_compare(self) -> None:
+        """The two marked runs side by side; one marked: it and the run under the cursor."""
+        pair = list(self.marked)
+        key = self._cursor_key()
+        if len(pair) == 1 and key and key != pair[0]:
+            pair.append(key)
+        if len(pair) != 2:
+            self.notify("mark two runs with Space, then x compares them", title="compare")
+            return
+        self._compare(pair[0], pair[1])
+
+    @work(thread=True, exclusive=True, group="compare", exit_on_error=False)
+    def _compare(self, a: str, b: str) -> None:
+        from ...commands import diff
+        from ...runs import RunDirError
+
+        try:
+            shown = diff.renderables(diff.compare(a, b, self.runs_dir))
+        except (RunDirError, OSError) as e:
+            self.app.call_from_thread(self.notify, str(e), title="compare", severity="error")
+            return
+        self.app.call_from_thread(self.app.push_screen, DiffScreen(shown))
 
     def action_back(self) -> None:
         if len(self.app.screen_stack) > 1:
