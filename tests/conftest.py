@@ -186,6 +186,32 @@ def test_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def fake_gpus_env(fake: str = "nvml_run_fake:two_gpus", **extra: str) -> dict[str, str]:
+    """:func:`test_env` with the NVML seam's fake GPUs (tests/nvml_run_fake.py), for runs on
+    CPU ranks through the real CLI; wide columns, so no summary line wraps."""
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
+    return test_env(GPU_CONSOLE_FAKE_NVML=fake, PYTHONPATH=path, COLUMNS="200", **extra)
+
+
+def without_packages(where: Path, *names: str, **extra: str) -> dict[str, str]:
+    """:func:`test_env` for processes that cannot import ``names``: an import hook finds none
+    of them, as on a machine where they are not installed (an optional extra's absence, met
+    where the code meets it: at its import)."""
+    hook = where / f"without-{'-'.join(names)}"
+    hook.mkdir(parents=True, exist_ok=True)
+    (hook / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"NAMES = {names!r}\n"
+        "class _Absent:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in NAMES:\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, _Absent())\n"
+    )
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
+    return test_env(PYTHONPATH=path, **extra)
+
+
 class Procs:
     """Processes started by a test, ended by pid at teardown (never by name)."""
 

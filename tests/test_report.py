@@ -9,24 +9,16 @@ from __future__ import annotations
 import base64
 import html
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Procs, events_of, paced_profile, run_dirs
-from conftest import test_env as cli_env
+from conftest import Procs, events_of, fake_gpus_env, paced_profile, run_dirs, without_packages
 
 from gpu_console.format import fmt
 from gpu_console.results.report import Series
 
 plt = pytest.importorskip("matplotlib.pyplot", reason="the report extra (the dev extra has it)")
-
-
-def _fake_gpus_env(**extra: str) -> dict[str, str]:
-    tests = str(REPO / "tests")
-    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
-    return cli_env(GPU_CONSOLE_FAKE_NVML="nvml_run_fake:two_gpus", PYTHONPATH=path, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +32,7 @@ def two_runs(tmp_path_factory):
                                     extra="[checkpoint]\nevery_steps = 20\n")  # fmt: skip
             done = procs.cli(
                 "run", str(profile), "--headless", "--runs-dir", str(runs), "--set",
-                f"train.lr={lr}", cwd=tmp, env=_fake_gpus_env(PACE_S="0.05"),
+                f"train.lr={lr}", cwd=tmp, env=fake_gpus_env(PACE_S="0.05"),
             )  # fmt: skip
             assert done.returncode == 0, done.stderr
         yield procs, runs, {r.name.split("-")[0]: r for r in run_dirs(runs)}, tmp
@@ -118,17 +110,7 @@ def test_a_resumed_sessions_curve_replaces_what_the_killed_one_logged_past_its_c
 
 def test_without_matplotlib_the_report_says_so_in_one_line(two_runs, tmp_path):
     procs, runs, made, _ = two_runs
-    hide = tmp_path / "hide"
-    hide.mkdir()
-    (hide / "sitecustomize.py").write_text(
-        "import sys\n"
-        "class _NoMatplotlib:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'matplotlib' or name.startswith('matplotlib.'):\n"
-        "            raise ModuleNotFoundError(name)\n"
-        "sys.meta_path.insert(0, _NoMatplotlib())\n"
-    )
-    env = cli_env(PYTHONPATH=os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")]))
+    env = without_packages(tmp_path, "matplotlib")
     out = tmp_path / "nothing"
     done = procs.cli("report", made["first"].name, "--out", str(out), "--runs-dir", str(runs),
                      env=env)  # fmt: skip

@@ -8,14 +8,13 @@ The real CLI runs headless on 2 CPU ranks; the supervisor takes its NVML handle 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, fast_profile, only_run, paced_profile, read_events, read_status
+from conftest import fake_gpus_env, fast_profile, only_run, paced_profile, read_events, read_status
 from conftest import test_env as cli_env
 from nvml_run_fake import POWER_W, UTIL
 from test_telemetry_fake import GIB, FakeGpu, FakeNvml, install
@@ -29,9 +28,7 @@ WEEK_S = 7 * 24 * 3600
 
 
 def fake_env(fake: str = "nvml_run_fake:two_gpus") -> dict[str, str]:
-    tests = str(REPO / "tests")
-    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
-    return cli_env(GPU_CONSOLE_FAKE_NVML=fake, PYTHONPATH=path, COLUMNS="200")  # no wrapping
+    return fake_gpus_env(fake)
 
 
 def lines_of(run: Path) -> list[dict]:

@@ -9,7 +9,6 @@ package (one line at launch, the run trains).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -17,14 +16,15 @@ from pathlib import Path
 
 import pytest
 from conftest import (
-    REPO,
     events_of,
+    fake_gpus_env,
     fast_profile,
     only_run,
     paced_profile,
     read_status,
     run_dirs,
     wait_for,
+    without_packages,
 )
 from conftest import test_env as cli_env
 from nvml_run_fake import POWER_W, UTIL
@@ -207,17 +207,7 @@ def test_the_mirror_imports_no_torch(tmp_path):
 
 
 def test_without_the_package_a_launch_says_so_once_and_the_run_trains(procs, runs_dir, tmp_path):
-    hide = tmp_path / "hide"
-    hide.mkdir()  # an import hook that finds no tensorboard package, as where it is absent
-    (hide / "sitecustomize.py").write_text(
-        "import sys\n"
-        "class _NoTensorBoard:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'tensorboard' or name.startswith('tensorboard.'):\n"
-        "            raise ModuleNotFoundError(name)\n"
-        "sys.meta_path.insert(0, _NoTensorBoard())\n"
-    )
-    env = cli_env(PYTHONPATH=f"{hide}{os.pathsep}{cli_env()['PYTHONPATH']}")
+    env = without_packages(tmp_path, "tensorboard")
     done = procs.cli(
         "run", str(fast_profile(tmp_path, max_steps=20)), "--headless", "--runs-dir",
         str(runs_dir), "--devices", "cpu:2", cwd=tmp_path, env=env,
@@ -254,15 +244,8 @@ def _tags(run: Path) -> set[str]:
     return set(_read(run / "tensorboard").Tags()["scalars"])
 
 
-def _fake_gpus_env() -> dict[str, str]:
-    """The NVML seam's two fake GPUs (tests/nvml_run_fake.py), for runs on CPU ranks."""
-    tests = str(REPO / "tests")
-    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
-    return cli_env(GPU_CONSOLE_FAKE_NVML="nvml_run_fake:two_gpus", PYTHONPATH=path)
-
-
 def test_a_run_is_read_while_it_trains_and_after(procs, runs_dir, tmp_path):
-    env = _fake_gpus_env()
+    env = fake_gpus_env()
     proc, run = _started(procs, runs_dir, tmp_path, max_steps=150, pace_s="0.1", env=env)
 
     def two_steps():

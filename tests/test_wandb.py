@@ -22,6 +22,7 @@ from conftest import (
     read_status,
     run_dirs,
     wait_for,
+    without_packages,
 )
 from conftest import test_env as cli_env
 
@@ -71,10 +72,14 @@ def _history(run: Path) -> tuple[list[dict], dict]:
     return rows, config
 
 
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+def _wandb_home(tmp_path: Path) -> dict[str, str]:
     home = tmp_path / "wandb-home"  # W&B's own settings and cache: under the test's path
-    return cli_env(WANDB_CONFIG_DIR=str(home / "config"), WANDB_CACHE_DIR=str(home / "cache"),
-                   WANDB_DATA_DIR=str(home / "data"), **extra)  # fmt: skip
+    return {"WANDB_CONFIG_DIR": str(home / "config"), "WANDB_CACHE_DIR": str(home / "cache"),
+            "WANDB_DATA_DIR": str(home / "data")}  # fmt: skip
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return cli_env(**_wandb_home(tmp_path), **extra)
 
 
 OFFLINE = ["--set", 'logging.wandb={project="gpuc-test", mode="offline"}']
@@ -140,17 +145,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def test_without_the_package_the_run_trains_and_says_so_once(procs, runs_dir, tmp_path):
-    hide = tmp_path / "hide"
-    hide.mkdir()  # an import hook that finds no wandb package, as where it is absent
-    (hide / "sitecustomize.py").write_text(
-        "import sys\n"
-        "class _NoWandb:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'wandb' or name.startswith('wandb.'):\n"
-        "            raise ModuleNotFoundError(name)\n"
-        "sys.meta_path.insert(0, _NoWandb())\n"
-    )
-    env = _env(tmp_path, PYTHONPATH=os.pathsep.join([str(hide), cli_env()["PYTHONPATH"]]))
+    env = without_packages(tmp_path, "wandb", **_wandb_home(tmp_path))
     done = procs.cli("run", str(fast_profile(tmp_path, max_steps=10)), "--headless",
                      "--runs-dir", str(runs_dir), *OFFLINE, cwd=tmp_path, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr

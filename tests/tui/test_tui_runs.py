@@ -15,12 +15,18 @@ from gpu_console.tui.screens.runs import RunsScreen
 pytestmark = pytest.mark.asyncio
 
 
-async def test_r_lists_the_runs_and_enter_attaches(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def _two_runs(tmp_path):
+    """A failed run and, an hour later, a finished one: (runs directory, old, new)."""
     runs = tmp_path / "runs"
     old = synthetic.write_run(runs / "old-20260101-000000", state="failed", steps=120)
     new = synthetic.write_run(runs / "new-20260102-000000", state="finished", steps=300,
                               t0=synthetic.T0 + 3600)  # fmt: skip
+    return runs, old, new
+
+
+async def test_r_lists_the_runs_and_enter_attaches(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runs, old, new = _two_runs(tmp_path)
     app = ConsoleApp(runs_dir=runs, telemetry=False, refresh_s=0.05)
     async with app.run_test(size=(100, 30)) as pilot:
         await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 5, "the launch screen")
@@ -69,10 +75,7 @@ async def test_an_empty_runs_directory_says_so(tmp_path, monkeypatch):
 
 async def test_space_marks_two_runs_and_x_compares_them(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    runs = tmp_path / "runs"
-    old = synthetic.write_run(runs / "old-20260101-000000", state="failed", steps=120)
-    new = synthetic.write_run(runs / "new-20260102-000000", state="finished", steps=300,
-                              t0=synthetic.T0 + 3600)  # fmt: skip
+    runs, old, new = _two_runs(tmp_path)
     app = ConsoleApp(runs_dir=runs, telemetry=False, refresh_s=0.05)
     async with app.run_test(size=(110, 34)) as pilot:
         await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 5, "the launch screen")
