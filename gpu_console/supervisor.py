@@ -49,8 +49,8 @@ from .events import JsonlTail
 from .exit_watch import ExitWatch
 from .fold import RunFold
 from .state import read_heartbeats
+from .telemetry.fold import TELEMETRY_FILE
 from .telemetry.recorder import Recorder
-from .telemetry.sampler import FILE as TELEMETRY_FILE
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36

@@ -85,6 +85,7 @@ def test_quickstart_learns_and_leaves_a_complete_run_directory(recorded_run):
         "distributed",
         "checkpoint",
         "hardware",
+        "logging",
     }
     assert resolved["train"]["max_steps"] == 300 and resolved["train"]["nan_policy"] == "stop"
     assert resolved["task"]["kind"] == "mlp" and "noise" in resolved["task"]

@@ -27,7 +27,7 @@ from .. import strict_json
 from ..events import JsonlTail, read_events
 from ..fold import RunFold
 from ..runs import RunDirError
-from ..telemetry.sampler import FILE as TELEMETRY_FILE
+from ..telemetry.fold import TELEMETRY_FILE
 
 INSTALL_HINT = "pip install 'gpu-console[report]'"
 GIB = 1024**3

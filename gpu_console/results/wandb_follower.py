@@ -29,7 +29,7 @@ from typing import Any
 from .. import runs
 from ..commands.diff import flatten
 from ..events import JsonlTail
-from ..telemetry.sampler import FILE as TELEMETRY_FILE
+from ..telemetry.fold import TELEMETRY_FILE
 from . import scalars
 
 STATUS_FILE = "wandb.json"
