@@ -793,7 +793,13 @@ def main() -> None:
         code = supervisor.run()
     except Exception as e:
         code = record_crash(run_dir, supervisor, e)
-    sys.exit(code)
+    # The run's end is recorded and every child is gone: leave without the interpreter's
+    # teardown (unloading what a session imported, tensorboard's protobufs among it, takes
+    # a moment under load), so that the console which reported the end finds no process
+    # of the run left, and the session lock is free for a resume at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def hold_session_lock(run_dir: Path, fd: int | None) -> None:
