@@ -391,7 +391,8 @@ class RunScreen(Screen):
             data = report.load(self.run_dir, self.run_dir.parent)
             index, _ = report.write([data], report.default_out([self.run_dir]))
         except (RunDirError, OSError) as e:
-            self.post_message(Notice(f"report: {e}".replace("report: report: ", "report: "), False))
+            text = str(e) if str(e).startswith("report:") else f"report: {e}"  # ReportError says so
+            self.post_message(Notice(text, False))
             return
         self.post_message(Notice(f"report written: {index}", True))
         self.app.call_from_thread(
