@@ -132,7 +132,8 @@ def run(
         None,
         "--resume",
         metavar="RUN",
-        help="Continue this run (dir or name) from its newest checkpoint, in its own directory.",
+        help="Continue this run (dir or name) from its newest checkpoint, in its own directory; "
+        "auto: the run this SLURM job started, if any (a requeued job continues it).",
     ),
     runs_dir: Path | None = RunsDirOpt,
     name: str | None = typer.Option(
@@ -173,9 +174,9 @@ def run(
     ),
 ) -> None:
     """Start a run. The run keeps training if this terminal goes away."""
-    from . import launch
+    from . import launch, slurm
 
-    nodes = launch.parse_nodes(nnodes, node_rank, rdzv_endpoint)
+    nodes = launch.job_nodes(launch.parse_nodes(nnodes, node_rank, rdzv_endpoint), slurm.job())
     if as_json and not dry_run:
         raise launch.LaunchError("--json: only with --dry-run (a run reports with --headless)")
     if no_step and not dry_run:

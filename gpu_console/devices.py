@@ -12,6 +12,7 @@ order), whatever the mask: the numbers do not shift when the mask changes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,10 @@ BF16_MIN_CAPABILITY = (8, 0)
 def bf16_native(capability: Sequence[int] | None) -> bool:
     return capability is not None and tuple(capability[:2]) >= BF16_MIN_CAPABILITY
 
+
+# MIG: each local rank's own CUDA_VISIBLE_DEVICES, in LOCAL_RANK order (launch.worker_env sets
+# it, engine/__main__.py applies it before CUDA starts).
+RANK_DEVICES = "GPU_CONSOLE_RANK_DEVICES"
 
 FP16_NEEDS_GPU = "fp16 needs a GPU (its GradScaler is CUDA-only)"
 
@@ -76,7 +81,11 @@ class Placement:
 
     ``cuda_visible_devices`` names the GPUs by UUID where NVML gives one; ``gpus`` are their
     NVML indices (None for a MIG instance). ``note``: a line the user should read (why an
-    ``auto`` run is on the CPU).
+    ``auto`` run is on the CPU, which GPUs a grant gave it).
+
+    MIG instances: CUDA shows a process one MIG instance only, so each rank gets its own
+    (:attr:`per_rank`: the engine sets the rank's ``CUDA_VISIBLE_DEVICES`` to its entry of
+    the list before CUDA starts), and NCCL does not run across them: gloo does.
     """
 
     device_type: str  # "cuda" or "cpu"
@@ -84,6 +93,12 @@ class Placement:
     cuda_visible_devices: str | None = None
     gpus: tuple[int | None, ...] = ()
     note: str = ""
+
+    @property
+    def per_rank(self) -> bool:
+        """One device per rank, named in its own mask: MIG instances."""
+        tokens = (self.cuda_visible_devices or "").split(",")
+        return self.device_type == "cuda" and any(t.upper().startswith("MIG-") for t in tokens)
 
     def cpu_threads_per_rank(self) -> int:
         """Each CPU rank's share of the usable cores: none idle, none oversubscribed.
@@ -95,6 +110,8 @@ class Placement:
     def describe(self) -> str:
         if self.device_type == "cpu":
             return f"cpu × {self.nproc} ranks"
+        if self.per_rank:
+            return f"{self.nproc} MIG instance{'s' if self.nproc > 1 else ''} (a rank each)"
         names = ",".join("MIG" if i is None else str(i) for i in self.gpus)
         return f"GPU {names or self.cuda_visible_devices} ({self.nproc} ranks)"
 
@@ -103,6 +120,12 @@ class Placement:
 class GrantedGpu:
     index: int | None  # NVML's index; None for a MIG instance (NVML lists whole GPUs)
     token: str  # how the ranks' CUDA_VISIBLE_DEVICES names it: its UUID where known
+    parent: int | None = None  # a MIG instance's GPU, where NVML lists it
+
+    @property
+    def gpu(self) -> int | None:
+        """The whole GPU's NVML index (a MIG instance's parent)."""
+        return self.index if self.index is not None else self.parent
 
 
 @dataclass(frozen=True)
@@ -118,10 +141,11 @@ class Grant:
     gpus: tuple[GrantedGpu, ...]
     problem: str = ""
     seen: int = 0  # GPUs NVML sees, granted or not
+    note: str = ""  # how the grant was read, where the user should know (SLURM's numbering)
 
     @property
     def indices(self) -> set[int]:
-        return {g.index for g in self.gpus if g.index is not None}
+        return {g.gpu for g in self.gpus if g.gpu is not None}
 
     def owns(self, index: int) -> bool:
         return index in self.indices
@@ -141,24 +165,26 @@ def read_grant(gpus: Sequence[Mapping[str, Any]], env: Mapping[str, str] | None 
     ``index``, ``uuid``, ``name``, ``compute_capability``)."""
     env = os.environ if env is None else env
     by_index = {g["index"]: g for g in gpus}
+    mig_parent = {u: g["index"] for g in gpus for u in g.get("mig") or ()}
 
     def token(index: int) -> str:
         uuid = by_index[index].get("uuid")
         return uuid if isinstance(uuid, str) and uuid else str(index)
 
+    def whole(index: int) -> list[GrantedGpu]:
+        """A GPU as CUDA shows it: itself, or its MIG instances (a GPU in MIG mode)."""
+        instances = by_index[index].get("mig") or ()
+        if instances:
+            return [GrantedGpu(None, u, index) for u in instances]
+        return [GrantedGpu(index, token(index))]
+
     mask = env.get("CUDA_VISIBLE_DEVICES")
     if mask is None:
         for var in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
             value = env.get(var)
-            if value is None:
-                continue
-            # SLURM's indices are the node's device numbers, NVML's order on the node.
-            picked: list[GrantedGpu] = []
-            for entry in (e.strip() for e in value.split(",")):
-                if entry.isdigit() and int(entry) in by_index:
-                    picked.append(GrantedGpu(int(entry), token(int(entry))))
-            return Grant(var, value, tuple(dict.fromkeys(picked)), seen=len(gpus))
-        everything = tuple(GrantedGpu(i, token(i)) for i in sorted(by_index))
+            if value is not None:
+                return _slurm_grant(var, value, sorted(by_index), whole)
+        everything = tuple(g for i in sorted(by_index) for g in whole(i))
         return Grant(None, None, everything, seen=len(gpus))
     entries = [e.strip() for e in mask.split(",")] if mask.strip() else []
     uuids = {g["index"]: g.get("uuid") for g in gpus if isinstance(g.get("uuid"), str)}
@@ -176,7 +202,7 @@ def read_grant(gpus: Sequence[Mapping[str, Any]], env: Mapping[str, str] | None 
                 break
             gpu = GrantedGpu(hits[0], token(hits[0]))
         elif entry.upper().startswith("MIG-"):
-            gpu = GrantedGpu(None, entry)
+            gpu = GrantedGpu(None, entry, mig_parent.get(entry))
         else:
             break
         if gpu.token in named:
@@ -199,6 +225,33 @@ def read_grant(gpus: Sequence[Mapping[str, Any]], env: Mapping[str, str] | None 
             seen=len(gpus),
         )
     return Grant("CUDA_VISIBLE_DEVICES", mask, tuple(granted), seen=len(gpus))
+
+
+def _slurm_grant(var: str, value: str, seen: list[int], whole) -> Grant:
+    """SLURM's indices are the node's device numbers. Where the job's device cgroup hides the
+    other GPUs, NVML numbers the job's own from 0 and the indices do not match: then NVML
+    sees exactly as many GPUs as were granted, and all of them are the job's."""
+    entries = [e.strip() for e in value.split(",") if e.strip()]
+    wanted = [int(e) for e in entries if e.isdigit()]
+    if all(i in seen for i in wanted):
+        picked = [g for i in dict.fromkeys(wanted) for g in whole(i)]
+        return Grant(var, value, tuple(picked), seen=len(seen))
+    if len(wanted) == len(seen) == len(set(wanted)):
+        note = (
+            f"{var}={value} numbers the node's GPUs; NVML sees only the job's "
+            f"{len(seen)} (a device cgroup), so all of them are yours"
+        )
+        picked = [g for i in seen for g in whole(i)]
+        return Grant(var, value, tuple(picked), seen=len(seen), note=note)
+    have = f"0..{len(seen) - 1}" if seen else "none"
+    return Grant(
+        var,
+        value,
+        (),
+        f"{var}={value} names GPUs NVML does not see (it sees {len(seen)}: {have}), so which "
+        "are yours cannot be told; set CUDA_VISIBLE_DEVICES to their UUIDs",
+        seen=len(seen),
+    )
 
 
 def _cc(value: Any) -> tuple[int, ...] | None:
@@ -251,10 +304,26 @@ def default_cpu_ranks() -> int:
     return max(1, min(2, usable_cores()))
 
 
-def _cuda(gpus: Sequence[GrantedGpu]) -> Placement:
-    return Placement(
-        "cuda", len(gpus), ",".join(g.token for g in gpus), tuple(g.index for g in gpus)
+def _cuda(gpus: Sequence[GrantedGpu], note: str = "") -> Placement:
+    placement = Placement(
+        "cuda", len(gpus), ",".join(g.token for g in gpus), tuple(g.index for g in gpus), note
     )
+    if placement.per_rank and len(gpus) > 1:
+        mig = f"{len(gpus)} MIG instances, a rank each; gloo between them (NCCL does not run "
+        mig += "across MIG instances)"
+        note = f"{note}; {mig}" if note else f"--devices: {mig}"
+        placement = dataclasses.replace(placement, note=note)
+    return placement
+
+
+def _granted_note(grant: Grant) -> str:
+    """``--devices auto`` under a grant says which GPUs it took, and from what."""
+    if grant.source is None:
+        return ""
+    gpus = sorted(grant.indices)
+    which = f"GPU {', '.join(map(str, gpus))}" if gpus else "the granted MIG instances"
+    said = f"--devices auto: {which}, as {grant.source} grants"
+    return f"{said} ({grant.note})" if grant.note else said
 
 
 def place(
@@ -279,7 +348,7 @@ def place(
             note = f"--devices auto: on the CPU, {cuda_problem}"
             return Placement("cpu", default_cpu_ranks(), note=note)
         if grant.gpus:
-            return _cuda(grant.gpus)
+            return _cuda(grant.gpus, _granted_note(grant))
         return Placement("cpu", default_cpu_ranks())
     if not grant.seen:
         why = f": {no_gpu_reason}" if no_gpu_reason else ""
@@ -290,7 +359,9 @@ def place(
         raise DeviceSpecError(
             f"{grant.describe()} grants MIG instances, which have no GPU index; use auto"
         )
-    by_index = {g.index: g for g in grant.gpus}
+    by_index: dict[int | None, list[GrantedGpu]] = {}
+    for g in grant.gpus:
+        by_index.setdefault(g.gpu, []).append(g)
     if grant.source is None:
         count = len(grant.gpus)
         missing = [i for i in spec.indices if i not in by_index]
@@ -309,4 +380,4 @@ def place(
             )
     if cuda_problem:
         raise DeviceSpecError(f"{cuda_problem}; use cpu or cpu:N")
-    return _cuda([by_index[i] for i in spec.indices])
+    return _cuda([g for i in spec.indices for g in by_index[i]])

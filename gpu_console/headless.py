@@ -52,7 +52,7 @@ from .state import (
     describe_stopped,
     read_heartbeats,
 )
-from .summary import print_summary
+from .summary import env_text, print_summary
 
 POLL_S = 0.2
 
@@ -128,8 +128,8 @@ class SchedulerSignals:
             signum = self.received[self.acted]
             self.acted += 1
             sup = self.follower.state.status.get("pids", {}).get("supervisor")
-            if sup:
-                _signal(sup, signal.SIGTERM)
+            if sup:  # the same signal: SIGUSR1 may mean "requeue the job" (cluster.requeue_signal)
+                _signal(sup, signum)
             if self.acted == 1:
                 self.console.print(
                     Text(
@@ -328,6 +328,8 @@ def _notable(e: dict, console: Console) -> None:
             say(f"  {optimizer_line(o)}")
         if e.get("auto_batch"):
             say(f"  {auto_batch_line(e)}")
+        if e.get("env"):  # distributed.env, set in each rank before torch started
+            say(f"  distributed.env: {env_text(e['env'])}")
         for change in e.get("changes") or []:  # a resumed run's, against the run it resumes
             say(f"  {change_line(change)}", "yellow" if change.get("class") == "warning" else None)
         if (e.get("nodes") or 1) > 1:

@@ -7,6 +7,7 @@ exists removes it, so a user mistake never leaves a half-made run behind. No tor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import getpass
 import json
@@ -22,10 +23,11 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from . import diskfull, lost, runs, session_lock, torchrun
+from . import diskfull, lost, runs, session_lock, slurm, torchrun
 from .batching import IN_EPOCHS, batch_problem, epochs_to_steps
 from .devices import (
     FUSED_UNDER_SHARDED_SCALER,
+    RANK_DEVICES,
     DeviceSpecError,
     Placement,
     bf16_native,
@@ -61,6 +63,7 @@ class Nodes:
     nnodes: str  # "N", or "MIN:MAX" for an elastic range
     node_rank: int | None
     endpoint: str  # HOST:PORT of the c10d rendezvous
+    rdzv_id: str = MULTINODE_RDZV_ID  # a SLURM job's own (slurm.Job.rdzv_id)
 
     @property
     def max_nodes(self) -> int:
@@ -89,6 +92,24 @@ def parse_nodes(nnodes: str | None, node_rank: int | None, endpoint: str | None)
     if node_rank is not None and not 0 <= node_rank < int(high or low):
         raise LaunchError(f"--node-rank: expected 0 to {int(high or low) - 1} (got {node_rank})")
     return Nodes(nnodes, node_rank, endpoint)
+
+
+def job_nodes(nodes: Nodes | None, job: slurm.Job | None) -> Nodes | None:
+    """Several nodes as the SLURM job has them, unless the flags say otherwise: nodes from
+    ``SLURM_NNODES``/``SLURM_NODEID``, the rendezvous on the node list's first host at the
+    job's port, under the job's id (two jobs on one head node never meet)."""
+    if job is None:
+        return nodes
+    try:
+        slurm.check_one_console_per_node(job)
+        if nodes is not None:
+            return dataclasses.replace(nodes, rdzv_id=job.rdzv_id)
+        if job.nnodes < 2:
+            return None
+        endpoint = slurm.head_endpoint(job)
+    except slurm.SlurmError as e:
+        raise LaunchError(f"SLURM job {job.job_id}: {e}") from None
+    return Nodes(str(job.nnodes), job.node_id, endpoint, job.rdzv_id)
 
 
 @dataclass
@@ -220,7 +241,7 @@ def torchrun_argv(
         where = [("nnodes", nodes.nnodes)]
         if nodes.node_rank is not None:
             where.append(("node_rank", str(nodes.node_rank)))
-        where += [("rdzv_endpoint", nodes.endpoint), ("rdzv_id", MULTINODE_RDZV_ID)]
+        where += [("rdzv_endpoint", nodes.endpoint), ("rdzv_id", nodes.rdzv_id)]
     wanted = [
         *where,
         ("nproc_per_node", str(placement.nproc)),
@@ -281,7 +302,10 @@ def worker_env(placement: Placement) -> dict[str, str]:
         # whatever CUDA's order; PCI_BUS_ID keeps any index a tool reads equal to NVML's.
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices or ""
-    else:
+    env.pop(RANK_DEVICES, None)
+    if placement.per_rank:  # MIG: a mask of its own for each rank (engine/__main__.py)
+        env[RANK_DEVICES] = placement.cuda_visible_devices or ""
+    if placement.device_type != "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ""
         # A thread count the user set stands; torchrun would otherwise set 1.
         env.setdefault("OMP_NUM_THREADS", str(placement.cpu_threads_per_rank()))
@@ -296,7 +320,7 @@ def inductor_cache_dir() -> Path:
     return torchrun.cache_dir() / "inductor"
 
 
-def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int, str]:
+def resume_target(arg: str, runs_dir: Path, hold: bool = True) -> tuple[Path, Path, int, str]:
     """``--resume RUN``: the run, its checkpoint to resume from (LATEST's, else the newest
     complete one that looks loadable: runs.resume_checkpoint), that checkpoint's step, and
     the line saying why it is not LATEST's ("" when it is).
@@ -308,6 +332,10 @@ def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int, str]:
     hands it to the new supervisor: two resumes at the same instant cannot both pass.
     A run whose supervisor died unrecorded is recorded ``lost`` once it continues
     (:func:`continue_run`, :mod:`.lost`): its ``history/status-N.json`` says how it ended.
+
+    ``hold=False`` (several nodes: each makes a run directory of its own, the run is only
+    read): the lock is let go once the checks are made, so every node's console can check the
+    same run at the same time (a requeued job's nodes all start at once).
     """
     try:
         run = runs.find_run(arg, runs_dir)
@@ -331,8 +359,46 @@ def resume_target(arg: str, runs_dir: Path) -> tuple[Path, Path, int, str]:
     except BaseException:
         _drop(lock, legacy)
         raise
+    if not hold:
+        _drop(lock, legacy)
+        return found
     _held[run.resolve()] = (lock, legacy)
     return found
+
+
+# ``--resume auto``: the run this SLURM job (or --exact-name's directory) started, if any.
+RESUME_AUTO = "auto"
+
+
+def auto_resume(runs_dir: Path, name: str | None, exact_name: bool) -> tuple[str | None, str]:
+    """What ``--resume auto`` continues (None: nothing yet, a new run) and the line that says
+    so. Under SLURM: the newest run whose sessions ran in this job (a requeued job keeps its
+    id) and that has a checkpoint to resume from; else ``--exact-name``'s directory if it
+    exists. The same command thus starts a job's run and continues it after each requeue."""
+    job = slurm.job()
+    if job is not None:
+        mine = []
+        for run in (p for p in Path(runs_dir).glob("*") if (p / "meta.json").is_file()):
+            meta = runs.read_json(run / "meta.json") or {}
+            sessions = meta.get("sessions") if isinstance(meta.get("sessions"), list) else []
+            if any(
+                isinstance(s, dict) and (s.get("slurm") or {}).get("job_id") == job.job_id
+                for s in sessions
+            ):
+                mine.append((meta.get("created") or 0, run))
+        for _, run in sorted(mine, key=lambda c: c[0], reverse=True):
+            if runs.resume_checkpoint(run)[0] is not None:
+                return str(run), f"--resume auto: {run.name}, the run of SLURM job {job.job_id}"
+        why = "its run has no checkpoint yet" if mine else "no run of it yet"
+        return None, f"--resume auto: SLURM job {job.job_id}: {why}; a new run"
+    if exact_name and name:
+        if (Path(runs_dir) / name).is_dir():
+            return name, f"--resume auto: {name}"
+        return None, f"--resume auto: no run {name} yet; a new run"
+    raise LaunchError(
+        "--resume auto: continues the run of this SLURM job (SLURM_JOB_ID), or the run "
+        "--exact-name --name NAME names; there is neither here (give the run: --resume RUN)"
+    )
 
 
 def _exact_name(name: str | None, runs_dir: Path, resume: str | None, nodes) -> None:
@@ -489,13 +555,20 @@ def prepare(
 
     A resume's session lock (:func:`resume_target`) is held from the first check on; a
     launch refused later lets it go."""
+    auto_note = ""
+    if resume == RESUME_AUTO:
+        resume, auto_note = auto_resume(runs_dir, name, exact_name)
+        exact_name = exact_name and resume is None  # a run found continues in its directory
     if exact_name:  # before a resume's lock is taken
         _exact_name(name, runs_dir, resume, nodes)
     resume_from = resume_run = None
     resume_note = ""
     resume_step = 0
     if resume is not None:
-        resume_run, resume_from, resume_step, resume_note = resume_target(resume, runs_dir)
+        several = nodes is not None and nodes.max_nodes > 1
+        resume_run, resume_from, resume_step, resume_note = resume_target(
+            resume, runs_dir, hold=not several
+        )
         if profile_arg is None:
             profile_arg = str(resume_run / "run.toml")
     if profile_arg is None:
@@ -520,6 +593,8 @@ def prepare(
         _intact_run_toml(resume_run)  # what a resume is compared against, and continues with
         _same_task_kind(resume_run, profile_arg, sets, bad)  # before its keys are judged
     profile = load_profile(profile_arg, sets)
+    if auto_note:
+        profile.notes.append(auto_note)
     task_cwd = None
     if resume_run is not None:
         # The run continues in its own directory, under its own name.
@@ -544,7 +619,9 @@ def prepare(
     profile = check_user_task(profile, source, set_keys | set(flags), cwd=task_cwd)
     if resume_run is not None:
         _keep_chosen_batch(profile, resume_run)
-        no = refused(resume_changes(profile, resume_run, None))
+        # A changed [task] key: refused where the checkpoint's model does not load into the
+        # one it builds (or its task's resume_keys says so), else a warning naming it.
+        no = refused(resume_changes(profile, resume_run, None, bad))
         if no:
             more = f"; also {', '.join(c.key for c in no[1:])}" if no[1:] else ""
             first = no[0]
@@ -556,6 +633,13 @@ def prepare(
         placement = resolve_placement(profile.hardware.devices, profile.hardware.oversubscribe)
     except DeviceSpecError as e:
         raise bad("hardware.devices", str(e), profile.hardware.devices) from None
+    if placement.per_rank and placement.nproc > 1 and profile.distributed.backend == "nccl":
+        raise bad(
+            "distributed.backend",
+            f"NCCL does not run across MIG instances ({placement.nproc} granted); use gloo "
+            "(auto picks it there) or one MIG instance",
+            "nccl",
+        )
     if placement.device_type == "cpu" and profile.distributed.sync_batchnorm:
         raise bad(
             "distributed.sync_batchnorm",
@@ -729,10 +813,13 @@ def steps_left(run: Path, step: int, max_steps: int, bad) -> None:
         )
 
 
-def resume_changes(profile: Profile, run: Path, world_size: int | None) -> list:
+def resume_changes(profile: Profile, run: Path, world_size: int | None, bad=None) -> list:
     """What resuming ``run`` with ``profile`` on ``world_size`` ranks changes, each classified
     (resume_changes.TABLE): against its run.toml and the world size of its last session
-    (``world_size`` None: not compared, as before the devices are placed)."""
+    (``world_size`` None: not compared, as before the devices are placed). A changed
+    ``[task]`` key is judged by the model it builds (resume_model.py, once per process);
+    a model that cannot be built is ``bad``'s one line (else a LaunchError's)."""
+    from . import resume_model
     from .profile import parse_toml
     from .resume_changes import classify
 
@@ -742,7 +829,15 @@ def resume_changes(profile: Profile, run: Path, world_size: int | None) -> list:
         return []  # a run without a readable run.toml: nothing to compare with
     meta = runs.read_json(run / "meta.json")
     world = runs.current_session(meta).get("world_size") if isinstance(meta, dict) else None
-    return classify(old, profile.to_dict(), world if isinstance(world, int) else None, world_size)
+    new = profile.to_dict()
+    changes = classify(old, new, world if isinstance(world, int) else None, world_size)
+    try:
+        return resume_model.judged(changes, run, new, run_cwd(run))
+    except resume_model.ModelCheckError as e:
+        if bad is not None:
+            raise bad(e.key, e.problem, e.value) from None
+        why = f"--resume: {run.name}: {e.key}: {e.problem} (got {show(e.value)})"
+        raise LaunchError(why) from None
 
 
 def start(
@@ -854,6 +949,8 @@ def _session(
             else None
         ),
         "resume_from": str(resume_from.resolve()) if resume_from else None,
+        # The SLURM job this session ran in: --resume auto finds the job's run by it.
+        "slurm": job.fields() if (job := slurm.job()) else None,
         "torchrun": torchrun_argv(run_dir, profile, placement, free_port(), nodes),
         # Flags this torchrun lacks, left out, and who provides their behaviour instead.
         "torchrun_compat": torchrun_compat(),

@@ -237,7 +237,23 @@ class DistributedConfig:
         "none", "scale lr by world size: none, linear or sqrt"
     )
     max_restarts: int = opt(0, "torchrun restarts of the worker group before failing", min=0)
-    collective_timeout_s: float = opt(300.0, "a collective that waits longer fails", gt=0.0)
+    collective_timeout_s: float = opt(
+        300.0,
+        "after every rank's first step: a collective that waits longer fails (a hung step)",
+        gt=0.0,
+    )
+    startup_timeout_s: float = opt(
+        1800.0,
+        "until every rank's first step is done (process group, compile, auto batch size, "
+        "checkpoint load, the first step): a collective that waits longer fails",
+        gt=0.0,
+    )
+    env: dict[str, str] = opt(
+        {},
+        'variables each rank sets before torch starts, e.g. { NCCL_DEBUG = "INFO" } (NCCL, '
+        "gloo); numbers as written, booleans as 1 or 0; not the ones the console or torchrun "
+        "set (CUDA_VISIBLE_DEVICES, RANK, MASTER_ADDR, TORCHELASTIC_*, GPU_CONSOLE_*, ...)",
+    )
     shutdown_grace_s: float = opt(30.0, "seconds between SIGTERM and SIGKILL on stop", gt=0.0)
     cpu_reduce: Literal["shared-memory", "gloo"] = opt(
         "shared-memory",
@@ -331,6 +347,17 @@ class LoggingConfig:
     )
 
 
+@dataclass
+class ClusterConfig:
+    requeue_signal: Literal["USR1", "TERM", "none"] = opt(
+        "USR1",
+        "under SLURM: the signal that means 'the time limit is near' (sbatch "
+        "--signal=USR1@120): every rank checkpoints at the next step, and the run's SLURM "
+        "job is requeued (scontrol requeue) to continue it with --resume auto; none: never "
+        "requeue (the signal still stops the run with a checkpoint)",
+    )
+
+
 SECTIONS: dict[str, type] = {
     "profile": ProfileMeta,
     "data": DataConfig,
@@ -339,6 +366,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "hardware": HardwareConfig,
     "logging": LoggingConfig,
+    "cluster": ClusterConfig,
 }
 
 
@@ -353,6 +381,7 @@ class Profile:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     # Lines the user should read about how the profile was resolved (the CLI prints them on
     # stderr); not part of run.toml.
     notes: list[str] = field(default_factory=list, compare=False)
@@ -362,7 +391,9 @@ class Profile:
         task = {"kind": self.task_kind}
         task.update(self.task if isinstance(self.task, dict) else schema.to_dict(self.task))
         out["task"] = task
-        for name in ("data", "train", "distributed", "checkpoint", "hardware", "logging"):
+        for name in SECTIONS:
+            if name == "profile":
+                continue
             out[name] = schema.to_dict(getattr(self, name))
         for epochs_key, steps_key in IN_EPOCHS.items():  # not yet steps: the epochs stand
             if out["train"][epochs_key]:
@@ -430,6 +461,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> tuple[dict[st
             # task.config.n_layer=4: one entry of a table key, the rest of the table kept.
             table = data[section].get(outer, {})
             data[section][outer] = _with_entry(table, inner.split("."), value, text)
+            touched.add(f"{section}.{key}")  # the entry: its problem is blamed on --set
             key = outer
         else:
             data[section][key] = value
@@ -502,6 +534,7 @@ def resolve(
     errors += _optimizer_conflicts(built.get("train"))
     errors += _data_conflicts(built.get("data"))
     errors += _blocks_conflicts(built.get("train"), kind)
+    errors += _env_problems(built.get("distributed"))
     if errors:
         raise ProfileError([_blame(e, source, overridden) for e in errors])
     profile = Profile(task_kind=kind, task=task_cfg, **built)
@@ -589,6 +622,17 @@ def _data_conflicts(data: DataConfig | None) -> list[str]:
         "data.drop_last: false needs data.order = 'shuffle' or 'sequential' (got order "
         f"{schema.show(data.order)})"
     ]
+
+
+def _env_problems(dist: DistributedConfig | None) -> list[str]:
+    """``distributed.env``: names only a rank's own variables, each value made text (run.toml
+    then holds what the ranks set); one line per bad entry (network.py)."""
+    from .network import env_problems
+
+    if dist is None:
+        return []
+    dist.env, problems = env_problems(dist.env)
+    return problems
 
 
 def _blocks_conflicts(train: TrainConfig | None, kind: Any) -> list[str]:

@@ -9,8 +9,10 @@ in one class:
   (engine/resume.py); the loop reads the rest (cadences, clipping, nan policy) every step.
 - ``warning``: accepted, and the start says what it costs (the split of the data, the RNG
   streams or the shuffle order differ from an unchanged run: not bit-exact).
-- ``refused``: the checkpoint cannot be loaded into it (the model is built from the task's
-  keys): the launch stops before anything is written.
+- ``refused``: the checkpoint cannot be loaded into it: the launch stops before anything is
+  written. A changed ``[task]`` key (not ``task.kind``) is judged before launch
+  (:func:`judge`): by the task's ``resume_keys`` where it declares the key, else by whether
+  the checkpoint's model loads into the one the new keys build (resume_model.py).
 
 Launch refuses, records the list in the session (meta.json), and the engine's ``start``
 event carries it; the headless start lines print it.
@@ -36,6 +38,13 @@ _SPLIT = (
 # section.key (or section.* for a whole section) → (class, what it means on resume).
 TABLE: dict[str, tuple[str, str]] = {
     "profile.*": (APPLIED, "a label"),
+    "task.kind": (
+        REFUSED,
+        "the checkpoint's model was built by its task and cannot be loaded into another's; "
+        "start a new run to change it",
+    ),
+    # Until judged (:func:`judge`): a changed key is refused only where the task says so
+    # (its resume_keys) or the checkpoint's model does not load into the one it builds.
     "task.*": (
         REFUSED,
         "the checkpoint's model was built from the task's keys and cannot be loaded into "
@@ -123,6 +132,15 @@ TABLE: dict[str, tuple[str, str]] = {
         "the checkpoint is stored as its strategy keeps it (whole under ddp, sharded under "
         "fsdp); start a new run to change it",
     ),
+    "distributed.startup_timeout_s": (
+        APPLIED,
+        "this session's collectives wait that long until every rank's first step",
+    ),
+    "distributed.collective_timeout_s": (
+        APPLIED,
+        "this session's collectives wait that long after every rank's first step",
+    ),
+    "distributed.env": (APPLIED, "each rank of this session sets them before torch starts"),
     "distributed.*": (APPLIED, "how this session's ranks are set up"),
     "checkpoint.keep_best": (
         WARNING,
@@ -137,6 +155,7 @@ TABLE: dict[str, tuple[str, str]] = {
     "checkpoint.*": (APPLIED, _EACH_STEP),
     "hardware.*": (APPLIED, "how this session's ranks are placed and set up"),
     "logging.*": (APPLIED, "where this session's numbers are also written"),
+    "cluster.*": (APPLIED, "read by this session's supervisor when a signal stops the run"),
     "world_size": (WARNING, f"{_SPLIT}; each rank's RNG is reseeded"),
 }
 
@@ -217,3 +236,30 @@ def classify(
 
 def refused(changes: list[Change]) -> list[Change]:
     return [c for c in changes if c.cls == REFUSED]
+
+
+# A changed [task] key, judged (resume_model.py asks engine/model_match.py).
+TASK_LOADS = (
+    "the checkpoint's model loads into the one it builds (the same names and shapes); the "
+    "data, or whatever else it sets, differ from an unchanged run"
+)
+TASK_DOES_NOT_LOAD = "the checkpoint's model does not load into the one it builds ({})"
+TASK_ACCEPTS = "the task accepts a change of it (its resume_keys)"
+TASK_REFUSES = "the task refuses a change of it (its resume_keys)"
+
+
+def judged_keys(changes: list[Change]) -> list[Change]:
+    """The changed ``[task]`` keys a resume judges (none while ``task.kind`` changed: another
+    task's keys are refused with it)."""
+    if any(c.key == "task.kind" for c in changes):
+        return []
+    return [c for c in changes if c.key.startswith("task.")]
+
+
+def judge(changes: list[Change], verdicts: dict[str, Any]) -> list[Change]:
+    """``changes`` with each judged key's class and why (``{key: [class, why]}``)."""
+    out = []
+    for c in changes:
+        cls, why = verdicts.get(c.key) or (c.cls, c.why)
+        out.append(Change(c.key, c.old, c.new, cls, why))
+    return out

@@ -22,7 +22,7 @@ from . import strict_json
 STATUS = "status.json"
 # ``interrupted`` and ``killed``: ended at once on request, no checkpoint (the supervisor's
 # word: the engine never writes them).
-FINAL_STATES = {"finished", "stopped", "failed", "interrupted", "killed"}
+FINAL_STATES = {"finished", "stopped", "requeued", "failed", "interrupted", "killed"}
 
 # The run's exit code (DESIGN.md "Exit codes"): the same number in status.json, ``ls --json``,
 # ``status --json`` and the exit of the command that followed the run.
@@ -35,7 +35,7 @@ def exit_code(state: str | None, checkpointed: bool = True) -> int | None:
     ``checkpointed``: a ``stopped`` run wrote its stop checkpoint (status.json's
     ``checkpointed_on_stop``); one that could not ended interrupted (130).
     """
-    if state == "finished":
+    if state in ("finished", "requeued"):  # requeued: stopped with its checkpoint (slurm.py)
         return EXIT_OK
     if state == "stopped":
         return EXIT_OK if checkpointed else EXIT_INTERRUPTED

@@ -80,6 +80,8 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "device_type": first(st.device_type, known["device_type"]),
         "precision": first(st.precision, known["precision"]),
         "auto_batch": st.start.get("auto_batch"),  # data.batch_size = "auto": how it was chosen
+        "env": st.start.get("env") or None,  # distributed.env: what each rank set
+        "timeouts": st.start.get("timeouts"),  # distributed.startup_timeout_s, then collective's
         "peak_memory": [{"rank": r, "peak": p} for r, p in sorted(st.peak_memory.items())],
         "compile": _compile_fields(st),
         "activation_checkpointing": _held_fields(st),
@@ -106,6 +108,11 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
 def _wandb(run_dir: Path) -> dict[str, Any] | None:
     value = read_json(run_dir / "wandb.json")
     return value if isinstance(value, dict) and value.get("state") else None
+
+
+def env_text(env: dict[str, Any]) -> str:
+    """``NCCL_DEBUG=INFO, MY_FLAG=x``: distributed.env as the ranks set it."""
+    return ", ".join(f"{k}={v}" for k, v in env.items())
 
 
 def wandb_text(w: dict[str, Any]) -> str:
@@ -192,6 +199,8 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
     out.append(("devices", devices))
     if ab := f.get("auto_batch"):
         out.append(("batch size", f"{ab['chosen']} per rank (auto, {len(ab['tried'])} tried)"))
+    if f.get("env"):
+        out.append(("distributed.env", env_text(f["env"])))
     out += [(f"peak memory rank {m['rank']}", human_bytes(m["peak"])) for m in f["peak_memory"]]
     if f["activation_checkpointing"]:
         out.append(("activation checkpointing", held_text(f["activation_checkpointing"])))

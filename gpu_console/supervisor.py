@@ -44,7 +44,7 @@ from typing import Any
 
 import psutil
 
-from . import diskfull, runs, session_lock, timings
+from . import diskfull, runs, session_lock, slurm, timings
 from .events import JsonlTail
 from .exit_watch import ExitWatch
 from .fold import RunFold
@@ -103,6 +103,7 @@ class Supervisor:
         self.terminate_at: float | None = None
         self.terminated = False
         self.signal_stop = False
+        self.first_signal: int | None = None  # the graceful stop's signal (requeue: slurm.py)
         self.proc: subprocess.Popen | None = None
         self.asked: set[int] = set()  # workers already sent the graceful SIGUSR1
         self.known: dict[int, psutil.Process] = {}  # the workers seen at the last tick
@@ -130,6 +131,7 @@ class Supervisor:
         now = time.monotonic()
         if self.graceful_since is None:
             self.signal_stop = True
+            self.first_signal = signum
             self.graceful_since = now
             self.graceful_deadline = now + self.grace_s  # the loop asks the ranks
         elif now - self.graceful_since > COALESCE_S:
@@ -429,9 +431,43 @@ class Supervisor:
         self.status["state"] = state
         self.status["checkpointed_on_stop"] = checkpointed
         self.status["exit_code"] = runs.exit_code(state, checkpointed)
+        if checkpointed and (job := self.requeue_job()) is not None:
+            self.requeue(job)
         self._write_final()
         self._end_follower()
         return self.status["exit_code"]
+
+    def requeue_job(self) -> slurm.Job | None:
+        """The SLURM job to requeue, when the run stopped with its checkpoint on the signal
+        ``cluster.requeue_signal`` names (SLURM's warning before the time limit), on the job's
+        first node (one requeue per job); None otherwise: an end on request, a finished run."""
+        wanted = slurm.requeue_signal(_cluster_setting(self.profile_text, "requeue_signal"))
+        job = slurm.job()
+        if wanted is None or job is None or job.node_id != 0 or self.first_signal != wanted:
+            return None
+        return job
+
+    def requeue(self, job: slurm.Job) -> None:
+        """The end is recorded as ``requeued`` before ``scontrol requeue`` runs (it ends this
+        allocation's processes, this one included); what scontrol said is added after. A
+        requeue that fails leaves the run ``stopped`` with its checkpoint, saying why."""
+        step = self.status.get("step")
+        said = f"{_signame(self.first_signal or 0)}: checkpoint @ step {step}"
+        self.status.update(
+            state="requeued",
+            exit_code=runs.exit_code("requeued"),
+            reason=f"{said}; SLURM job {job.job_id} requeued (--resume auto continues the run)",
+            requeue={"job_id": job.job_id, "command": ["scontrol", "requeue", job.job_id]},
+        )
+        self._write_final()
+        outcome = slurm.requeue(job.job_id)
+        self.status["requeue"] = outcome
+        if outcome.get("exit_code") != 0:
+            self.status["state"] = "stopped"
+            self.status["reason"] = (
+                f"{said}; SLURM job {job.job_id} NOT requeued: {outcome.get('error')}"
+            )
+        _log_line(f"supervisor: scontrol requeue {job.job_id}: {outcome}")
 
     def _end_follower(self) -> None:
         """The W&B follower sees the recorded end, logs the last lines and finishes its run;
@@ -484,6 +520,22 @@ def is_engine_cmdline(cmd: list[str]) -> bool:
 def _send(p: psutil.Process, sig: int) -> None:
     with contextlib.suppress(psutil.Error):
         p.send_signal(sig)
+
+
+def _cluster_setting(profile_text: str, key: str) -> str:
+    """A ``[cluster]`` key of run.toml (its default where the table lacks it)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+
+    from .profile import ClusterConfig
+
+    try:
+        value = tomllib.loads(profile_text).get("cluster", {}).get(key)
+    except (ValueError, AttributeError):
+        value = None
+    return value if isinstance(value, str) else getattr(ClusterConfig(), key)
 
 
 def _grace_from(profile_text: str) -> float:

@@ -134,6 +134,37 @@ FILE_CASES = [
         "task.n_heads",
         ["task.d_model", "130"],
     ),
+    (
+        "distributed-env-owned-by-the-console",
+        '[distributed]\nenv = { NCCL_DEBUG = "INFO", CUDA_VISIBLE_DEVICES = "0" }\n',
+        "distributed.env.CUDA_VISIBLE_DEVICES",
+        ["may not be set here", "--devices", "'0'"],
+    ),
+    (
+        "distributed-env-bad-name",
+        '[distributed]\nenv = { "MY-FLAG" = "x" }\n',
+        "distributed.env.MY-FLAG",
+        ["not an environment variable name", "'x'"],
+    ),
+    (
+        "distributed-env-torchelastic",
+        '[distributed]\nenv = { TORCHELASTIC_MAX_RESTARTS = "3" }\n',
+        "distributed.env.TORCHELASTIC_MAX_RESTARTS",
+        ["torchrun's own"],
+    ),
+    (
+        "distributed-env-a-list",
+        "[distributed]\nenv = { NCCL_DEBUG = [1] }\n",
+        "distributed.env.NCCL_DEBUG",
+        ["expected a string"],
+    ),
+    ("distributed-env-not-a-table", '[distributed]\nenv = "x"\n', "distributed.env", ["table"]),
+    (
+        "distributed-startup-timeout-zero",
+        "[distributed]\nstartup_timeout_s = 0\n",
+        "distributed.startup_timeout_s",
+        ["greater than 0"],
+    ),
 ]
 
 
@@ -205,6 +236,18 @@ SET_CASES = [
     ("bad-literal", 'train.schedule="exp"', "train.schedule", ["'exp'"]),
     ("bad-devices", "hardware.devices=gpu0", "hardware.devices", ["'gpu0'"]),
     ("unknown-task-key", "task.hidden=3", "task.hidden", ["hidden_dim"]),
+    (
+        "distributed-env-rank",
+        "distributed.env.MASTER_PORT=29500",
+        "distributed.env.MASTER_PORT",
+        ["may not be set here", "torchrun"],
+    ),
+    (
+        "distributed-env-gpu-console",
+        "distributed.env.GPU_CONSOLE_X=1",
+        "distributed.env.GPU_CONSOLE_X",
+        ["the console's own"],
+    ),
 ]
 
 

@@ -41,6 +41,11 @@ NAMES = [
     "runs_dir",
     "disk",
     "host",
+    "network env",
+    "interfaces",
+    "socket_ifname",
+    "infiniband",
+    "slurm",
 ]
 
 

@@ -6,6 +6,7 @@ its fakes are this process's)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -248,3 +249,88 @@ def test_auto_precision_on_an_old_gpu_refuses_a_fused_optimizer_under_fsdp_too(
     )  # fmt: skip
     assert code == 2 and "train.optimizer_impl: the fused optimizer kernels cannot" in err, err
     assert not runs.exists()
+
+
+# -- GPUs as a scheduler grants them (issue: life on a GPU cluster) ------------------------
+
+
+def test_auto_under_a_uuid_grant_uses_exactly_those_gpus_and_says_which(
+    node, monkeypatch, tmp_path
+):
+    grant(monkeypatch, node, {"CUDA_VISIBLE_DEVICES": "uuid:3,uuid:1"})
+    _, auto, _ = launch.prepare("quickstart", devices="auto", runs_dir=tmp_path / "runs")
+    assert auto.nproc == 2 and auto.gpus == (3, 1)
+    assert auto.note == "--devices auto: GPU 1, 3, as CUDA_VISIBLE_DEVICES grants"
+    worker = launch.worker_env(auto)
+    assert worker["CUDA_VISIBLE_DEVICES"] == f"{node.gpus[3].uuid},{node.gpus[1].uuid}"
+    assert "GPU_CONSOLE_RANK_DEVICES" not in worker, "whole GPUs share one mask"
+
+
+def test_slurm_indices_in_a_device_cgroup_are_the_jobs_gpus(monkeypatch, tmp_path):
+    """SLURM_JOB_GPUS=2,3 numbers the node's GPUs; inside the job's cgroup NVML sees two,
+    numbered 0 and 1: both are the job's, and auto says so (never a silent CPU run)."""
+    install(monkeypatch, FakeNvml(2))
+    install_torch_build(monkeypatch, tmp_path)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("SLURM_JOB_GPUS", "2,3")
+    _, auto, _ = launch.prepare("quickstart", devices="auto", runs_dir=tmp_path / "runs")
+    assert auto.device_type == "cuda" and auto.gpus == (0, 1)
+    assert "SLURM_JOB_GPUS=2,3 numbers the node's GPUs" in auto.note
+    # Indices that match nothing NVML sees: refused in one line, not a guess.
+    monkeypatch.setenv("SLURM_JOB_GPUS", "5,6,7")
+    with pytest.raises(launch.LaunchError) as refused:
+        launch.prepare("quickstart", devices="auto", runs_dir=tmp_path / "runs")
+    assert "SLURM_JOB_GPUS=5,6,7 names GPUs NVML does not see (it sees 2: 0..1)" in str(
+        refused.value
+    )
+
+
+MIGS = ["MIG-11111111-aaaa-bbbb-cccc-000000000001", "MIG-11111111-aaaa-bbbb-cccc-000000000002"]
+
+
+@pytest.fixture
+def mig_node(monkeypatch, tmp_path):
+    """GPU 0 in MIG mode with two instances, GPU 1 whole; a CUDA build of torch."""
+    fake = install(monkeypatch, FakeNvml([FakeGpu(0, mig=list(MIGS)), FakeGpu(1)]))
+    install_torch_build(monkeypatch, tmp_path)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    return fake
+
+
+def test_mig_instances_get_a_rank_each_with_their_own_mask(mig_node, monkeypatch, tmp_path):
+    from gpu_console.engine.__main__ import own_device
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(MIGS))
+    _, auto, _ = launch.prepare("quickstart", devices="auto", runs_dir=tmp_path / "runs")
+    assert auto.nproc == 2 and auto.per_rank and auto.gpus == (None, None)
+    assert "2 MIG instances, a rank each; gloo between them" in auto.note
+    worker = launch.worker_env(auto)
+    assert worker["GPU_CONSOLE_RANK_DEVICES"] == ",".join(MIGS)
+    # Each rank, before CUDA starts: its own instance alone.
+    for local_rank, mig in enumerate(MIGS):
+        monkeypatch.setenv("GPU_CONSOLE_RANK_DEVICES", worker["GPU_CONSOLE_RANK_DEVICES"])
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        own_device()
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == mig
+    # GPU 0 asked by index: its instances, as CUDA shows them.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    _, zero, _ = launch.prepare("quickstart", devices="0", runs_dir=tmp_path / "runs")
+    assert zero.cuda_visible_devices == ",".join(MIGS) and zero.nproc == 2
+    _, whole, _ = launch.prepare("quickstart", devices="1", runs_dir=tmp_path / "runs")
+    assert whole.cuda_visible_devices == mig_node.gpus[1].uuid and not whole.per_rank
+
+
+def test_nccl_across_mig_instances_is_refused_in_one_line(mig_node, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(MIGS))
+    runs = tmp_path / "runs"
+    code, out, err = run_cli(
+        monkeypatch, capsys, "run", "quickstart", "--headless", "--set",
+        "distributed.backend=nccl", "--runs-dir", str(runs),
+    )  # fmt: skip
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("gpu-console: --set: distributed.backend: NCCL does not run across MIG")
+    assert not runs.exists()
+    # One instance alone may use NCCL.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", MIGS[0])
+    _, one, _ = launch.prepare("quickstart", overrides=["distributed.backend=nccl"], runs_dir=runs)
+    assert one.nproc == 1 and one.cuda_visible_devices == MIGS[0]

@@ -106,8 +106,9 @@ def test_resuming_a_finished_run_is_refused_in_one_line_with_nothing_written(
         (
             ["quickstart", "--set", "task.num_layers=2", "--set", "train.max_steps=20"],
             "--set: task.num_layers: a resumed run cannot change it (was 3): the checkpoint's "
-            "model was built from the task's keys and cannot be loaded into another; start a "
-            "new run to change it (got 2)",
+            "model does not load into the one it builds (2.weight: [256, 256] in the "
+            "checkpoint, [10, 256] now; 2.bias: [256] in the checkpoint, [10] now; and 2 more) "
+            "(got 2)",
         ),
     ],
 )

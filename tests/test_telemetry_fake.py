@@ -40,6 +40,7 @@ class FakeGpu:
     flaky: Counter = field(default_factory=Counter)  # function → failures left (Unknown)
     broken: set[str] = field(default_factory=set)  # functions raising a non-NVML error
     lost: bool = False
+    mig: list[str] = field(default_factory=list)  # MIG instances' UUIDs (MIG mode when any)
 
     def __post_init__(self) -> None:
         if not self.uuid:
@@ -149,7 +150,20 @@ class FakeNvml:
 
     # -- device --------------------------------------------------------------------------
     def nvmlDeviceGetUUID(self, h):
-        return self._enter("nvmlDeviceGetUUID", h).uuid
+        gpu = self._enter("nvmlDeviceGetUUID", h)
+        return gpu.mig[h.mig] if hasattr(h, "mig") else gpu.uuid
+
+    def nvmlDeviceGetMigMode(self, h):
+        return [1, 1] if self._enter("nvmlDeviceGetMigMode", h).mig else [0, 0]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, h):
+        return 7 if self._enter("nvmlDeviceGetMaxMigDeviceCount", h).mig else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h, slot):
+        gpu = self._enter("nvmlDeviceGetMigDeviceHandleByIndex", h)
+        if slot >= len(gpu.mig):
+            raise real.NVMLError(real.NVML_ERROR_NOT_FOUND)
+        return SimpleNamespace(index=h.index, mig=slot)
 
     def nvmlDeviceGetName(self, h):
         return self._enter("nvmlDeviceGetName", h).name

@@ -134,3 +134,67 @@ def test_ddp_leaves_the_ignored_parameters_alone(one_rank_group):
     assert set(ddp.parameters_to_ignore) == {"1.weight", "1.bias"}
     ddp(torch.randn(4, 3)).sum().backward()  # the ignored ones still get their gradients
     assert model[1].weight.grad is not None and model[0].weight.grad is not None
+
+
+# Two gloo ranks: a collective whose peer is 3 s late passes under the group's first timeout
+# (60 s), then fails after the one set_group_timeout gives it (1 s), well before the peer
+# comes.
+TIMEOUT_WORKER = r"""
+import json, os, sys, time
+from datetime import timedelta
+from gpu_console.engine.signals import die_with_parent
+die_with_parent()
+import torch, torch.distributed as dist
+from gpu_console.engine import torch_private
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+rank = dist.get_rank()
+
+def late(seconds):
+    if rank == 1:
+        time.sleep(seconds)
+    began = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return {"error": error, "waited": time.monotonic() - began}
+
+out = {"before": late(3.0), "set": torch_private.set_group_timeout(1.0)}
+out["after"] = late(3.0)
+if rank == 0:
+    with open(os.path.join(sys.argv[1], "rank-0.json"), "w") as f:
+        json.dump(out, f)
+os._exit(0)  # rank 0's group is broken after its timeout: no teardown
+"""
+
+
+def test_a_gloo_groups_timeout_is_set_for_the_next_collective(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import repo_pythonpath
+
+    script = tmp_path / "worker.py"
+    script.write_text(TIMEOUT_WORKER)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = dict(os.environ, PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1")
+    proc = subprocess.run([*argv, str(script), str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=120)  # fmt: skip
+    res = json.loads((tmp_path / "rank-0.json").read_text())
+    assert res["set"] is None, (res, proc.stderr[-2000:])
+    assert res["before"]["error"] is None and res["before"]["waited"] > 2.5
+    assert "Timed out" in res["after"]["error"], res
+    assert res["after"]["waited"] < 2.5, res  # 1 s, not the 3 s the peer took
+
+
+def test_set_group_timeout_says_why_without_a_group():
+    # No process group: torch raises, and the door turns it into a reason (the run's warning).
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    why = torch_private.set_group_timeout(5.0)
+    assert isinstance(why, str) and why

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, launch, strict_json
+from .. import __version__, launch, network, strict_json
 from ..devices import bf16_native
 from ..telemetry import nvml
 from ..telemetry.host import host_summary
@@ -453,8 +453,64 @@ def run_checks(runs_dir: Path, timeout: float = TIMEOUT_S) -> tuple[list[Check],
     rows += [r for r in torch_rows if r.name.startswith("torchrun")]
     host = host_summary()
     rows += [port_row, check_runs_dir(runs_dir), check_disk(runs_dir), check_host(host)]
+    net_rows, net = network_checks()
+    rows += net_rows
+    rows.append(slurm_check())
     facts = {"status": status, "nvml_count": nvml_count, "info": info, "host": host}
+    facts["network"] = net
     return rows, facts
+
+
+def slurm_check(environ: dict[str, str] | None = None) -> Check:
+    """The SLURM job a run launched here would belong to: its nodes and rendezvous (what
+    ``launch.job_nodes`` would use, checked the same way), or that there is none."""
+    from .. import slurm
+
+    job = slurm.job(environ)
+    if job is None:
+        return Check("slurm", SKIP, "not in a SLURM job")
+    where = f"job {job.job_id}: node {job.node_id} of {job.nnodes}"
+    if job.restart_count:
+        where += f", requeued {job.restart_count}×"
+    try:
+        slurm.check_one_console_per_node(job)
+        if job.nnodes < 2:
+            return Check("slurm", PASS, f"{where}; one node: the rendezvous is local")
+        endpoint = slurm.head_endpoint(job)
+    except slurm.SlurmError as e:
+        return Check("slurm", WARN, f"{where}; {e}")
+    return Check("slurm", PASS, f"{where}; rendezvous {endpoint} ({job.rdzv_id})")
+
+
+def network_checks(environ: dict[str, str] | None = None) -> tuple[list[Check], dict[str, Any]]:
+    """What the ranks' NCCL and gloo would meet here: the variables they inherit, the
+    interfaces, whether each ``*_SOCKET_IFNAME`` names one, InfiniBand devices."""
+    environ = dict(os.environ if environ is None else environ)
+    env = network.inherited(environ)
+    found = network.interfaces()
+    ib = network.infiniband()
+    shown = ", ".join(f"{k}={v}" for k, v in env.items())
+    rows = [Check("network env", PASS, shown or "no NCCL_*, GLOO_* or TORCH_NCCL_* variable set")]
+    ifaces = ", ".join(
+        f"{i['name']} ({'up' if i['up'] else 'down'}"
+        + (f", {' '.join(i['addresses'])})" if i["addresses"] else ")")
+        for i in found
+    )
+    rows.append(Check("interfaces", PASS if found else WARN, ifaces or "none found"))
+    good, bad = network.ifname_problems(environ, found)
+    if bad:
+        rows.append(Check("socket_ifname", WARN, "; ".join(bad + good)))
+    elif good:
+        rows.append(Check("socket_ifname", PASS, "; ".join(good)))
+    else:
+        rows.append(Check("socket_ifname", SKIP, "none set: NCCL and gloo choose an interface"))
+    ports = [
+        f"{d['device']} port {p['port']} {p['state'] or 'state unreadable'}"
+        for d in ib
+        for p in d["ports"]
+    ] or [f"{d['device']} (no port)" for d in ib]
+    rows.append(Check("infiniband", PASS if ib else SKIP, ", ".join(ports) or "none"))
+    return rows, {"env": env, "interfaces": found, "infiniband": ib}
 
 
 def report(rows: list[Check], facts: dict[str, Any]) -> str:
@@ -481,10 +537,19 @@ def report(rows: list[Check], facts: dict[str, Any]) -> str:
         ),
         f"GPUs: {gpus}",
         f"host: {host['cores']} cores, {host['ram_total'] / GIB:.1f} GiB RAM",
+        _network_line(facts.get("network") or {}),
         "checks: " + ", ".join(f"{n} {s}" for s, n in counts.items()),
     ]
     lines += [f"{r.status} {r.name}: {r.detail}" for r in rows if r.status in (FAIL, WARN)]
     return "\n".join(lines)
+
+
+def _network_line(net: dict[str, Any]) -> str:
+    """The variables, the interfaces' names and InfiniBand: no address (nothing private)."""
+    env = ", ".join(f"{k}={v}" for k, v in (net.get("env") or {}).items()) or "no variable set"
+    names = ", ".join(i["name"] for i in net.get("interfaces") or []) or "none"
+    ib = ", ".join(d["device"] for d in net.get("infiniband") or []) or "none"
+    return f"network: {env}; interfaces {names}; InfiniBand {ib}"
 
 
 _STYLE = {PASS: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
@@ -531,6 +596,7 @@ def main(as_json: bool, runs_dir: Path, timeout: float = TIMEOUT_S) -> int:
             "checks": [asdict(r) for r in rows],
             "ok": not any(r.status == FAIL for r in rows),
             "report": text,
+            "network": facts["network"],  # the variables, the interfaces, InfiniBand
         }
         print(strict_json.dumps(doc, indent=2))
     else:

@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from .. import network
+from ..devices import RANK_DEVICES
 from ..timings import Stopwatch
 from . import signals
 from .heartbeat import Heartbeat
@@ -29,6 +31,10 @@ def main(argv: list[str]) -> None:
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         restart=restart_count(),
     )
+    # The profile's distributed.env, before torch is imported: NCCL and gloo read them from
+    # this process's environment (each node reads its own run.toml, the same profile).
+    network.apply(run_dir / "run.toml")
+    own_device()
     # torchelastic's @record writes this rank's exception (message, traceback) to the error
     # file torchrun names; the supervisor reads it to say which rank failed and why.
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -50,6 +56,15 @@ def main(argv: list[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def own_device() -> None:
+    """MIG instances: CUDA shows a process one of them, so each rank's mask names its own
+    (devices.Placement.per_rank), set before torch starts CUDA."""
+    devices = os.environ.get(RANK_DEVICES, "")
+    if devices:
+        mine = devices.split(",")[int(os.environ.get("LOCAL_RANK", 0))]
+        os.environ["CUDA_VISIBLE_DEVICES"] = mine
 
 
 def restart_count() -> int:

@@ -44,6 +44,7 @@ from .schedule import scaled_lr
 from .step_log import Parts as LogParts
 from .step_log import StepLogger
 from .strategy import for_profile
+from .timeouts import PhaseTimeouts
 from .train_metrics import TrainMetrics
 from .train_state import TrainState
 from .update_step import for_task
@@ -102,6 +103,7 @@ class Built:
     eval_loaders: dict
     facts: Facts
     rescue: FailureCheckpoint  # a failure after an update: its state checkpointed
+    timeouts: PhaseTimeouts  # start-up's, then the collectives' after the first step
 
 
 @dataclass
@@ -296,5 +298,5 @@ def _loop_parts(s: Setup, m: _Model, facts: Facts, start: _Start, compiled, auto
         Cadence(p.train, p.checkpoint, control, bool(m.eval_loaders)),
         NanStop(out, d, p.checkpoint, ckpt, m.model, m.opts),
         profiler, exchange, compiled, m.mfu, m.eval_loaders, facts,
-        FailureCheckpoint(d, out, state, ckpt, s.run_dir),
+        FailureCheckpoint(d, out, state, ckpt, s.run_dir), PhaseTimeouts(p.distributed, shared),
     )  # fmt: skip

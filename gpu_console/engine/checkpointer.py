@@ -35,7 +35,8 @@ class Checkpointer:
     def __init__(self, run_dir: Path, p, d, out, beat, strategy, saved: Saved, state, resume):
         self.run_dir, self.cfg, self.d, self.out, self.beat = run_dir, p.checkpoint, d, out, beat
         self.strategy, self.saved, self.state = strategy, saved, state
-        self.group = checkpoint.write_group(p.distributed.collective_timeout_s)
+        dp = p.distributed  # never shorter than either timeout of the default group
+        self.group = checkpoint.write_group(max(dp.collective_timeout_s, dp.startup_timeout_s))
         # checkpoint.async_write: training waits for a copy of the state, a thread writes it.
         self.writer = Writer(run_dir, d.device, d.is_main, self.group, self.cfg.keep_last,
                              self.cfg.async_write)  # fmt: skip

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..devices import RANK_DEVICES
 from ..profile import DistributedConfig, HardwareConfig
 from .signals import die_with_parent  # noqa: F401 - its old home; it lives in signals now
 
@@ -60,8 +61,10 @@ def init(cfg: DistributedConfig, hw: HardwareConfig, device_type: str) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    # MIG: this rank sees its own instance alone (engine/__main__.py set its mask).
+    own_device = bool(os.environ.get(RANK_DEVICES))
     if device_type == "cuda":
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", 0 if own_device else local_rank)
         torch.cuda.set_device(device)
         if hw.memory_fraction < 1.0:
             torch.cuda.set_per_process_memory_fraction(hw.memory_fraction, device)
@@ -72,12 +75,14 @@ def init(cfg: DistributedConfig, hw: HardwareConfig, device_type: str) -> Dist:
         device = torch.device("cpu")
         place_cpu(local_rank, local_world, cfg.cpu_affinity)
     backend = cfg.backend
-    if backend == "auto":
-        backend = "nccl" if device_type == "cuda" else "gloo"
+    if backend == "auto":  # NCCL does not run across MIG instances (launch.py refuses it)
+        mig = own_device and local_world > 1
+        backend = "nccl" if device_type == "cuda" and not mig else "gloo"
     kwargs = {"device_id": device} if device_type == "cuda" else {}
     if rank != 0:
         wait_for_store(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.collective_timeout_s), **kwargs)
+    # Start-up's timeout until every rank's first step; then the collectives' (timeouts.py).
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.startup_timeout_s), **kwargs)
     return Dist(rank, world, local_rank, local_world, device, backend)
 
 

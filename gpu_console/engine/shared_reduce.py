@@ -81,6 +81,7 @@ class SharedReduce:
 
     def __init__(self, rank: int, world: int, timeout_s: float, mm: mmap.mmap):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.timeout_key = "distributed.collective_timeout_s"  # what set timeout_s (timeouts.py)
         self._mm = mm
         n = 2 * world * CHUNK
         self._slots = torch.frombuffer(mm, dtype=torch.float32, count=n).view(2, world, CHUNK)
@@ -174,7 +175,7 @@ class SharedReduce:
                 late = [r for r in range(self.world) if flags[r] < seq]
                 raise RuntimeError(
                     f"shared-memory all-reduce: rank(s) {late} did not arrive within "
-                    f"{self.timeout_s:g} s (distributed.collective_timeout_s)"
+                    f"{self.timeout_s:g} s ({self.timeout_key})"
                 )
             if now >= next_look:
                 # gloo notices a dead peer from its closed socket; here, from its pid. Without

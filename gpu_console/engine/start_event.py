@@ -52,6 +52,8 @@ def write(s, b) -> None:
         activation_checkpointing=facts.held or p.train.activation_checkpointing,
         **s.watch.start_fields(),  # where the start-up time went (timings.py)
         memory_snapshot_on_oom=s.oom_snapshot,  # on, off, or why it has no effect
+        **b.timeouts.start_fields(),  # start-up's until the first step, then the collectives'
+        env=p.distributed.env,  # distributed.env: what each rank set before torch started
     )
     if s.oom_snapshot not in ("on", "off"):
         out.log("warning", f"hardware.memory_snapshot_on_oom = true: {s.oom_snapshot}")

@@ -190,3 +190,33 @@ def dump_memory_snapshot(path: str) -> bool:
         return False
     dump(path)
     return True
+
+
+# -- distributed.startup_timeout_s: the process group's timeout after the first step ----------
+
+
+def set_group_timeout(seconds: float, group: Any = None) -> str | None:
+    """From the next collective on, ``group`` (None: the default group) waits ``seconds``;
+    None when done, else why not, in a few words.
+
+    ``torch.distributed.distributed_c10d._set_pg_timeout`` (private; torchtitan's way to a
+    shorter timeout after start-up) sets the default timeout of the group's gloo or NCCL
+    backend, which each later collective takes. Measured on gloo (a 2-rank collective with a
+    late peer fails after the new timeout): torch 2.13.0 (CPU wheel) and 2.11.0+cu130.
+    NCCL: not measured here (no two GPUs); torch documents it. Another backend gets only torch's
+    warning, taken here as a refusal, as is a torch without the function."""
+    import warnings
+    from datetime import timedelta
+
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+    except ImportError as e:
+        return f"torch {torch.__version__} lacks _set_pg_timeout ({e})"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            _set_pg_timeout(timedelta(seconds=seconds), group)
+        except Exception as e:  # noqa: BLE001 - any refusal is a reason, not a crash
+            return f"{type(e).__name__}: {e}"
+    refused = [str(w.message) for w in caught if "timeout" in str(w.message).lower()]
+    return refused[0] if refused else None

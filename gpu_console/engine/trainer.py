@@ -55,6 +55,7 @@ class Trainer:
                 state.step += 1
                 s.watch.step_done()
                 b.compiled.first_step_done(out.status, out.log)
+                b.timeouts.first_step_done(out.log)  # start-up's timeout gives way
                 b.logger.step_done(update.last_loss, update.skipped)
                 # Verdicts gated on the device, read where the host syncs anyway (nonfinite.py).
                 settled = b.update.settle(b.cadence.boundary(state.step), state.step)

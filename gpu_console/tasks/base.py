@@ -30,6 +30,8 @@ Optional hooks (the engine looks them up; a task without them works the same):
         def configure_optimizers(self, model, ctx): ...  # own optimizers and schedules
         def train_step(self, model, batch, optimizers, ctx) -> TaskOutput: ...  # own updates
         def collate(self, batch): ...              # the fetched batch -> what compute gets
+        resume_keys = {"data_dir": "accept"}       # --resume with a changed [task] key:
+                                                   # "accept", "refuse" or (verdict, why)
 
 ``collate`` (engine/data.py ``collate_of``): the DataLoader fetches a batch at once, through
 the dataset's ``__getitems__(indices)`` if it has one, else ``[dataset[i] for i in indices]``,

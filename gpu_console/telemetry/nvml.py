@@ -301,7 +301,24 @@ def _device(index: int) -> dict[str, Any] | None:
     cc = _read("nvmlDeviceGetCudaComputeCapability", index, handle)
     info["compute_capability"] = NA if cc is NA else (int(cc[0]), int(cc[1]))
     info["sm_clock_max_mhz"] = _int(_read("nvmlDeviceGetMaxClockInfo", index, handle, _CLOCK_SM))
+    info["mig"] = _mig_instances(index, handle)
     return info
+
+
+def _mig_instances(index: int, handle: Any) -> list[str]:
+    """The UUIDs of a GPU's MIG instances when it is in MIG mode ([] otherwise): CUDA shows
+    such a GPU only as its instances, one per process."""
+    mode = _read("nvmlDeviceGetMigMode", index, handle)
+    if mode is NA or not mode or int(mode[0]) != 1:
+        return []
+    slots = _read("nvmlDeviceGetMaxMigDeviceCount", index, handle)
+    out = []
+    for slot in range(0 if slots is NA else int(slots)):
+        instance = _read("nvmlDeviceGetMigDeviceHandleByIndex", index, handle, slot)
+        uuid = NA if instance is NA else _text(_read("nvmlDeviceGetUUID", index, instance))
+        if isinstance(uuid, str) and uuid:
+            out.append(uuid)
+    return out
 
 
 def _identity(index: int) -> dict[str, Any]:
@@ -397,8 +414,9 @@ def uuids() -> dict[int, str]:
 
 
 def identities() -> list[dict[str, Any]]:
-    """Each GPU's ``index``, ``uuid``, ``name`` and ``compute_capability`` (NA → None), read
-    once per NVML session: what a launch decides by, without sampling readings."""
+    """Each GPU's ``index``, ``uuid``, ``name``, ``compute_capability`` (NA → None) and
+    ``mig`` (its MIG instances' UUIDs), read once per NVML session: what a launch decides by,
+    without sampling readings."""
     out = []
     for i in range(device_count()):
         try:
@@ -410,5 +428,6 @@ def identities() -> list[dict[str, Any]]:
         for key in ("uuid", "name", "compute_capability"):
             value = (info or {}).get(key, NA)
             ident[key] = None if value is NA else value
+        ident["mig"] = list((info or {}).get("mig") or [])
         out.append(ident)
     return out

@@ -21,6 +21,7 @@ STATE_STYLE = {
     "stopping": "bold #ffaf5f",
     "finished": "bold #87afff",
     "stopped": "bold #ffd75f",
+    "requeued": "bold #ffd75f",
     "failed": "bold #ff5f5f",
     "interrupted": "bold #ffaf5f",
     "killed": "bold #ffaf5f",
