@@ -86,6 +86,7 @@ def test_quickstart_learns_and_leaves_a_complete_run_directory(recorded_run):
         "checkpoint",
         "hardware",
         "logging",
+        "cluster",
     }
     assert resolved["train"]["max_steps"] == 300 and resolved["train"]["nan_policy"] == "stop"
     assert resolved["task"]["kind"] == "mlp" and "noise" in resolved["task"]
