@@ -96,6 +96,7 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "checkpoint_failed": st.status.get("checkpoint_failed"),
         "failure": failure if isinstance(failure, dict) else None,
         "wandb": _wandb(Path(run_dir)),  # RUN/wandb.json (results/wandb_follower.py)
+        "slurm": _slurm(Path(run_dir), st.status),  # the job of the latest session, its requeue
         # RUN/tensorboard/ (results/tensorboard.py), where a session wrote it
         "tensorboard": str(tb) if (tb := Path(run_dir) / "tensorboard").is_dir() else None,
         "profiles": [  # the profile command's traces, oldest first
@@ -103,6 +104,26 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
             for e in st.profiles
         ],
     }
+
+
+def _slurm(run_dir: Path, status: dict[str, Any]) -> dict[str, Any] | None:
+    """The SLURM job the latest session ran in (meta.json) and its requeue (status.json)."""
+    meta = read_json(run_dir / "meta.json")
+    job = current_session(meta).get("slurm") if isinstance(meta, dict) else None
+    if not isinstance(job, dict):
+        return None
+    requeue = status.get("requeue")
+    return {**job, "requeue": requeue if isinstance(requeue, dict) else None}
+
+
+def slurm_text(j: dict[str, Any]) -> str:
+    text = f"job {j.get('job_id')}, node {j.get('node_id')} of {j.get('nnodes')}"
+    if j.get("restart_count"):
+        text += f", started {j['restart_count'] + 1} times (requeued)"
+    if (r := j.get("requeue")) is not None:
+        done = "requeued" if r.get("exit_code") == 0 else f"NOT requeued ({r.get('error')})"
+        text += f"; {done}: {' '.join(r.get('command') or [])}"
+    return text
 
 
 def _wandb(run_dir: Path) -> dict[str, Any] | None:
@@ -234,6 +255,8 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
         tb = (failure.get("traceback") or "").strip().splitlines()
         if tb:
             out.append(("traceback", "\n".join(tb[-TRACEBACK_LINES:])))
+    if j := f.get("slurm"):
+        out.append(("SLURM", slurm_text(j)))
     if w := f.get("wandb"):
         out.append(("W&B", wandb_text(w)))
     if f.get("tensorboard"):

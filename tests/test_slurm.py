@@ -197,7 +197,8 @@ def test_the_warning_signal_checkpoints_requeues_and_the_next_job_continues_exac
     assert 6 <= stopped_at < 24
     assert events_of(run, "checkpoint")[-1]["step"] == stopped_at
     assert calls(scontrol) == ["requeue 4242"], "requeued once, with the job's id"
-    assert "requeued" in out
+    assert "SLURM job 4242 requeued (--resume auto continues the run)" in out  # the state
+    assert "job 4242, node 0 of 1; requeued: scontrol requeue 4242" in out  # the SLURM row
 
     # SLURM starts the batch script again: the same command, the same job id.
     env = job_env(tmp_path, "4242", SLURM_RESTART_COUNT="1")
@@ -207,6 +208,7 @@ def test_the_warning_signal_checkpoints_requeues_and_the_next_job_continues_exac
     assert run_dirs(runs_dir) == [run], "one run, one directory"
     assert read_status(run)["state"] == "finished"
     assert calls(scontrol) == ["requeue 4242"], "a job that ends normally is not requeued"
+    assert "job 4242, node 0 of 1, started 2 times (requeued)" in again.stdout
     got = losses(run)
     assert sorted(got) == sorted(uninterrupted)
     assert [got[s] for s in sorted(got)] == [uninterrupted[s] for s in sorted(got)]
