@@ -105,22 +105,28 @@ def expand_hostlist(nodelist: str) -> list[str]:
     return hosts
 
 
+def _scontrol(*args: str) -> subprocess.CompletedProcess:
+    """``scontrol ARGS``; OSError when it is not on PATH (or cannot run)."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        raise FileNotFoundError("scontrol is not on PATH")
+    return subprocess.run(
+        [scontrol, *args],
+        capture_output=True,
+        text=True,
+        timeout=SCONTROL_TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+    )
+
+
 def hostnames(nodelist: str) -> list[str]:
     """The node list's hosts, as ``scontrol show hostnames`` gives them (it knows every
     site's syntax); expanded here when scontrol is not on PATH or fails."""
-    scontrol = shutil.which("scontrol")
-    if scontrol:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            proc = subprocess.run(
-                [scontrol, "show", "hostnames", nodelist],
-                capture_output=True,
-                text=True,
-                timeout=SCONTROL_TIMEOUT_S,
-                stdin=subprocess.DEVNULL,
-            )
-            hosts = proc.stdout.split()
-            if proc.returncode == 0 and hosts:
-                return hosts
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        proc = _scontrol("show", "hostnames", nodelist)
+        hosts = proc.stdout.split()
+        if proc.returncode == 0 and hosts:
+            return hosts
     return expand_hostlist(nodelist)
 
 
@@ -174,18 +180,8 @@ def requeue(job_id: str) -> dict[str, object]:
     processes and starts the batch script again later). What happened, for status.json."""
     command = ["scontrol", "requeue", job_id]
     out: dict[str, object] = {"job_id": job_id, "command": command, "t": time.time()}
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        out.update(exit_code=None, error="scontrol is not on PATH")
-        return out
     try:
-        proc = subprocess.run(
-            [scontrol, *command[1:]],
-            capture_output=True,
-            text=True,
-            timeout=SCONTROL_TIMEOUT_S,
-            stdin=subprocess.DEVNULL,
-        )
+        proc = _scontrol(*command[1:])
     except (OSError, subprocess.SubprocessError) as e:
         out.update(exit_code=None, error=str(e).splitlines()[0] if str(e) else type(e).__name__)
         return out
