@@ -289,7 +289,7 @@ def _tick(
     if st.done:
         return True
     watch.stalls.check()
-    if not follower.supervisor_alive():
+    if _supervisor_gone(follower, supervisor):
         # It may have written its last status just before exiting; if not, this reader
         # records the run lost in status.json, so that every view says the same (lost.py).
         settle(follower.run_dir)
@@ -298,6 +298,15 @@ def _tick(
             st.state, st.reason = "lost", "the supervisor exited without recording an end"
         return True
     return False
+
+
+def _supervisor_gone(follower: RunFollower, supervisor: subprocess.Popen | None) -> bool:
+    # Our own child, where we started it, is the authority: status.json may never name its pid
+    # (the run directory was removed under us), and the pidfd the loop sleeps on stays
+    # readable once it has exited, so waiting on the file alone would spin forever.
+    if supervisor is not None and supervisor.returncode is not None:
+        return True
+    return not follower.supervisor_alive()
 
 
 def _notable(e: dict, console: Console) -> None:

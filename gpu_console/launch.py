@@ -227,16 +227,21 @@ TORCHRUN_FALLBACKS = {
 
 
 def torchrun_argv(
-    run_dir: Path, profile: Profile, placement: Placement, port: int, nodes: Nodes | None = None
+    run_dir: Path, profile: Profile, placement: Placement, nodes: Nodes | None = None
 ) -> list[str]:
     """torchrun's command line: an argument list, never a shell string.
+
+    One machine: the rendezvous endpoint's port is 0, so the agent's store binds a free port
+    itself (as ``torchrun --standalone`` does). A port picked here and bound there a second
+    later could be taken in between (by any process's outgoing connection: it is in the
+    ephemeral range); the agent then connects to a stranger's socket and fails its rendezvous.
 
     Only flags the installed torchrun accepts, in its parser's spelling; one it lacks is left
     out where :data:`TORCHRUN_FALLBACKS` provides its behaviour another way.
     """
     d = profile.distributed
     if nodes is None:
-        where = [("nnodes", "1"), ("rdzv_endpoint", f"127.0.0.1:{port}"), ("rdzv_id", run_dir.name)]
+        where = [("nnodes", "1"), ("rdzv_endpoint", "127.0.0.1:0"), ("rdzv_id", run_dir.name)]
     else:
         where = [("nnodes", nodes.nnodes)]
         if nodes.node_rank is not None:
@@ -951,7 +956,7 @@ def _session(
         "resume_from": str(resume_from.resolve()) if resume_from else None,
         # The SLURM job this session ran in: --resume auto finds the job's run by it.
         "slurm": job.fields() if (job := slurm.job()) else None,
-        "torchrun": torchrun_argv(run_dir, profile, placement, free_port(), nodes),
+        "torchrun": torchrun_argv(run_dir, profile, placement, nodes),
         # Flags this torchrun lacks, left out, and who provides their behaviour instead.
         "torchrun_compat": torchrun_compat(),
         # Where this session's events and commands begin: its supervisor folds only its own

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -393,3 +394,22 @@ def test_a_new_run_is_locked_from_its_first_file(procs, runs_dir, tmp_path):
     assert (run / ".lock").is_file() and is_held(run) is False
     assert session_lock.holder(run) == read_status(run)["pids"]["supervisor"]
     assert Path(run / ".lock").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_run_directory_removed_under_a_headless_console_ends_it_lost(procs, runs_dir, tmp_path):
+    # Its status.json gone, nothing names the supervisor's pid any more: the console must go by
+    # its own child's exit, not wait on the file for ever (it used to spin at a full core).
+    profile = fast_profile(tmp_path, max_steps=1_000_000)
+    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
+    run = wait_for(lambda: the_run(runs_dir), what="the run directory")
+    status = wait_for(
+        lambda: (s := read_status(run)) and len(s["pids"].get("workers") or []) == 2 and s,
+        what="two worker pids in status.json",
+    )
+    tree = [status["pids"]["supervisor"], status["pids"]["torchrun"], *status["pids"]["workers"]]
+    shutil.rmtree(run)
+    os.kill(status["pids"]["supervisor"], signal.SIGKILL)
+    wait_for(lambda: not any(pid_alive(p) for p in tree), 60, "the run's processes to die")
+    out, err = console.communicate(timeout=60)
+    assert console.returncode == 1, out + err
+    assert "lost" in out and "Traceback" not in out + err

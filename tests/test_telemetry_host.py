@@ -31,9 +31,11 @@ class Tree:
     def _child(self) -> int | None:
         try:
             kids = psutil.Process(self.pid).children()
+            # Both must have exec'd sleep: a moment after the fork the child is still a shell.
+            names = [psutil.Process(self.pid).name(), *(k.name() for k in kids)]
         except psutil.Error:
             return None
-        return kids[0].pid if kids and "sleep" in psutil.Process(self.pid).name() else None
+        return kids[0].pid if kids and all("sleep" in n for n in names) else None
 
     def end(self) -> None:
         for pid in (self.child, self.pid):

@@ -80,7 +80,7 @@ def test_the_argv_launch_builds_parses_with_the_installed_torchruns_parser(tmp_p
     sets, placement, nodes = VARIANTS[variant]
     profile = load_profile(str(fast_profile(tmp_path)), sets)
     run_dir = tmp_path / "runs" / "fast-20260101-000000"
-    argv = launch.torchrun_argv(run_dir, profile, placement, 29511, nodes)
+    argv = launch.torchrun_argv(run_dir, profile, placement, nodes)
     # torchrun itself, run by quick_exit (no interpreter teardown at its end)
     assert argv[:4] == [sys.executable, "-m", "gpu_console.quick_exit", "torch.distributed.run"]
     args = get_args_parser().parse_args(argv[4:])  # an unknown flag: SystemExit(2), a failure
@@ -91,7 +91,7 @@ def test_the_argv_launch_builds_parses_with_the_installed_torchruns_parser(tmp_p
     assert args.rdzv_backend == "c10d" and args.log_dir == str(run_dir / "logs")
     assert "SIGUSR1" in args.signals_to_handle
     if nodes is None:
-        assert args.nnodes == "1" and args.rdzv_endpoint == "127.0.0.1:29511"
+        assert args.nnodes == "1" and args.rdzv_endpoint == "127.0.0.1:0"
         assert args.rdzv_id == run_dir.name
     else:
         assert args.nnodes == nodes.nnodes and args.rdzv_endpoint == nodes.endpoint
@@ -109,7 +109,7 @@ def test_a_torchrun_without_shutdown_timeout_gets_an_argv_without_it(tmp_path, m
     options.pop("shutdown_timeout", None)
     monkeypatch.setattr(torchrun, "accepted_options", lambda: torchrun.Options(options))
     profile = load_profile(str(fast_profile(tmp_path)))
-    argv = launch.torchrun_argv(tmp_path / "r", profile, Placement("cpu", 2), 29511)
+    argv = launch.torchrun_argv(tmp_path / "r", profile, Placement("cpu", 2))
     assert not [a for a in argv if "shutdown" in a]
     get_args_parser().parse_args(argv[4:])
     dropped = launch.torchrun_compat()["dropped"]
@@ -132,7 +132,7 @@ def test_a_flag_no_fallback_covers_is_refused_before_anything_is_written(tmp_pat
     monkeypatch.setattr(torchrun, "accepted_options", lambda: torchrun.Options(options))
     profile = load_profile(str(fast_profile(tmp_path)))
     with pytest.raises(launch.LaunchError, match="has no --log-dir"):
-        launch.torchrun_argv(tmp_path / "r", profile, Placement("cpu", 2), 29511)
+        launch.torchrun_argv(tmp_path / "r", profile, Placement("cpu", 2))
 
 
 # -- the detection and its cache ---------------------------------------------------------------

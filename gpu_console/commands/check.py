@@ -194,7 +194,7 @@ def check_port() -> tuple[Check, int | None]:
         port = launch.free_port()
     except OSError as e:
         return Check("rendezvous_port", FAIL, f"cannot bind 127.0.0.1 ({e.strerror})"), None
-    detail = f"127.0.0.1:{port} is free (each launch picks a free port)"
+    detail = f"127.0.0.1:{port} is free (a launch lets its rendezvous store bind a free port)"
     return Check("rendezvous_port", PASS, detail), port
 
 
