@@ -13,14 +13,10 @@ from __future__ import annotations
 import os
 import re
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from . import toml_text
 
 # What `check` reports as the network environment the ranks inherit.
 PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_GLOO_", "TORCH_DISTRIBUTED_")
@@ -101,7 +97,7 @@ def apply(run_toml: Path) -> dict[str, str]:
     validated it) into this process's environment, over what it inherited. What was set;
     nothing when run.toml cannot be read (the engine's own read of it then says why)."""
     try:
-        data = tomllib.loads(run_toml.read_text(encoding="utf-8"))
+        data = toml_text.loads(run_toml.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     env = (data.get("distributed") or {}).get("env") or {}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,11 +19,8 @@ from . import schema
 from .batching import IN_EPOCHS
 from .schema import opt
 from .tasks import BUILTIN, WITH_BLOCKS, is_import_path
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from .toml_text import TOMLDecodeError
+from .toml_text import loads as toml_loads
 
 
 class ProfileError(Exception):
@@ -417,8 +413,8 @@ def parse_toml(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise ProfileError([f"{path}: cannot read ({e.__class__.__name__}: {e})"]) from None
     try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+        return toml_loads(text)
+    except TOMLDecodeError as e:
         raise ProfileError([f"{path}: not valid TOML: {e}"]) from None
 
 
@@ -430,8 +426,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         raise ProfileError([f"--set: expected SECTION.KEY=VALUE (got {text!r})"])
     raw = raw.strip()
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+        value = toml_loads(f"v = {raw}")["v"]
+    except TOMLDecodeError:
         value = raw
     section, name = section.strip(), name.strip()
     if not isinstance(value, str) and _is_string_key(section, name):

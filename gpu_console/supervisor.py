@@ -44,7 +44,7 @@ from typing import Any
 
 import psutil
 
-from . import diskfull, runs, session_lock, slurm, timings
+from . import diskfull, runs, session_lock, slurm, timings, toml_text
 from .events import JsonlTail
 from .exit_watch import ExitWatch
 from .fold import RunFold
@@ -85,7 +85,9 @@ class Supervisor:
         # This session's facts: a resumed run continues in its directory (runs.current_session).
         self.meta = runs.current_session(runs.read_json(run_dir / "meta.json") or {})
         profile_text = (run_dir / "run.toml").read_text()
-        self.grace_s = _grace_from(profile_text)
+        # Parsed once, here: the launch validated it; a reader falls back to the defaults.
+        self.profile = toml_text.loads_or_empty(profile_text)
+        self.grace_s = _grace_from(self.profile)
         self.events = JsonlTail(run_dir / "events.jsonl", int(self.meta.get("events_from") or 0))
         self.status: dict[str, Any] = {
             "state": "starting",
@@ -333,7 +335,7 @@ class Supervisor:
         self.status["pids"]["torchrun"] = self.proc.pid
         self.recorder.start()  # after the fork: preexec_fn is not safe beside a running thread
         self.write_status()
-        self.tensorboard = tensorboard_mirror(self.run_dir, self.profile_text)
+        self.tensorboard = tensorboard_mirror(self.run_dir, self.profile_text, self.profile)
         self.follower = start_wandb_follower(self.run_dir, self.profile_text)
         if self.follower is not None:
             self.status["pids"]["wandb"] = self.follower.pid
@@ -441,7 +443,7 @@ class Supervisor:
         """The SLURM job to requeue, when the run stopped with its checkpoint on the signal
         ``cluster.requeue_signal`` names (SLURM's warning before the time limit), on the job's
         first node (one requeue per job); None otherwise: an end on request, a finished run."""
-        wanted = slurm.requeue_signal(_cluster_setting(self.profile_text, "requeue_signal"))
+        wanted = slurm.requeue_signal(_cluster_setting(self.profile, "requeue_signal"))
         job = slurm.job()
         if wanted is None or job is None or job.node_id != 0 or self.first_signal != wanted:
             return None
@@ -522,29 +524,22 @@ def _send(p: psutil.Process, sig: int) -> None:
         p.send_signal(sig)
 
 
-def _cluster_setting(profile_text: str, key: str) -> str:
-    """A ``[cluster]`` key of run.toml (its default where the table lacks it)."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
+def _table(profile: dict[str, Any], name: str) -> dict[str, Any]:
+    table = profile.get(name)
+    return table if isinstance(table, dict) else {}
 
+
+def _cluster_setting(profile: dict[str, Any], key: str) -> str:
+    """A ``[cluster]`` key of run.toml (its default where the table lacks it)."""
     from .profile import ClusterConfig
 
-    try:
-        value = tomllib.loads(profile_text).get("cluster", {}).get(key)
-    except (ValueError, AttributeError):
-        value = None
+    value = _table(profile, "cluster").get(key)
     return value if isinstance(value, str) else getattr(ClusterConfig(), key)
 
 
-def _grace_from(profile_text: str) -> float:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
+def _grace_from(profile: dict[str, Any]) -> float:
     try:
-        return float(tomllib.loads(profile_text)["distributed"]["shutdown_grace_s"])
+        return float(_table(profile, "distributed")["shutdown_grace_s"])
     except (KeyError, ValueError, TypeError):
         return 30.0
 
@@ -591,19 +586,12 @@ def _subtree(pid: int) -> set[int]:
     return {pid, *(p.pid for p in _children(pid))}
 
 
-def tensorboard_mirror(run_dir: Path, profile_text: str) -> Any:
+def tensorboard_mirror(run_dir: Path, profile_text: str, profile: dict[str, Any]) -> Any:
     """This session's TensorBoard mirror, when ``[logging] tensorboard`` is on and the
     package is installed (the launch said so otherwise); None else."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
     from .results import tensorboard
 
-    try:
-        wanted = tomllib.loads(profile_text).get("logging", {}).get("tensorboard", True)
-    except (ValueError, AttributeError):
-        wanted = True
+    wanted = _table(profile, "logging").get("tensorboard", True)
     if wanted is not True or not tensorboard.available():
         return None
     try:

@@ -143,9 +143,7 @@ def start_nodes(
     """A run over len(runs_dirs) one-rank "nodes" on loopback, started as a user starts one: the
     same command on every node, each with its runs directory (the same one where the file
     system is shared), through one c10d rendezvous endpoint. Returns the consoles and it."""
-    from gpu_console.launch import free_port
-
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{rendezvous_port()}"
     consoles = []
     for node, runs in enumerate(runs_dirs):
         where = ["--node-rank", str(node)] if node_ranks else []
@@ -168,6 +166,24 @@ def start_nodes(
             )  # fmt: skip
         )
     return consoles, endpoint
+
+
+def rendezvous_port() -> int:
+    """A free port for a several-node rendezvous, below Linux's ephemeral range (32768 up).
+
+    The head node's agent binds it seconds after this pick (its torch import); a port from the
+    ephemeral range can meanwhile become any process's outgoing connection, and the agent then
+    connects to a stranger instead of hosting the store. Random, so two test workers rarely
+    pick the same one, and checked free as the store binds (SO_REUSEADDR)."""
+    import random
+
+    from gpu_console.slurm import port_free
+
+    for _ in range(200):
+        port = random.randrange(20000, 32768)
+        if port_free(port):
+            return port
+    raise AssertionError("no free port in 20000-32767 for the rendezvous")
 
 
 def repo_pythonpath() -> str:

@@ -30,6 +30,7 @@ from .. import runs
 from ..commands.diff import flatten
 from ..events import JsonlTail
 from ..telemetry.fold import TELEMETRY_FILE
+from ..toml_text import loads_or_empty
 from . import scalars
 
 STATUS_FILE = "wandb.json"
@@ -38,20 +39,9 @@ POLL_S = 1.0
 INIT_TIMEOUT_S = float(os.environ.get("GPU_CONSOLE_WANDB_INIT_TIMEOUT_S") or 60.0)
 
 
-def _toml(text: str) -> dict[str, Any]:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
-    try:
-        return tomllib.loads(text)
-    except ValueError:
-        return {}
-
-
 def settings(profile_text: str) -> dict[str, Any]:
     """``[logging] wandb`` of a run.toml; empty when off."""
-    table = _toml(profile_text).get("logging", {})
+    table = loads_or_empty(profile_text).get("logging", {})
     value = table.get("wandb") if isinstance(table, dict) else None
     return value if isinstance(value, dict) else {}
 
@@ -150,7 +140,7 @@ def main(argv: list[str]) -> int:
             id=run_id(run_dir),
             resume="allow",
             name=run_dir.name,
-            config=flatten(_toml(profile_text)),
+            config=flatten(loads_or_empty(profile_text)),
             settings=wandb.Settings(init_timeout=INIT_TIMEOUT_S, console="off"),
         )
     except Exception as e:  # noqa: BLE001 (any failure to start: W&B is off, training is not)
