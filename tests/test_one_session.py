@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -399,6 +398,8 @@ def test_a_new_run_is_locked_from_its_first_file(procs, runs_dir, tmp_path):
 def test_a_run_directory_removed_under_a_headless_console_ends_it_lost(procs, runs_dir, tmp_path):
     # Its status.json gone, nothing names the supervisor's pid any more: the console must go by
     # its own child's exit, not wait on the file for ever (it used to spin at a full core).
+    # Moved away rather than deleted: a delete races the run's writers (ENOTEMPTY), a rename
+    # takes the whole directory at once.
     profile = fast_profile(tmp_path, max_steps=1_000_000)
     console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
     run = wait_for(lambda: the_run(runs_dir), what="the run directory")
@@ -407,7 +408,7 @@ def test_a_run_directory_removed_under_a_headless_console_ends_it_lost(procs, ru
         what="two worker pids in status.json",
     )
     tree = [status["pids"]["supervisor"], status["pids"]["torchrun"], *status["pids"]["workers"]]
-    shutil.rmtree(run)
+    run.rename(tmp_path / "moved-away")
     os.kill(status["pids"]["supervisor"], signal.SIGKILL)
     wait_for(lambda: not any(pid_alive(p) for p in tree), 60, "the run's processes to die")
     out, err = console.communicate(timeout=60)
