@@ -26,5 +26,5 @@ def loads_or_empty(text: str) -> dict[str, Any]:
     already validated, which fall back to the defaults rather than fail a running run."""
     try:
         return tomllib.loads(text)
-    except (TOMLDecodeError, ValueError):
+    except ValueError:  # TOMLDecodeError is one
         return {}
