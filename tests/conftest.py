@@ -331,7 +331,8 @@ def write_profile(path: Path, text: str) -> Path:
     return path
 
 
-# A small, fast profile for integration tests: 2 CPU ranks, exact fp32.
+# A small, fast profile for integration tests: exact fp32 on CPU ranks (one unless a test needs
+# more: every rank is a torch import and a torch._dynamo import, the most of a session's CPU).
 FAST = """
 [profile]
 name = "{name}"
@@ -348,14 +349,15 @@ lr = 3e-3
 log_every = 1
 precision = "fp32"
 [hardware]
-devices = "cpu:2"
+devices = "cpu:{ranks}"
 """
 
 
-def fast_profile(tmp_path: Path, name: str = "fast", max_steps: int = 40, extra: str = "") -> Path:
-    return write_profile(
-        tmp_path / f"{name}.toml", FAST.format(name=name, max_steps=max_steps) + extra
-    )
+def fast_profile(
+    tmp_path: Path, name: str = "fast", max_steps: int = 40, extra: str = "", ranks: int = 1
+) -> Path:
+    text = FAST.format(name=name, max_steps=max_steps, ranks=ranks)
+    return write_profile(tmp_path / f"{name}.toml", text + extra)
 
 
 def pinned_env(**extra: str) -> dict[str, str]:
@@ -398,7 +400,7 @@ def fast_run(tmp_path_factory) -> FinishedRun:
     a checkpoint at the end), shared by the tests that only read a finished run. Read it, never
     change it: a test that resumes or damages a run takes :meth:`FinishedRun.copy`."""
     tmp = tmp_path_factory.mktemp("fast_run")
-    profile = fast_profile(tmp, max_steps=FAST_RUN_STEPS)
+    profile = fast_profile(tmp, max_steps=FAST_RUN_STEPS, ranks=2)
     return _finished(tmp / "runs", profile, str(profile), cwd=tmp)
 
 

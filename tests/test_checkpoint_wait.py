@@ -65,6 +65,7 @@ def test_a_write_slower_than_the_collective_timeout_does_not_end_the_run(procs, 
         extra=(
             f"[distributed]\ncollective_timeout_s = {TIMEOUT_S}\n[checkpoint]\nevery_steps = 4\n"
         ),
+        ranks=2,
     )
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -24,7 +24,7 @@ REL_TOL = 1e-4
 def _run(procs, runs_dir, tmp_path, name: str, *sets: str, resume=None):
     args = ["run"]
     if resume is None:
-        args += [str(fast_profile(tmp_path, max_steps=STEPS)), "--name", name]
+        args += [str(fast_profile(tmp_path, max_steps=STEPS, ranks=2)), "--name", name]
     else:
         args += ["--resume", str(resume)]
     args += ["--headless", "--runs-dir", str(runs_dir)]

@@ -22,8 +22,8 @@ from conftest import (
 from gpu_console.events import append_control
 
 
-def _start_long(procs, runs_dir, tmp_path, *args):
-    profile = fast_profile(tmp_path, max_steps=1_000_000)
+def _start_long(procs, runs_dir, tmp_path, *args, ranks: int = 1):
+    profile = fast_profile(tmp_path, max_steps=1_000_000, ranks=ranks)
     console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir), *args)
     run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     wait_for(lambda: events_of(run, "step"), what="a first step")
@@ -35,7 +35,8 @@ def _acks(run, cid):
 
 
 def test_checkpoint_pause_resume_and_stop_through_the_control_file(procs, runs_dir, tmp_path):
-    console, run = _start_long(procs, runs_dir, tmp_path)
+    # Two ranks: each command is read by rank 0 and must reach the other rank's loop.
+    console, run = _start_long(procs, runs_dir, tmp_path, ranks=2)
 
     cid = append_control(run, "checkpoint")
     wait_for(lambda: _acks(run, cid) == ["received", "done"], what="checkpoint acknowledged")
@@ -99,7 +100,7 @@ class Crashing(MLPTask):
 
 def test_a_crashing_rank_fails_the_run_and_is_named_with_its_traceback(procs, runs_dir, tmp_path):
     (tmp_path / "crashing.py").write_text(textwrap.dedent(CRASHING_TASK))
-    profile = fast_profile(tmp_path, max_steps=1_000_000)
+    profile = fast_profile(tmp_path, max_steps=1_000_000, ranks=2)
     text = profile.read_text().replace('kind = "mlp"', 'kind = "crashing:Crashing"')
     profile.write_text(text)
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
@@ -116,7 +117,7 @@ def test_a_crashing_rank_fails_the_run_and_is_named_with_its_traceback(procs, ru
 
 
 def test_plain_output_off_a_terminal_has_no_carriage_returns(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=150)
+    profile = fast_profile(tmp_path, max_steps=150, ranks=2)
     result = procs.cli(
         "run",
         str(profile),
@@ -146,7 +147,7 @@ def test_bf16_autocast_runs_on_cpu(procs, runs_dir, tmp_path):
 
 
 def test_lr_scaling_and_global_batch_follow_the_world_size(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=2)
+    profile = fast_profile(tmp_path, max_steps=2, ranks=2)
     result = procs.cli(
         "run",
         str(profile),
@@ -165,7 +166,7 @@ def test_lr_scaling_and_global_batch_follow_the_world_size(procs, runs_dir, tmp_
 
 
 def _poisoned(tmp_path):
-    return task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12)
+    return task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12, ranks=2)
 
 
 def test_nan_policy_skip_skips_the_poisoned_updates_and_carries_on(procs, runs_dir, tmp_path):
@@ -205,7 +206,7 @@ def test_nan_policy_stop_fails_the_run_naming_the_step(procs, runs_dir, tmp_path
 
 
 def test_status_lists_ranks_not_their_dataloader_workers(procs, runs_dir, tmp_path):
-    console, run = _start_long(procs, runs_dir, tmp_path, "--set", "data.num_workers=2")
+    console, run = _start_long(procs, runs_dir, tmp_path, "--set", "data.num_workers=2", ranks=2)
     status = wait_for(
         lambda: (s := read_status(run)) and len(s["pids"].get("workers") or []) == 2 and s,
         what="two rank pids",
@@ -222,7 +223,7 @@ def test_status_lists_ranks_not_their_dataloader_workers(procs, runs_dir, tmp_pa
 
 
 def _hung_run(procs, runs_dir, tmp_path):
-    profile = task_profile(tmp_path, "hanging", HANGING_TASK, "Hanging", max_steps=1000)
+    profile = task_profile(tmp_path, "hanging", HANGING_TASK, "Hanging", max_steps=1000, ranks=2)
     out = open(tmp_path / "console.out", "w")  # noqa: SIM115 - the console writes it
     console = procs.start(
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path, stdout=out

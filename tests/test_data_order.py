@@ -142,7 +142,7 @@ def test_two_ranks_stopped_and_resumed_read_what_an_uninterrupted_run_reads(
     procs, runs_dir, tmp_path, order
 ):
     # 256 samples, 2 ranks, batch 32: 4 batches a rank per epoch; 10 steps are 2.5 epochs.
-    profile = task_profile(tmp_path, "reading", INDEXED_TASK, "Reading", max_steps=10)
+    profile = task_profile(tmp_path, "reading", INDEXED_TASK, "Reading", max_steps=10, ranks=2)
     ref_dir = runs_dir / "ref"
     reference = run_reading(procs, ref_dir, tmp_path, tmp_path / "ref", order, str(profile))
     assert [len(lines) for lines in reference] == [10, 10]

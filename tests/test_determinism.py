@@ -101,7 +101,7 @@ class Probe(MLPTask):
 
 
 def test_every_rank_runs_deterministic_and_the_start_event_says_so(procs, runs_dir, tmp_path):
-    profile = task_profile(tmp_path, "probe", PROBE, "Probe", max_steps=3)
+    profile = task_profile(tmp_path, "probe", PROBE, "Probe", max_steps=3, ranks=2)
     probes = tmp_path / "probes"
     probes.mkdir()
     env = cli_env(PROBE_DIR=str(probes))

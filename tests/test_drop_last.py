@@ -77,7 +77,7 @@ SETS = ["--set", "task.train_samples=70", "--set", "data.batch_size=8", "--set",
 
 
 def test_a_run_trains_on_the_short_batch_and_resumes_across_it(procs, tmp_path):
-    profile = task_profile(tmp_path, "sized", SIZED, "Sized", max_steps=12)
+    profile = task_profile(tmp_path, "sized", SIZED, "Sized", max_steps=12, ranks=2)
 
     def run(runs: str, *more: str) -> list[dict]:
         result = procs.cli("run", str(profile), "--headless", *SETS, "--runs-dir",

@@ -94,7 +94,7 @@ def test_the_plan_is_what_a_run_builds_and_nothing_is_written(
 
 
 def test_a_resume_plan_lists_the_changes_and_writes_nothing(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=4)
+    profile = fast_profile(tmp_path, max_steps=4, ranks=2)
     first = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
     assert first.returncode == 0, first.stderr
     run = only_run(runs_dir)

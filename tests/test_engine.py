@@ -106,7 +106,7 @@ def test_run_toml_reproduces_the_run(fast_run, procs, runs_dir):
 
 @pytest.mark.torch_floor
 def test_ctrl_c_stops_with_a_checkpoint_and_resume_is_bit_exact(procs, runs_dir, tmp_path):
-    profile = paced_profile(tmp_path, max_steps=400, extra="[checkpoint]\nkeep_last = 0\n")
+    profile = paced_profile(tmp_path, max_steps=400, extra="[checkpoint]\nkeep_last = 0\n", ranks=2)
     dropout = ["--set", "task.dropout=0.1"]  # dropout draws from every rank's RNG stream
 
     reference = procs.cli(
@@ -213,7 +213,7 @@ def test_four_micro_batches_of_8_match_one_batch_of_32(fast_run, procs, runs_dir
 
 
 def test_every_ddp_knob_reaches_the_ddp_constructor(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=3)
+    profile = fast_profile(tmp_path, max_steps=3, ranks=2)
     knobs = {
         "static_graph": True,
         "bucket_cap_mb": 7.0,
@@ -296,7 +296,7 @@ def test_sync_batchnorm_on_cpu_is_a_bad_input(procs, runs_dir, tmp_path):
 
 
 def _long_run(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=1_000_000)
+    profile = fast_profile(tmp_path, max_steps=1_000_000, ranks=2)
     console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
     run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     wait_for(lambda: events_of(run, "step"), what="a first step")
@@ -341,7 +341,7 @@ def test_kill_9_of_the_agent_leaves_no_worker_and_the_run_is_failed(procs, runs_
 
 def test_eval_with_fewer_samples_than_ranks(procs, runs_dir, tmp_path):
     # Rank 1 gets no eval batch at all; the ranks must still agree on one eval collective.
-    profile = fast_profile(tmp_path, max_steps=4)
+    profile = fast_profile(tmp_path, max_steps=4, ranks=2)
     result = procs.cli(
         "run",
         str(profile),

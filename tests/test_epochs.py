@@ -74,7 +74,7 @@ def test_a_user_task_in_epochs_trains_them_and_evaluates_at_each_epochs_end(proc
     # A user task's size is found by the launch's data check (a subprocess): 70 samples over
     # 2 ranks, 8 per batch: 4 steps per epoch.
     source = "from gpu_console.tasks.mlp import MLPTask\n\n\nclass Mine(MLPTask):\n    pass\n"
-    profile = task_profile(tmp_path, "mine", source, "Mine")
+    profile = task_profile(tmp_path, "mine", source, "Mine", ranks=2)
     sets = ["--set", "task.train_samples=70", "--set", "data.batch_size=8", "--set",
             "train.max_epochs=2", "--set", "train.eval_every_epochs=1", "--set",
             "train.warmup_steps=0"]  # fmt: skip

@@ -54,8 +54,10 @@ class Numbers(MLPTask):
 """
 
 
-def eval_profile(tmp_path: Path, max_steps: int, extra: str) -> Path:
-    profile = task_profile(tmp_path, "eval_numbers", EVAL_TASK, "Numbers", max_steps=max_steps)
+def eval_profile(tmp_path: Path, max_steps: int, extra: str, ranks: int = 1) -> Path:
+    profile = task_profile(
+        tmp_path, "eval_numbers", EVAL_TASK, "Numbers", max_steps=max_steps, ranks=ranks
+    )
     text = profile.read_text().replace("[data]\n", f"[data]\n{extra}\n", 1)
     profile.write_text(
         text.replace("log_every = 1", "log_every = 1\neval_every = 2\neval_at_start = true")
@@ -64,7 +66,7 @@ def eval_profile(tmp_path: Path, max_steps: int, extra: str) -> Path:
 
 
 def test_eval_at_start_its_batch_size_and_a_mean_over_samples(procs, runs_dir, tmp_path):
-    profile = eval_profile(tmp_path, max_steps=4, extra="eval_batch_size = 3")
+    profile = eval_profile(tmp_path, max_steps=4, extra="eval_batch_size = 3", ranks=2)
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
                        cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -175,7 +177,7 @@ def test_a_stopped_run_resumed_with_eval_at_start_trains_as_an_uninterrupted_one
 
 
 def test_a_task_counting_tokens_gets_a_mean_over_tokens(procs, runs_dir, tmp_path):
-    profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 3")
+    profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 3", ranks=2)
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
                        cwd=tmp_path, env=cli_env(TOKENS="1"))  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -186,7 +188,7 @@ def test_a_task_counting_tokens_gets_a_mean_over_tokens(procs, runs_dir, tmp_pat
 
 
 def test_several_splits_each_named_and_one_kept_best(procs, runs_dir, tmp_path):
-    profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 3")
+    profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 3", ranks=2)
     text = profile.read_text() + '[checkpoint]\nkeep_best = "eval.val/loss"\n'
     profile.write_text(text.replace("eval_at_start = true", ""))
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
@@ -205,7 +207,7 @@ def test_several_splits_each_named_and_one_kept_best(procs, runs_dir, tmp_path):
 
 def test_a_long_eval_shows_progress_and_is_never_a_stall(procs, runs_dir, tmp_path):
     # 8 eval batches a rank, 0.75 s each: 6 s of eval, twice the stall limit of 3 s.
-    profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 1")
+    profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 1", ranks=2)
     profile.write_text(profile.read_text().replace("eval_at_start = true", ""))
     env = cli_env(GPU_CONSOLE_STALL_S="3", EVAL_PACE_S="0.75", EVAL_N="16")
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),

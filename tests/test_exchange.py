@@ -120,7 +120,7 @@ def test_hook_matches_plain_ddp_and_gathers_every_rank(tmp_path):
 
 
 def test_log_steps_make_no_collective_of_their_own(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=30)
+    profile = fast_profile(tmp_path, max_steps=30, ranks=2)
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
     assert result.returncode == 0, result.stdout + result.stderr
     run = the_run(runs_dir)
@@ -134,7 +134,7 @@ def test_log_steps_make_no_collective_of_their_own(procs, runs_dir, tmp_path):
 
 def test_control_between_sparse_log_steps_still_answers(procs, runs_dir, tmp_path):
     """No log step for a million steps: checks come on the control interval instead."""
-    profile = fast_profile(tmp_path, max_steps=1_000_000)
+    profile = fast_profile(tmp_path, max_steps=1_000_000, ranks=2)
     text = profile.read_text().replace("log_every = 1\n", "log_every = 1000000\n")
     profile.write_text(text)
     console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))

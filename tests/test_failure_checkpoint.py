@@ -39,8 +39,8 @@ class Broken(MLPTask):
 """
 
 
-def broken_profile(tmp_path: Path) -> Path:
-    profile = task_profile(tmp_path, "eval_broken", EVAL_BROKEN, "Broken", max_steps=8)
+def broken_profile(tmp_path: Path, ranks: int = 1) -> Path:
+    profile = task_profile(tmp_path, "eval_broken", EVAL_BROKEN, "Broken", max_steps=8, ranks=ranks)
     text = profile.read_text().replace("log_every = 1\n", "log_every = 1\neval_every = 4\n")
     profile.write_text(text.replace("[hardware]", "[checkpoint]\nevery_steps = 4\n[hardware]"))
     return profile
@@ -65,7 +65,7 @@ def run_headless(procs, profile: Path, runs_dir: Path, tmp_path: Path, **env: st
 
 
 def test_an_eval_failure_keeps_the_step_and_a_resume_goes_on_exactly(procs, runs_dir, tmp_path):
-    profile = broken_profile(tmp_path)
+    profile = broken_profile(tmp_path, ranks=2)
     (tmp_path / "broken").write_text("")
     failed = run_headless(procs, profile, runs_dir, tmp_path)
     out = failed.stdout + failed.stderr
@@ -110,7 +110,7 @@ def test_a_failure_inside_the_update_writes_no_checkpoint(procs, runs_dir, tmp_p
 
 
 def test_an_eval_failure_on_one_rank_ends_the_run_without_a_checkpoint(procs, runs_dir, tmp_path):
-    profile = broken_profile(tmp_path)
+    profile = broken_profile(tmp_path, ranks=2)
     (tmp_path / "broken").write_text("")
     # Rank 1 fails alone; rank 0 waits in the eval's collective. No agreement: no
     # checkpoint, and no hang (the run ends well within the test's deadline).

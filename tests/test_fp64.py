@@ -31,7 +31,7 @@ class Float64(MLPTask):
 
 
 def test_an_fp64_run_trains_in_float64_and_reports_its_losses_unrounded(procs, runs_dir, tmp_path):
-    profile = task_profile(tmp_path, "float64", FLOAT64_TASK, "Float64", max_steps=8)
+    profile = task_profile(tmp_path, "float64", FLOAT64_TASK, "Float64", max_steps=8, ranks=2)
     result = procs.cli("run", str(profile), "--headless", "--precision", "fp64",
                        "--runs-dir", str(runs_dir), cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

@@ -315,7 +315,7 @@ def test_a_tasks_own_gan_step_runs_on_the_sharded_model(procs, tmp_path):
 def test_a_non_finite_loss_stops_an_fsdp_run_at_its_last_finite_state(procs, tmp_path):
     # The deferred check: the verdict gates the fused optimizer's update on the device,
     # sharded parameters and all; the loop rewinds to step 4 and checkpoints it, sharded.
-    prof = task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12)
+    prof = task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12, ranks=2)
     prof.write_text(prof.read_text() + '[distributed]\nstrategy = "fsdp"\n')
     result = procs.cli(
         "run", str(prof), "--headless", "--runs-dir", str(tmp_path / "r"),
@@ -366,7 +366,9 @@ class FullShardDisk(MLPTask):
 
 
 def test_one_ranks_failed_shard_write_leaves_latest_on_the_complete_checkpoint(procs, tmp_path):
-    prof = task_profile(tmp_path, "fullshard", FULL_SHARD_DISK, "FullShardDisk", max_steps=12)
+    prof = task_profile(
+        tmp_path, "fullshard", FULL_SHARD_DISK, "FullShardDisk", max_steps=12, ranks=2
+    )
     prof.write_text(
         prof.read_text() + '[checkpoint]\nevery_steps = 5\n[distributed]\nstrategy = "fsdp"\n'
     )

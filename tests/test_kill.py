@@ -99,7 +99,9 @@ def _assert_ended_at_once(procs, runs_dir, tmp_path, run, console, status, state
 
 
 def test_stop_now_kills_a_running_run_no_checkpoint_exit_137(procs, runs_dir, tmp_path):
-    console, run = _start(procs, runs_dir, tmp_path, fast_profile(tmp_path, max_steps=1_000_000))
+    console, run = _start(
+        procs, runs_dir, tmp_path, fast_profile(tmp_path, max_steps=1_000_000, ranks=2)
+    )
     wait_for(lambda: read_status(run).get("state") == "running", what="status.json running")
     status = _workers(run)
     assert _ls_row(procs, runs_dir, run)["exit_code"] is None  # live: no exit code yet
@@ -114,7 +116,9 @@ def test_stop_now_kills_a_running_run_no_checkpoint_exit_137(procs, runs_dir, tm
 
 
 def test_stop_now_kills_a_run_whose_rank_is_hung(procs, runs_dir, tmp_path):
-    profile = task_profile(tmp_path, "onehangs", ONE_RANK_HANGS, "OneHangs", max_steps=1000)
+    profile = task_profile(
+        tmp_path, "onehangs", ONE_RANK_HANGS, "OneHangs", max_steps=1000, ranks=2
+    )
     console, run = _start(procs, runs_dir, tmp_path, profile)
     status = _workers(run)
 
@@ -132,7 +136,7 @@ def test_stop_now_kills_a_run_whose_rank_is_hung(procs, runs_dir, tmp_path):
 
 def test_second_ctrl_c_interrupts_at_once_exit_130(procs, runs_dir, tmp_path):
     # Every rank hangs in step 6: the first Ctrl-C's graceful stop can never be reached.
-    profile = task_profile(tmp_path, "hanging", HANGING_TASK, "Hanging", max_steps=1000)
+    profile = task_profile(tmp_path, "hanging", HANGING_TASK, "Hanging", max_steps=1000, ranks=2)
     console, run = _start(procs, runs_dir, tmp_path, profile)
     status = _workers(run)
     wait_for(lambda: len(events_of(run, "step")) >= 5, what="five steps, then the hang")

@@ -27,7 +27,7 @@ def three_runs(tmp_path_factory):
             done = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs),
                              *sets, cwd=tmp)  # fmt: skip
             assert done.returncode == 0, done.stderr
-        poisoned = task_profile(tmp, "poisoned", POISONED_TASK, "Poisoned", max_steps=12)
+        poisoned = task_profile(tmp, "poisoned", POISONED_TASK, "Poisoned", max_steps=12, ranks=2)
         poisoned.write_text(poisoned.read_text().replace('name = "fast"', 'name = "gamma"'))
         done = procs.cli("run", str(poisoned), "--headless", "--runs-dir", str(runs), cwd=tmp)
         assert done.returncode == 1, done.stderr

@@ -215,7 +215,7 @@ def _run(procs, runs_dir, profile, cwd, *sets):
 def _regularised(tmp_path, name: str, kind: str):
     """The fast profile with BatchNorm (buffers) and dropout (RNG): what a careless
     measurement would disturb."""
-    profile = fast_profile(tmp_path, name=name, max_steps=8)
+    profile = fast_profile(tmp_path, name=name, max_steps=8, ranks=2)
     text = profile.read_text().replace(
         'kind = "mlp"', f'kind = "{kind}"\nbatch_norm = true\ndropout = 0.2'
     )

@@ -47,7 +47,9 @@ def strict(text: str):
 
 
 def _nan_run(procs, tmp_path, check: str, *sets: str):
-    profile = task_profile(tmp_path, "always_nan", ALWAYS_NAN_TASK, "AlwaysNan", max_steps=30)
+    profile = task_profile(
+        tmp_path, "always_nan", ALWAYS_NAN_TASK, "AlwaysNan", max_steps=30, ranks=2
+    )
     args = ["--set", "train.nan_policy=skip", "--set", "train.log_every=3"]
     for s in sets:
         args += ["--set", s]

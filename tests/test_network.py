@@ -40,6 +40,7 @@ def test_distributed_env_reaches_every_rank_and_the_start_event(procs, runs_dir,
     profile = conftest.task_profile(
         tmp_path, "sees_env", ENV_TASK, "SeesEnv", max_steps=3,
         extra='\n[distributed]\nenv = { GLOO_SOCKET_IFNAME = "lo", MY_FLAG = "x" }\n',
+        ranks=2,
     )  # fmt: skip
     run, out = run_finished(procs, profile, runs_dir, tmp_path)
     (start,) = events_of(run, "start")

@@ -21,7 +21,9 @@ from gpu_console.profile import TrainConfig
 def _poisoned_run(procs, tmp_path, name: str, policy: str, check: str):
     runs = tmp_path / name
     (tmp_path / name).mkdir()
-    profile = task_profile(tmp_path / name, "poisoned", POISONED_TASK, "Poisoned", max_steps=12)
+    profile = task_profile(
+        tmp_path / name, "poisoned", POISONED_TASK, "Poisoned", max_steps=12, ranks=2
+    )
     result = procs.cli(
         "run",
         str(profile),

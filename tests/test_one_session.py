@@ -1,7 +1,7 @@
 """One session per run, and one truth after abnormal ends (issue 25: items 3, 4, 8, 9).
 
 The session lock (``RUN/.lock``, :mod:`gpu_console.session_lock`) on its own, then through
-the real CLI (console → supervisor → torchrun → 2 CPU ranks): two resumes at the same
+the real CLI (console → supervisor → torchrun → a CPU rank): two resumes at the same
 instant, a supervisor SIGKILLed, a double Ctrl-C that lands after the stop's checkpoint.
 """
 
@@ -279,8 +279,8 @@ def test_a_killed_supervisor_is_recorded_lost_and_every_view_agrees(procs, runs_
     run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     wait_for(lambda: len(events_of(run, "step")) >= 5, what="five steps")
     status = wait_for(
-        lambda: (s := read_status(run)) and len(s["pids"].get("workers") or []) == 2 and s,
-        what="two worker pids in status.json",
+        lambda: (s := read_status(run)) and s["pids"].get("workers") and s,
+        what="the worker pid in status.json",
     )
     # The supervisor alone holds the lock: not the console, torchrun or a rank.
     pids = status["pids"]
@@ -404,8 +404,8 @@ def test_a_run_directory_removed_under_a_headless_console_ends_it_lost(procs, ru
     console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
     run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     status = wait_for(
-        lambda: (s := read_status(run)) and len(s["pids"].get("workers") or []) == 2 and s,
-        what="two worker pids in status.json",
+        lambda: (s := read_status(run)) and s["pids"].get("workers") and s,
+        what="the worker pid in status.json",
     )
     tree = [status["pids"]["supervisor"], status["pids"]["torchrun"], *status["pids"]["workers"]]
     run.rename(tmp_path / "moved-away")

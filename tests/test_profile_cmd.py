@@ -29,7 +29,7 @@ def _ack(run: Path, cid: str, state: str) -> dict | None:
 
 
 def test_profile_traces_the_next_steps_on_every_rank(procs, runs_dir, tmp_path):
-    profile = paced_profile(tmp_path, max_steps=1_000_000)
+    profile = paced_profile(tmp_path, max_steps=1_000_000, ranks=2)
     env = cli_env(PACE_S="0.02")
     console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
                 "--set", "hardware.memory_snapshot_on_oom=true", env=env, cwd=tmp_path)  # fmt: skip

@@ -117,9 +117,9 @@ def test_an_old_checkpoints_position_in_micro_batches_becomes_samples():
 # -- through the CLI -------------------------------------------------------------------------
 
 
-def _finished_run(procs, tmp_path, *sets: str, max_steps: int = 10):
+def _finished_run(procs, tmp_path, *sets: str, max_steps: int = 10, ranks: int = 1):
     runs = tmp_path / "runs"
-    profile = fast_profile(tmp_path, max_steps=max_steps)
+    profile = fast_profile(tmp_path, max_steps=max_steps, ranks=ranks)
     args = ["run", str(profile), "--headless", "--runs-dir", str(runs)]
     for s in sets:
         args += ["--set", s]
@@ -208,7 +208,7 @@ def test_fewer_ranks_and_a_larger_batch_continue_at_the_next_sample(procs, tmp_p
     seen = tmp_path / "seen"
     seen.mkdir()
     task = RECORDING_TASK.format(seen=str(seen))
-    profile = task_profile(tmp_path, "recording", task, "Recording", max_steps=10)
+    profile = task_profile(tmp_path, "recording", task, "Recording", max_steps=10, ranks=2)
     runs = tmp_path / "runs"
     first = procs.cli(
         "run", str(profile), "--headless", "--runs-dir", str(runs),
@@ -240,7 +240,7 @@ def test_fewer_ranks_and_a_larger_batch_continue_at_the_next_sample(procs, tmp_p
 
 
 def test_a_checkpoint_with_the_old_position_format_still_resumes(procs, tmp_path):
-    runs, run = _finished_run(procs, tmp_path, max_steps=4)
+    runs, run = _finished_run(procs, tmp_path, max_steps=4, ranks=2)
     path = run / "checkpoints" / "step-00000004" / "state.pt"
     state = torch.load(path, weights_only=True)
     assert state["data"] == {"epoch": 0, "samples": 4 * 32 * 2}

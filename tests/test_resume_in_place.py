@@ -77,7 +77,7 @@ def test_a_stop_between_log_steps_reports_the_checkpoints_step(procs, runs_dir, 
 
 
 def test_resume_continues_in_the_same_directory_from_anywhere(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=1_000_000)
+    profile = fast_profile(tmp_path, max_steps=1_000_000, ranks=2)
     # Launched from tmp_path without --runs-dir: the run lives in tmp_path/runs (runs_dir).
     console = procs.start("run", str(profile), "--headless", cwd=tmp_path)
     run = wait_for(lambda: the_run(runs_dir), what="the run directory")
@@ -213,6 +213,7 @@ def test_sessions_failures_are_their_own(procs, runs_dir, tmp_path):
     profile = task_profile(
         tmp_path, "crashing", CRASHING_TASK, "Crashing", max_steps=1_000_000,
         extra="[checkpoint]\nevery_steps = 4\n",
+        ranks=2,
     )  # fmt: skip
     rd = ("--runs-dir", str(runs_dir))
 

@@ -214,7 +214,7 @@ def _losses(run: Path) -> list[tuple[float, float]]:
 
 
 def test_a_run_reduces_through_shared_memory_and_learns_what_gloo_learns(procs, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=30)
+    profile = fast_profile(tmp_path, max_steps=30, ranks=2)
     runs = {}
     for name, sets in (("default", []), ("gloo", ["--set", "distributed.cpu_reduce=gloo"])):
         runs_dir = tmp_path / f"runs-{name}"

@@ -141,7 +141,7 @@ def test_soak_random_kill_9_never_loses_a_checkpoint(procs, runs_dir, tmp_path):
         rounds += 1
         folder = runs_dir / f"round-{rounds:03d}"
         extra = EXTRA.format(async_write="true" if rounds % 2 else "false")
-        profile = fast_profile(tmp_path, max_steps=1_000_000, extra=extra)
+        profile = fast_profile(tmp_path, max_steps=1_000_000, extra=extra, ranks=2)
         text = profile.read_text().replace("hidden_dim = 64", "hidden_dim = 768\nnum_layers = 4")
         profile.write_text(text)  # ~1.2 M parameters: a checkpoint write takes a moment
         console = procs.start("run", str(profile), "--headless", "--runs-dir", str(folder))

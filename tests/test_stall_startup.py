@@ -49,7 +49,7 @@ def test_a_rank_frozen_in_start_up_is_stalled_and_stop_says_use_now(
     procs, runs_dir, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("GPU_CONSOLE_STALL_S", str(STALL_S))  # for the TUI's feed, read here
-    profile = conftest.task_profile(tmp_path, "slow_start", SLOW_START, "SlowStart")
+    profile = conftest.task_profile(tmp_path, "slow_start", SLOW_START, "SlowStart", ranks=2)
     env = conftest.test_env(GPU_CONSOLE_STALL_S=str(STALL_S))
     out_path = tmp_path / "console.out"
     with open(out_path, "w") as out:

@@ -85,7 +85,7 @@ def test_status_of_a_running_run(procs, runs_dir, tmp_path):
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     assert lines[0] == f"{run.name}: running"
-    assert "state: running" in lines and "devices: 2 × cpu, fp32" in lines
+    assert "state: running" in lines and "devices: 1 × cpu, fp32" in lines
     assert f"run dir: {run}" in lines
     steps = next(ln for ln in lines if ln.startswith("steps: "))
     assert steps.endswith("/100000") and int(steps.split()[1].split("/")[0]) >= 3
@@ -111,7 +111,7 @@ def test_a_run_that_failed_before_its_first_step_is_summarised_with_what_was_kno
     assert done.returncode == 1, done.stdout + done.stderr
     run = only_run(runs_dir)
     assert not events_of(run, "start")
-    known = {"steps: 0/20", "devices: 2 × cpu, fp32", "task: broken:Broken"}
+    known = {"steps: 0/20", "devices: 1 × cpu, fp32", "task: broken:Broken"}
     assert known <= set(done.stdout.splitlines()), done.stdout
     lines = procs.cli("status", run.name, *rd).stdout.splitlines()
     assert lines == _summary(done.stdout, run)

@@ -45,7 +45,9 @@ def test_kill_9_of_a_rank_fails_the_run_in_seconds_even_with_a_stuck_peer(
 ):
     """The peer is stuck where no collective error reaches it (on GPUs: NCCL waits for its
     timeout); the supervisor sees rank 1 die without ending cleanly and ends the peer."""
-    profile = task_profile(tmp_path, "hangs", RANK_0_HANGS, "RankZeroHangs", max_steps=1000)
+    profile = task_profile(
+        tmp_path, "hangs", RANK_0_HANGS, "RankZeroHangs", max_steps=1000, ranks=2
+    )
     console = procs.start(
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path
     )
@@ -103,6 +105,7 @@ def test_max_restarts_restarts_the_group_and_resumes_from_latest(procs, runs_dir
         max_steps=40,
         extra="[distributed]\nmax_restarts = 1\n[checkpoint]\nevery_steps = 5\nkeep_last = 0\n"
         "async_write = false\n",
+        ranks=2,
     )
     console = procs.start(
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path
@@ -148,7 +151,7 @@ class OutOfMemory(MLPTask):
 
 
 def test_out_of_memory_ends_every_rank_with_the_peak_and_what_to_change(procs, runs_dir, tmp_path):
-    profile = task_profile(tmp_path, "oom", OOM_TASK, "OutOfMemory", max_steps=1000)
+    profile = task_profile(tmp_path, "oom", OOM_TASK, "OutOfMemory", max_steps=1000, ranks=2)
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     run = only_run(runs_dir)

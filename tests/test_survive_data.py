@@ -19,7 +19,7 @@ from conftest import (
 
 
 def test_nan_policy_stop_checkpoints_the_last_finite_state_then_fails(procs, runs_dir, tmp_path):
-    profile = task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12)
+    profile = task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12, ranks=2)
     result = procs.cli(
         "run",
         str(profile),

@@ -39,7 +39,9 @@ class StuckData(MLPTask):
 
 
 def test_a_stuck_rank_is_flagged_stalled_named_and_dumped(procs, runs_dir, tmp_path):
-    profile = conftest.task_profile(tmp_path, "stuck", STUCK_DATA, "StuckData", max_steps=1000)
+    profile = conftest.task_profile(
+        tmp_path, "stuck", STUCK_DATA, "StuckData", max_steps=1000, ranks=2
+    )
     env = conftest.test_env(GPU_CONSOLE_STALL_S="3")  # the 30 s minimum, shortened for the test
     out_path = tmp_path / "console.out"
     with open(out_path, "w") as out:

@@ -55,7 +55,7 @@ def assert_both_hooks_ran_on_every_rank(tmp_path) -> None:
 
 
 def test_close_and_atexit_run_on_every_rank_after_a_finished_run(procs, runs_dir, tmp_path):
-    profile = task_profile(tmp_path, "closing", CLOSING_TASK, "Closing", max_steps=5)
+    profile = task_profile(tmp_path, "closing", CLOSING_TASK, "Closing", max_steps=5, ranks=2)
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert read_status(only_run(runs_dir))["state"] == "finished"
@@ -63,7 +63,9 @@ def test_close_and_atexit_run_on_every_rank_after_a_finished_run(procs, runs_dir
 
 
 def test_close_and_atexit_run_on_every_rank_after_a_stopped_run(procs, runs_dir, tmp_path):
-    profile = task_profile(tmp_path, "closing", CLOSING_TASK, "Closing", max_steps=1_000_000)
+    profile = task_profile(
+        tmp_path, "closing", CLOSING_TASK, "Closing", max_steps=1_000_000, ranks=2
+    )
     console = procs.start(
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path
     )

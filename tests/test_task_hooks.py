@@ -35,7 +35,7 @@ KIND = "tests.hooks_task:HooksTask"
 
 def hooks_profile(tmp_path: Path, max_steps: int, name: str = "hooks") -> Path:
     """640 samples over 2 ranks of 32: an epoch is 10 steps; an eval every 10 steps."""
-    profile = fast_profile(tmp_path, name=name, max_steps=max_steps)
+    profile = fast_profile(tmp_path, name=name, max_steps=max_steps, ranks=2)
     text = profile.read_text().replace('kind = "mlp"', f'kind = "{KIND}"')
     text = text.replace("train_samples = 8192", "train_samples = 640")
     profile.write_text(text.replace("log_every = 1", "log_every = 1\neval_every = 10"))

@@ -24,7 +24,9 @@ EVAL_EVERY = 3
 
 def gan_profile(tmp_path: Path, max_steps: int = 24) -> Path:
     extra = "[checkpoint]\nkeep_last = 0\n"
-    profile = task_profile(tmp_path, "gan_task", GAN, "GanTask", max_steps=max_steps, extra=extra)
+    profile = task_profile(
+        tmp_path, "gan_task", GAN, "GanTask", max_steps=max_steps, extra=extra, ranks=2
+    )
     text = profile.read_text().replace("log_every = 1", f"log_every = 1\neval_every = {EVAL_EVERY}")
     profile.write_text(text.replace("train_samples = 8192\neval_samples = 512\n", ""))
     profile.write_text(profile.read_text().replace("hidden_dim = 64\n", ""))

@@ -230,8 +230,10 @@ def test_logging_tensorboard_false_writes_nothing(procs, runs_dir, tmp_path):
     assert "TensorBoard" not in done.stderr
 
 
-def _started(procs, runs_dir, tmp_path, max_steps: int, pace_s: str, extra: str = "", env=None):
-    profile = paced_profile(tmp_path, max_steps=max_steps, extra=extra)
+def _started(
+    procs, runs_dir, tmp_path, max_steps: int, pace_s: str, extra: str = "", env=None, ranks=1
+):
+    profile = paced_profile(tmp_path, max_steps=max_steps, extra=extra, ranks=ranks)
     proc = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
                        cwd=tmp_path, env={**(env or cli_env()), "PACE_S": pace_s})  # fmt: skip
     (run,) = wait_for(lambda: run_dirs(runs_dir), what="the run directory")
@@ -246,7 +248,7 @@ def _tags(run: Path) -> set[str]:
 
 def test_a_run_is_read_while_it_trains_and_after(procs, runs_dir, tmp_path):
     env = fake_gpus_env()
-    proc, run = _started(procs, runs_dir, tmp_path, max_steps=150, pace_s="0.1", env=env)
+    proc, run = _started(procs, runs_dir, tmp_path, max_steps=150, pace_s="0.1", env=env, ranks=2)
 
     def two_steps():
         if "train/loss" not in _tags(run):

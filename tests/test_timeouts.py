@@ -49,7 +49,13 @@ class HangAt3(MLPTask):
 
 def _run(procs, runs_dir, tmp_path, module, source, cls, distributed):
     profile = conftest.task_profile(
-        tmp_path, module, source, cls, max_steps=6, extra=f"\n[distributed]\n{distributed}\n"
+        tmp_path,
+        module,
+        source,
+        cls,
+        max_steps=6,
+        extra=f"\n[distributed]\n{distributed}\n",
+        ranks=2,
     )
     began = time.monotonic()
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),

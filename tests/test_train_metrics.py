@@ -57,7 +57,7 @@ EXPECTED = {"rank_max": 1.5, "rank_first": 0.5, "count": 4.0, "rank_mean": 0.5, 
 
 
 def test_metrics_are_reduced_over_the_window_and_ranks_as_declared(procs, runs_dir, tmp_path):
-    profile = task_profile(tmp_path, "ranked", RANKED, "Ranked", max_steps=6)
+    profile = task_profile(tmp_path, "ranked", RANKED, "Ranked", max_steps=6, ranks=2)
     profile.write_text(profile.read_text().replace("log_every = 1", "log_every = 2"))
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -87,7 +87,7 @@ class GanMetrics(GanStepTask):
 
 def test_a_task_owned_step_reports_its_metrics(procs, runs_dir, tmp_path):
     (tmp_path / "gan_task.py").write_text((Path(__file__).parent / "gan_task.py").read_text())
-    profile = task_profile(tmp_path, "gan_metrics", GAN_METRICS, "GanMetrics", max_steps=4)
+    profile = task_profile(tmp_path, "gan_metrics", GAN_METRICS, "GanMetrics", max_steps=4, ranks=2)
     text = profile.read_text().replace("train_samples = 8192\neval_samples = 512\n", "")
     profile.write_text(text.replace("hidden_dim = 64\n", ""))
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)

@@ -115,7 +115,7 @@ def run_drawing(procs, runs_dir, tmp_path, draws_dir, *args: str):
 def test_two_ranks_with_two_workers_draw_differently_and_a_resume_repeats_the_draws(
     procs, runs_dir, tmp_path
 ):
-    profile = task_profile(tmp_path, "drawing", DRAWING_TASK, "Drawing", max_steps=12)
+    profile = task_profile(tmp_path, "drawing", DRAWING_TASK, "Drawing", max_steps=12, ranks=2)
     reference = run_drawing(procs, runs_dir / "ref", tmp_path, tmp_path / "ref", str(profile))
     assert [len(lines) for lines in reference] == [12, 12]
     assert all(a != b for a, b in zip(*reference, strict=True)), "ranks drew the same"
