@@ -79,7 +79,7 @@ log_every = 1
 precision = "fp32"
 {extra}
 [hardware]
-devices = "cpu:2"
+devices = "cpu:1"
 """,
     )
 

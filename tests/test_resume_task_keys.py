@@ -110,7 +110,7 @@ lr = 1e-2
 log_every = 1
 precision = "fp32"
 [hardware]
-devices = "cpu:2"
+devices = "cpu:1"
 """
 
 
@@ -144,7 +144,7 @@ class Finished:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Finished:
-    """One finished run of the data task: 4 steps on 2 CPU ranks, from data1 (4 features)."""
+    """One finished run of the data task: 4 steps on one CPU rank, from data1 (4 features)."""
     where = tmp_path_factory.mktemp("task_keys")
     done = Finished(where, where)
     write_numbers(done.data)
