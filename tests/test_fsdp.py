@@ -25,6 +25,7 @@ from conftest import (
     only_run,
     read_status,
     task_profile,
+    the_run,
     wait_for,
 )
 from conftest import test_env as cli_env
@@ -234,7 +235,8 @@ def test_fsdp_stop_and_resume_continue_bit_for_bit_and_resume_on_one_rank(procs,
         "run", str(prof), "--headless", "--runs-dir", str(runs), "--set", "train.eval_every=0",
         cwd=tmp_path, env=cli_env(PACE_S="0.1"),
     )  # fmt: skip
-    run = wait_for(lambda: runs.is_dir() and only_run(runs), what="the run directory")
+    # the_run, not only_run: the runs directory appears a moment before the run's own
+    run = wait_for(lambda: the_run(runs), what="the run directory")
     wait_for(lambda: any(e["step"] >= 4 for e in events_of(run, "step")), what="step 4")
     append_control(run, "stop")
     out, err = console.communicate(timeout=120)
