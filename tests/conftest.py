@@ -349,14 +349,20 @@ lr = 3e-3
 log_every = 1
 precision = "fp32"
 [hardware]
-devices = "cpu:{ranks}"
+devices = "{devices}"
 """
 
 
 def fast_profile(
-    tmp_path: Path, name: str = "fast", max_steps: int = 40, extra: str = "", ranks: int = 1
+    tmp_path: Path,
+    name: str = "fast",
+    max_steps: int = 40,
+    extra: str = "",
+    ranks: int = 1,
+    devices: str | None = None,
 ) -> Path:
-    text = FAST.format(name=name, max_steps=max_steps, ranks=ranks)
+    """``devices`` other than CPU ranks ("auto", "0") replaces ``cpu:{ranks}``."""
+    text = FAST.format(name=name, max_steps=max_steps, devices=devices or f"cpu:{ranks}")
     return write_profile(tmp_path / f"{name}.toml", text + extra)
 
 

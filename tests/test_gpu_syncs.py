@@ -46,8 +46,10 @@ class SyncChecked(MLPTask):
 def _run(procs, tmp_path, policy: str, check: str = "auto"):
     where = tmp_path / f"{policy}-{check}"
     where.mkdir()
-    profile = task_profile(where, "sync_checked", SYNC_CHECKED_TASK, "SyncChecked", max_steps=60)
-    text = profile.read_text().replace('devices = "cpu:1"', 'devices = "0"')
+    profile = task_profile(
+        where, "sync_checked", SYNC_CHECKED_TASK, "SyncChecked", max_steps=60, devices="0"
+    )
+    text = profile.read_text()
     profile.write_text(text.replace('precision = "fp32"', 'precision = "auto"'))
     result = procs.cli(
         "run",
@@ -107,8 +109,10 @@ POISONED_GPU_TASK = POISONED_TASK.replace('os.environ["RANK"] == "1"', 'os.envir
 
 
 def _poisoned_gpu_run(procs, tmp_path, policy: str):
-    profile = task_profile(tmp_path, "poisoned", POISONED_GPU_TASK, "Poisoned", max_steps=12)
-    text = profile.read_text().replace('devices = "cpu:1"', 'devices = "0"')
+    profile = task_profile(
+        tmp_path, "poisoned", POISONED_GPU_TASK, "Poisoned", max_steps=12, devices="0"
+    )
+    text = profile.read_text()
     profile.write_text(text.replace('precision = "fp32"', 'precision = "bf16"'))
     result = procs.cli(
         "run",

@@ -45,8 +45,7 @@ def test_the_processes_a_test_starts_see_no_gpu_either(procs, runs_dir, tmp_path
     seen = json.loads(procs.cli("devices", "--json").stdout)
     if not REHEARSED_GPUS:
         assert seen["gpus"] == [] and seen["nvml"]["reason"].startswith("NVML library not found")
-    profile = paced_profile(tmp_path, max_steps=10_000)
-    profile.write_text(profile.read_text().replace('devices = "cpu:1"', 'devices = "auto"'))
+    profile = paced_profile(tmp_path, max_steps=10_000, devices="auto")
     procs.start(
         "run", str(profile), "--headless", "--runs-dir", str(runs_dir),
         cwd=tmp_path, env=cli_env(PACE_S="0.05"),
