@@ -198,3 +198,37 @@ def test_processes_that_end_leave_the_sample(trees):
     assert {p["pid"] for p in host.sample(pids)["processes"]} == {tree.pid}
     tree.end()
     assert host.sample(pids)["processes"] == []
+
+
+def test_a_process_that_is_ending_is_gone_not_a_zero_rss_reading():
+    # A process drops its memory map before it becomes a zombie, and freeing a large heap
+    # takes a while: a tick in that window once read RSS 0 for a rank (a CI failure). The
+    # child exits without Python freeing its heap first, as a rank killed or exiting does.
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys; heap = bytearray(b'1') * (512 << 20); print('ready', flush=True);"
+            " sys.stdin.read(); os._exit(0)",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        host = HostSampler()
+        pids = RunPids(workers=(child.pid,))
+        (row,) = host.sample(pids)["processes"]
+        assert row["rss"] > 512 << 20
+        child.stdin.close()
+        ending = []
+        # Sample as fast as possible while it ends: every row must be a real reading.
+        while child.poll() is None:
+            ending += host.sample(pids)["processes"]
+        assert all(r["rss"] > 0 for r in ending), [r["rss"] for r in ending]
+        assert host.sample(pids)["processes"] == []
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=30)

@@ -115,6 +115,12 @@ class HostSampler:
             with p.oneshot():
                 if p.status() == psutil.STATUS_ZOMBIE:  # ended, not yet reaped: gone
                     return None
+                rss = p.memory_info().rss
+                # A process that is ending has released its memory before it becomes a
+                # zombie: its zero RSS is its exit, not a reading (and freeing a large heap
+                # takes long enough for a tick to land there).
+                if rss == 0:
+                    return None
                 ppid = p.ppid()
                 cpu = p.cpu_percent(None)
                 row = {
@@ -124,7 +130,7 @@ class HostSampler:
                     "name": p.name(),
                     # A process's first reading has no interval to measure over.
                     "cpu_percent": cpu if pid in self._primed else None,
-                    "rss": p.memory_info().rss,
+                    "rss": rss,
                 }
         except psutil.Error:
             return None
