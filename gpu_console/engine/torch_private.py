@@ -15,6 +15,10 @@ falls back to.
 
 from __future__ import annotations
 
+import importlib
+import sys
+import threading
+import types
 from typing import Any
 
 import torch
@@ -105,6 +109,146 @@ def dispatch_mode_base() -> type:
         raise _missing("torch.utils._python_dispatch.TorchDispatchMode",
                        "measuring activation memory", e) from None  # fmt: skip
     return TorchDispatchMode
+
+
+# -- start-up: torch._dynamo only when something compiles -------------------------------------
+
+# A run that never compiles still imports torch._dynamo: 1.5 s of CPU a rank here, as long as
+# importing torch itself. Three things pull it in. Every optimizer.step() imports it to call
+# torch._dynamo.graph_break(), which does nothing outside a compiled region. Many of torch's
+# own functions (an optimizer's __init__, zero_grad, state_dict) are wrapped by
+# torch._compile._disable_dynamo, which imports it on the first call to make the function
+# "never compiled", which again only matters inside a compiled region. And DDP's constructor
+# reads Dynamo's DDP mode, which is the default until torch._dynamo is imported.
+# Until torch._dynamo is really imported nothing can be compiling. So a stand-in module holds
+# its place: its graph_break does nothing, its utils give the default DDP mode, and reading
+# anything else from it imports the real module, as does any import of a submodule. The wrapped
+# functions are called as they are until then. The real module's import (train.compile, a
+# task's own torch.compile) gives every wrapped function back to torch before anything can
+# compile.
+_DYNAMO = "torch._dynamo"
+_DISABLE_ATTR = "__dynamo_disable"  # where _disable_dynamo's wrapper caches its disabled fn
+_deferred: list[Any] = []
+_load_lock = threading.RLock()
+
+
+def _graph_break(msg: str = "") -> None:
+    """torch._dynamo.graph_break outside a compiled region: nothing."""
+
+
+# What DDP's constructor asks torch._dynamo.utils on every run: which DDP mode Dynamo's
+# config holds. Until torch._dynamo is imported its config is the default (no environment
+# variable sets it), optimize_ddp = True, that is "ddp_optimizer", on every torch from 2.2 to
+# 2.13; tests/test_dynamo_deferred.py checks the answer against the real one.
+_DEFAULT_DDP_MODE = "ddp_optimizer"
+
+
+class _DynamoStandIn(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_load_dynamo(), name)
+
+
+class _UtilsStandIn:
+    """Stands for torch._dynamo.utils: anything but the DDP mode imports the real module."""
+
+    @staticmethod
+    def get_optimize_ddp_mode() -> str:
+        return _DEFAULT_DDP_MODE
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_load_dynamo().utils, name)
+
+
+class _OnDynamoImport:
+    """An import hook that finds nothing: it only sees the real torch._dynamo's import start,
+    and gives torch back its wrapped functions before any of torch._dynamo runs."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == _DYNAMO:
+            # The import system is walking sys.meta_path: the hook stays in it, inert.
+            restore_dynamo(unhook=False)
+
+
+def defer_dynamo() -> int:
+    """Keep torch._dynamo out of this process until something needs it; how many wrapped
+    functions are deferred (0: this torch's wrapper is not the one known here, or
+    torch._dynamo is in already, and nothing changes).
+
+    ``torch._compile._disable_dynamo``'s wrapper calls ``fn.__dynamo_disable`` once it is
+    set: set to ``fn`` itself, the call is the one ``torch._dynamo.disable(fn)`` makes outside
+    a compiled region. Tested on torch 2.13.0 and 2.11.0."""
+    if _DYNAMO in sys.modules or _deferred:
+        return 0
+    try:
+        from torch._compile import _disable_dynamo
+
+        wrapper = _disable_dynamo(lambda: None).__code__
+    except (ImportError, AttributeError, TypeError):
+        return 0
+    if "fn" not in wrapper.co_freevars:
+        return 0
+    where = wrapper.co_freevars.index("fn")
+    # Only plain functions and classes' own members are looked at, by their type() alone: some
+    # of torch's module attributes act when read (torch.backends.cuda's starts CUDA, a
+    # deprecated alias warns on __class__).
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.") or type(module) is not types.ModuleType:
+            continue
+        for value in list(vars(module).values()):
+            if issubclass(type(value), type) and vars(value).get("__module__") == name:
+                for member in list(vars(value).values()):
+                    if type(member) in (staticmethod, classmethod):
+                        member = member.__func__
+                    _defer(member, wrapper, where)
+            else:
+                _defer(value, wrapper, where)
+    if not _deferred:
+        return 0
+    stand_in = _DynamoStandIn(_DYNAMO, "Stands for torch._dynamo until it is used.")
+    stand_in.graph_break = _graph_break
+    stand_in.utils = _UtilsStandIn()
+    sys.meta_path.insert(0, _OnDynamoImport())
+    sys.modules[_DYNAMO] = stand_in
+    torch._dynamo = stand_in  # type: ignore[attr-defined]
+    return len(_deferred)
+
+
+def _defer(value: Any, wrapper: Any, where: int) -> None:
+    # Under another decorator (DDP's contextmanager), through functools.wraps' __wrapped__.
+    wrapped = value
+    while type(wrapped) is types.FunctionType and wrapped.__code__ is not wrapper:
+        wrapped = wrapped.__dict__.get("__wrapped__")
+    if type(wrapped) is not types.FunctionType:
+        return
+    fn = wrapped.__closure__[where].cell_contents
+    if getattr(fn, _DISABLE_ATTR, None) is None:
+        setattr(fn, _DISABLE_ATTR, fn)
+        _deferred.append(fn)
+
+
+def _load_dynamo() -> types.ModuleType:
+    with _load_lock:
+        current = sys.modules.get(_DYNAMO)
+        if isinstance(current, _DynamoStandIn):
+            del sys.modules[_DYNAMO]
+            if torch.__dict__.get("_dynamo") is current:
+                del torch._dynamo  # type: ignore[attr-defined]
+            real = importlib.import_module(_DYNAMO)
+            # Whoever kept the stand-in gets the real module's answers from now on.
+            current.graph_break, current.utils = real.graph_break, real.utils
+            return real
+        return importlib.import_module(_DYNAMO)
+
+
+def restore_dynamo(unhook: bool = True) -> None:
+    """Torch's own behaviour again: each deferred function disables dynamo on its next call
+    (the stand-in, if still in place, is replaced by the real module on its next use)."""
+    for fn in _deferred:
+        if getattr(fn, _DISABLE_ATTR, None) is fn:
+            delattr(fn, _DISABLE_ATTR)
+    _deferred.clear()
+    if unhook:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _OnDynamoImport)]
 
 
 # -- train.compile ---------------------------------------------------------------------------
