@@ -162,12 +162,11 @@ class Stalls:
             text = f"stalled: no step for {now - last:.0f} s" if last else f"stalled ({st.state})"
             if who:
                 text += f"; stopped: {who}"
-            self.console.print(Text(text, style="red"), highlight=False)
+            said = Text.assemble((text, "red"))
             if py_spy_available():
-                self.console.print(
-                    Text(f"  each rank's stack: gpu-console dump {self.run_dir}"),
-                    highlight=False,
-                )
+                said.append(f"\n  each rank's stack: gpu-console dump {self.run_dir}")
+            # One write: a reader of the output never sees the stall without its advice.
+            self.console.print(said, highlight=False)
         elif not stalled and self.said and self._moving(st, now):
             self.said = False
             self.console.print(Text(f"{st.state} again"), highlight=False)
