@@ -18,9 +18,7 @@ hangs for the collective timeout. Its peers are then ended by torchrun as for an
 
 from __future__ import annotations
 
-import contextlib
 import zlib
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import NoReturn
 
@@ -50,15 +48,32 @@ class Failed(Exception):
         self.what = what
 
 
-@contextlib.contextmanager
-def naming(what: str) -> Iterator[None]:
+def _as_failed(what: str, e: BaseException | None) -> Failed | None:
+    """The :class:`Failed` an exception of the code ``what`` becomes; None when it passes
+    through as it is (none, a Failed already, a policy decision, not an Exception)."""
+    if e is None or not isinstance(e, Exception) or isinstance(e, (Failed, *POLICY)):
+        return None
+    failed = Failed(what, describe(e))
+    failed.__cause__ = e
+    return failed
+
+
+# Classes, not @contextmanager generators: four guards are entered at every step, and a
+# generator's context manager costs several times as much on a step of a few milliseconds.
+class naming:  # noqa: N801 - used as a function: `with naming("eval"):`
     """An exception of the code inside becomes :class:`Failed`, naming ``what``."""
-    try:
-        yield
-    except (Failed, *POLICY):
-        raise
-    except Exception as e:
-        raise Failed(what, describe(e)) from e
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> None:
+        if (failed := _as_failed(self.what, e)) is not None:
+            raise failed
 
 
 def describe(e: BaseException) -> str:
@@ -78,14 +93,9 @@ class FailureCheckpoint:
         # Collective, at setup (every rank creates its groups in the same order).
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=AGREE_S))
 
-    @contextlib.contextmanager
-    def guard(self, what: str) -> Iterator[None]:
+    def guard(self, what: str) -> _Guard:
         """Code after the update: its failure checkpoints the state, then fails the run."""
-        try:
-            with naming(what):
-                yield
-        except Failed as e:
-            self.fail(e)
+        return _Guard(self, what)
 
     def fail(self, e: Failed) -> NoReturn:
         step = self.state.step
@@ -127,3 +137,19 @@ class FailureCheckpoint:
         except Exception:  # a peer that did not fail (timeout) or died (connection reset)
             return False
         return all(bool(torch.equal(t, mine)) for t in every)
+
+
+class _Guard:
+    __slots__ = ("owner", "what")
+
+    def __init__(self, owner: FailureCheckpoint, what: str) -> None:
+        self.owner, self.what = owner, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> None:
+        if isinstance(e, Failed):
+            self.owner.fail(e)
+        if (failed := _as_failed(self.what, e)) is not None:
+            self.owner.fail(failed)
