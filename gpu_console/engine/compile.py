@@ -86,8 +86,6 @@ class Compiled:
 
     def check(self, log) -> None:
         """At a log step: recompiles since the first step, warned about as they grow."""
-        if not self.on:  # and Dynamo's counters are not read: reading them imports Dynamo
-            return
         now = _graphs()
         if self.graphs is None or now is None:  # this torch does not count graphs
             return

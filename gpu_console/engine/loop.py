@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ..profile import Profile
 from ..tasks.base import Task
 from ..timings import Stopwatch
-from . import determinism, signals, torch_private, torch_profiler
+from . import determinism, signals, torch_profiler
 from . import distributed as distmod
 from . import resume as resuming
 from .build import Setup
@@ -79,11 +79,6 @@ def train(
     determinism.setup(p.train.deterministic)  # before anything touches CUDA
     d = distmod.init(p.distributed, p.hardware, device_type)
     watch.mark("process_group")
-    if not p.train.compile:
-        # Nothing compiles unless the task does: torch._dynamo (1.5 s of CPU a rank) is imported
-        # then, if ever. After the process group: its start clears Dynamo's caches when
-        # torch._dynamo is in sys.modules, which would import it.
-        torch_private.defer_dynamo()
     out = Reporter(run_dir, d.local_rank == 0)
     beat = heartbeat or _NullHeartbeat()
     oom_snapshot = torch_profiler.record_memory_history(p.hardware.memory_snapshot_on_oom, d.device)
