@@ -86,6 +86,8 @@ class Compiled:
 
     def check(self, log) -> None:
         """At a log step: recompiles since the first step, warned about as they grow."""
+        if not self.on:  # nothing compiled: Dynamo's counters are not read
+            return
         now = _graphs()
         if self.graphs is None or now is None:  # this torch does not count graphs
             return
