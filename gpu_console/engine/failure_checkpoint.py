@@ -149,7 +149,6 @@ class _Guard:
         return None
 
     def __exit__(self, kind, e, tb) -> None:
-        if isinstance(e, Failed):
-            self.owner.fail(e)
-        if (failed := _as_failed(self.what, e)) is not None:
+        failed = e if isinstance(e, Failed) else _as_failed(self.what, e)
+        if failed is not None:
             self.owner.fail(failed)

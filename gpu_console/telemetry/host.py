@@ -113,13 +113,11 @@ class HostSampler:
             return None
         try:
             with p.oneshot():
-                if p.status() == psutil.STATUS_ZOMBIE:  # ended, not yet reaped: gone
-                    return None
                 rss = p.memory_info().rss
-                # A process that is ending has released its memory before it becomes a
-                # zombie: its zero RSS is its exit, not a reading (and freeing a large heap
-                # takes long enough for a tick to land there).
-                if rss == 0:
+                # Gone: ended and not yet reaped (a zombie), or ending. A process releases its
+                # memory before it becomes a zombie, and freeing a large heap takes long
+                # enough for a tick to land there: its zero RSS is its exit, not a reading.
+                if rss == 0 or p.status() == psutil.STATUS_ZOMBIE:
                     return None
                 ppid = p.ppid()
                 cpu = p.cpu_percent(None)
