@@ -217,11 +217,27 @@ def make_setup(
     )
 
 
+def on_cores(argv: list[str], cpus: set[int] | None) -> list[str]:
+    """``argv`` run with its whole process tree on ``cpus`` (None: wherever the OS likes)."""
+    if cpus is None:
+        return argv
+    pin = (
+        f"import os, sys; os.sched_setaffinity(0, {sorted(cpus)}); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    return [sys.executable, "-c", pin, *argv]
+
+
 def run_engine(
-    s: Setup, affinity: bool | None, workdir: Path, env: dict[str, str] | None = None
+    s: Setup,
+    affinity: bool | None,
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    cpus: set[int] | None = None,
 ) -> dict:
     """The real CLI; ``affinity`` None leaves every setting at the profile's default, else
-    the plain loop's settings: that placement and gradients summed by gloo."""
+    the plain loop's settings: that placement and gradients summed by gloo. ``cpus``: the
+    cores the whole run (console, supervisor, torchrun, ranks) is kept on."""
     runs_dir = Path(tempfile.mkdtemp(prefix="runs-", dir=workdir))
     argv = [sys.executable, "-m", "gpu_console", "run", s.profile, "--headless"]
     argv += ["--runs-dir", str(runs_dir), "--devices", f"cpu:{s.nproc}", "--precision", "fp32"]
@@ -234,7 +250,12 @@ def run_engine(
     t0 = time.perf_counter()
     with LoadMeter() as load:
         proc = subprocess.run(
-            argv, capture_output=True, text=True, env=env or bench_env(), cwd=workdir, timeout=900
+            on_cores(argv, cpus),
+            capture_output=True,
+            text=True,
+            env=env or bench_env(),
+            cwd=workdir,
+            timeout=900,
         )
     wall = time.perf_counter() - t0
     _check(proc, "engine run")
@@ -276,6 +297,7 @@ def steady_rate(events: list[dict], warm: int, steps: int) -> dict:
         ],
         "measured_steps": measured,
         "seconds": seconds,
+        "step_t": [(e["step"], e["t"]) for e in window],  # wall clock of each log step
         "final_loss": last["loss"],
     }
 
@@ -286,8 +308,10 @@ def run_plain(
     workdir: Path,
     pytorch_defaults: bool = False,
     env: dict[str, str] | None = None,
+    cpus: set[int] | None = None,
 ) -> dict:
-    """The plain loop with the engine's settings, or as PyTorch and torchrun leave it."""
+    """The plain loop with the engine's settings, or as PyTorch and torchrun leave it
+    (``cpus``: the cores its process tree is kept on)."""
     out = Path(tempfile.mkstemp(prefix="plain-", suffix=".json", dir=workdir)[1])
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={s.nproc}"]
     argv += ["--standalone", str(PLAIN), *s.plain_args, f"--out={out}"]
@@ -298,7 +322,12 @@ def run_plain(
     t0 = time.perf_counter()
     with LoadMeter() as load:
         proc = subprocess.run(
-            argv, capture_output=True, text=True, env=env or bench_env(), cwd=workdir, timeout=900
+            on_cores(argv, cpus),
+            capture_output=True,
+            text=True,
+            env=env or bench_env(),
+            cwd=workdir,
+            timeout=900,
         )
     wall = time.perf_counter() - t0
     _check(proc, "plain loop")
@@ -312,6 +341,7 @@ def run_plain(
         "wall_s": wall,
         "other_load_cores": load.cores,
         "final_loss": result["final_loss"],
+        "step_t": result.get("step_t", []),
         "threads": result["threads"],
     }
 

@@ -154,6 +154,7 @@ def main() -> None:
 
     step, epoch, t0 = 0, 0, time.perf_counter()
     marks: list[float] = []
+    wall_marks: list[tuple[int, float]] = []
     while step < a.steps:
         sampler.set_epoch(epoch)
         for batch in loader:
@@ -171,6 +172,7 @@ def main() -> None:
                 t0 = clock()
             if step >= warm and step % a.window == 0:
                 marks.append(time.perf_counter())  # a window's end: the engine's log step
+                wall_marks.append((step, time.time()))  # as the engine's events stamp it
             if step == a.steps:
                 break
         epoch += 1
@@ -188,6 +190,7 @@ def main() -> None:
                 (t1 - t0_) * 1000 / a.window for t0_, t1 in zip(marks, marks[1:], strict=False)
             ],
             "final_loss": final.item() / dist.get_world_size(),
+            "step_t": wall_marks,
             "threads": torch.get_num_threads(),
             "cores": cores,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),

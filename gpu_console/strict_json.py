@@ -50,8 +50,14 @@ def encode(obj: Any) -> Any:
 
 
 def dumps(obj: Any, **kw: Any) -> str:
-    """``json.dumps`` that writes strict JSON (``kw``: indent, separators, sort_keys...)."""
-    return json.dumps(encode(obj), allow_nan=False, **kw)
+    """``json.dumps`` that writes strict JSON (``kw``: indent, separators, sort_keys...).
+
+    Most documents hold no non-finite number: they are written by the C encoder as they are,
+    and only one it refuses is walked in Python (an engine's step event, issue 26)."""
+    try:
+        return json.dumps(obj, allow_nan=False, **kw)
+    except ValueError:
+        return json.dumps(encode(obj), allow_nan=False, **kw)
 
 
 def revive(obj: Any) -> Any:

@@ -158,3 +158,24 @@ def test_control_between_sparse_log_steps_still_answers(procs, runs_dir, tmp_pat
     assert stopped["state"] == "stopped" and read_status(run)["state"] == "stopped"
     assert not events_of(run, "step")
     assert stopped["exchanges"]["carried"] == 0 and stopped["exchanges"]["separate"] >= 2
+
+
+def test_one_rank_gathers_its_own_row_with_no_collective():
+    """One rank's sum is its own table: no process group is needed (none exists here), and the
+    row built from host numbers on CPU carries the losses' float32 values exactly."""
+    import torch.distributed as dist
+
+    from gpu_console.engine.exchange import Exchange
+
+    assert not dist.is_initialized()
+    ex = Exchange(0, 1, torch.device("cpu"))
+    loss = torch.tensor(0.1234567, dtype=torch.float32)
+    total = 2.5000001  # a host number (the CPU window's loss sum): rounded once, to float32
+    ex.prepare([loss, total], [8, 128, 2**40 + 3, 2**40 + 3, 2**41, 0, 0, 11, 0], [0.75, 8])
+    (row,) = ex.gather()
+    assert row.last_loss == loss.item()
+    assert row.loss_sum == torch.tensor(total, dtype=torch.float32).item()
+    assert (row.samples, row.tokens, row.allocated, row.peak) == (8, 128, 2**40 + 3, 2**41)
+    assert row.next_check == 11 and row.extra == [0.75, 8.0]
+    assert ex.counts() == {"carried": 0, "separate": 1}
+    assert ex.control_only((3, 1, 20, 7))[0].cmd == 3  # a control check: the same, no group

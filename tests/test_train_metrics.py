@@ -5,12 +5,15 @@ last value of each."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import events_of, only_run, task_profile
 
-from gpu_console.engine.train_metrics import MetricReduceError, declared
+from gpu_console.engine.train_metrics import MetricReduceError, TrainMetrics, declared
+from gpu_console.tasks.base import TaskOutput
 
 # Values depend on the rank and on the step's parity (every log window holds two steps, one
 # odd, one even), so each reduction gives its own, known answer. Tensors (kept on the device)
@@ -116,3 +119,31 @@ def test_a_run_whose_task_declares_an_unknown_reduction_fails_naming_it(procs, r
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
     assert result.returncode != 0
     assert "task.metric_reduce['accuracy'] = 'median': expected one of" in result.stdout
+
+
+def _out(samples: int, **metrics) -> TaskOutput:
+    return TaskOutput(loss=torch.tensor(0.0), samples=samples, metrics=metrics)
+
+
+def test_cpu_metrics_are_kept_as_host_numbers():
+    """On CPU a tensor metric is read to the host (no tensor operation a step): the columns
+    are plain numbers, weighted by samples as declared, and a NaN wins a ``max``."""
+
+    task = type("T", (), {"metric_reduce": {"worst": "max"}})()
+    warned: list[str] = []
+    m = TrainMetrics(task, 0, 1, torch.device("cpu"), warned.append)
+    m.add(_out(2, acc=torch.tensor(0.5), worst=torch.tensor(1.0)))
+    m.add(_out(6, acc=torch.tensor([1.0, 0.0, 1.0, 1.0]), worst=torch.tensor(float("nan"))))
+    m.add(_out(6, worst=torch.tensor(2.0)))
+    cols = m.columns()
+    assert all(isinstance(c, (int, float)) for c in cols)
+    assert m.names == ["acc", "worst"]
+    assert cols[0] == 0.5 * 2 + 0.75 * 6 and cols[1] == 8
+    assert math.isnan(cols[2]) and cols[3] == 3
+    reduced = m.reduced([cols])
+    assert reduced["acc"] == pytest.approx(5.5 / 8) and math.isnan(reduced["worst"])
+    m.reset()
+    m.add(_out(1, acc=1.0, late=1.0))
+    m.add(_out(1, late=2.0))
+    assert m.columns() == [1.0, 1, 0.0, 0]  # "worst" absent this window; "late" left out
+    assert len(warned) == 1 and "'late'" in warned[0]

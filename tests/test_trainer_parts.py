@@ -263,3 +263,28 @@ def test_the_checkpointer_settles_an_outcome_into_an_event_or_an_error():
     kind, fields = ckpt.out.events[-1]
     assert kind == "log" and fields["level"] == "error" and "step 6" in fields["message"]
     assert fields["checkpoint_failed"]["error"] == "disk full"
+
+
+def test_a_cpu_rank_reads_its_own_resident_set_after_a_fork():
+    """The RSS is read from a kept-open /proc/self/statm; a forked child (a data worker) must
+    not read its parent's through the inherited descriptor."""
+    import os
+
+    from gpu_console.engine.metrics import memory_sample
+
+    before = memory_sample(torch.device("cpu"))[0]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: 256 MiB more, touched, then its own reading
+        try:
+            block = bytearray(256 * 2**20)
+            block[::4096] = b"x" * len(block[::4096])
+            os.write(w, str(memory_sample(torch.device("cpu"))[0]).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    child = int(os.read(r, 64))
+    os.waitpid(pid, 0)
+    os.close(r)
+    assert child > before + 128 * 2**20  # read through the parent's file: about `before`
+    assert memory_sample(torch.device("cpu"))[0] < child

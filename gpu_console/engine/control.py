@@ -82,8 +82,12 @@ class Control:
     def _read_commands(self) -> None:
         if self.tail is None:
             return
-        lines = self.tail.read()
-        owner_ok = _owned_by_me(self.tail.path)
+        # Most checks find nothing new: a stat, not an open and read (issue 26). Lines read
+        # are judged by the owner as it is after the read, as before.
+        st = _stat(self.tail.path)
+        grew = st is not None and st.st_size > self.tail.offset
+        lines = self.tail.read() if grew else []
+        owner_ok = _owned_by_me(self.tail.path) if grew else (st is None or _mine(st))
         if not owner_ok:
             # Someone else's file (swapped in, or chowned): its lines are read and dropped,
             # never acted on, not even later should the file change hands again.
@@ -187,7 +191,16 @@ def _acknowledged(run_dir: Path) -> set[str]:
 
 def _owned_by_me(path: Path) -> bool:
     """Commands are taken only from a control file this user owns (DESIGN: who may touch)."""
+    st = _stat(path)
+    return st is None or _mine(st)
+
+
+def _mine(st: os.stat_result) -> bool:
+    return st.st_uid == os.getuid()
+
+
+def _stat(path: Path) -> os.stat_result | None:
     try:
-        return path.stat().st_uid == os.getuid()
+        return os.stat(path)
     except FileNotFoundError:
-        return True
+        return None

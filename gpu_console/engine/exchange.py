@@ -122,9 +122,15 @@ class Exchange:
 
     def _all_reduce(self, t: torch.Tensor) -> torch.futures.Future:
         """A future of the sum over ranks of ``t``: through shared memory when the ranks
-        share one (float32 only, the same choice on every rank), else gloo or NCCL."""
-        if self.shared is not None and t.dtype == torch.float32:
+        share one (float32 only, the same choice on every rank), else gloo or NCCL. One
+        rank's sum is its own table: no collective (on CPU a gloo call with itself cost more
+        than half of a log step's time, issue 26)."""
+        if self.world_size == 1:
             fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(t)
+            return fut
+        if self.shared is not None and t.dtype == torch.float32:
+            fut = torch.futures.Future()
             fut.set_result(self.shared.all_reduce(t))
             return fut
         return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
@@ -136,9 +142,26 @@ class Exchange:
     ) -> None:
         """Before the backward of a step that exchanges: this rank's row goes into the table.
 
-        ``floats`` and ``extra`` are 0-dim tensors on the device (no host sync); ``ints``
-        plain ints. ``extra`` must have the same length on every rank.
+        ``floats`` and ``extra`` are 0-dim tensors on the device (no host sync; on CPU
+        ``extra`` may hold plain numbers too); ``ints`` plain ints. ``extra`` must have the
+        same length on every rank.
         """
+        self.extra = len(extra)
+        if self.device.type == "cpu":
+            # A CPU tensor's value is a host read, not a sync: the row in one tensor from
+            # host numbers, not a stack, cast and copy per part (the same values; issue 26).
+            values = [*map(float, floats), *encode_ints(ints), *map(float, extra)]
+            row = torch.tensor(values, dtype=self.dtype)
+        else:
+            row = self._device_row(floats, ints, extra)
+        table = torch.zeros(
+            self.world_size, WIDTH + self.extra, dtype=self.dtype, device=self.device
+        )
+        table[self.rank] = row
+        self._pending, self._result = table, None
+
+    def _device_row(self, floats, ints, extra) -> torch.Tensor:
+        """The row on a GPU, built there: reading a value to the host would sync."""
         ints_t = torch.tensor(encode_ints(ints), dtype=self.dtype)
         if self.device.type == "cuda":  # a pageable copy would sync the host before backward
             ints_t = ints_t.pin_memory().to(self.device, non_blocking=True)
@@ -148,13 +171,7 @@ class Exchange:
         ]
         if extra:
             parts.append(torch.stack([f.detach().reshape(()).to(self.dtype) for f in extra]))
-        row = torch.cat(parts)
-        self.extra = len(extra)
-        table = torch.zeros(
-            self.world_size, WIDTH + self.extra, dtype=self.dtype, device=self.device
-        )
-        table[self.rank] = row
-        self._pending, self._result = table, None
+        return torch.cat(parts)
 
     def gather(self) -> list[Row]:
         """After the backward: every rank's row, from the gradients' all-reduce when the table

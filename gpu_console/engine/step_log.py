@@ -1,9 +1,10 @@
 """The step events: what each step adds to the window, and the event at a log step.
 
 The numbers of a window (loss, samples, tokens, the task's train-time metrics) stay on the
-device between log steps. At a log step every rank's row rides with the gradients'
-all-reduce (exchange.py), filled before the last micro-batch's backward; rank 0 then writes
-one ``step`` event from every rank's numbers.
+device between log steps; on CPU, where a value is a host read and a tensor operation costs
+more than the arithmetic, the window's loss sum is a host number (issue 26). At a log step
+every rank's row rides with the gradients' all-reduce (exchange.py), filled before the last
+micro-batch's backward; rank 0 then writes one ``step`` event from every rank's numbers.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .nonfinite import NonFiniteLoss
 class Window:
     """What happened since the last step event; kept on the device, synced at log time."""
 
-    loss_sum: torch.Tensor
+    loss_sum: torch.Tensor | float  # a float on CPU
     steps: int = 0
     samples: int = 0
     tokens: int = 0
@@ -58,8 +59,11 @@ class StepLogger:
         """A fresh window (its clock starts now); ``keep_skipped``: after a pause, the updates
         skipped since the last log step are still to be counted at the next one."""
         skipped = self.window.skipped if keep_skipped else 0
-        dtype = torch.float64 if self.p.train.precision == "fp64" else torch.float32
-        zero = torch.zeros((), dtype=dtype, device=self.p.d.device)
+        if self.p.d.device.type == "cpu":
+            zero: torch.Tensor | float = 0.0
+        else:
+            dtype = torch.float64 if self.p.train.precision == "fp64" else torch.float32
+            zero = torch.zeros((), dtype=dtype, device=self.p.d.device)
         self.window = Window(loss_sum=zero, skipped=skipped)
         return self.window
 
@@ -76,16 +80,25 @@ class StepLogger:
         p.metrics.add(result)
         if fill_row:
             p.exchange.prepare(
-                [last_loss, w.loss_sum + last_loss],
+                [last_loss, self._with(last_loss)],
                 [w.samples, w.tokens, *memory_sample(p.d.device)]
                 + list(p.control.proposal(step + 1)),
                 p.metrics.columns(),
             )
 
     def step_done(self, last_loss: torch.Tensor, skipped: int) -> None:
-        self.window.loss_sum += last_loss
+        w = self.window
+        if isinstance(w.loss_sum, torch.Tensor):
+            w.loss_sum += last_loss
+        else:
+            w.loss_sum += float(last_loss)
         self.window.steps += 1
         self.window.skipped += skipped
+
+    def _with(self, last_loss: torch.Tensor) -> torch.Tensor | float:
+        """The window's loss sum with ``last_loss`` added (on CPU in host arithmetic)."""
+        total = self.window.loss_sum
+        return total + (last_loss if isinstance(total, torch.Tensor) else float(last_loss))
 
     def log(self, step: int, position, update) -> list[Row]:
         """Collective: every rank's row, and rank 0's step event; a new window. Raises

@@ -1,11 +1,11 @@
 """Train-time metrics: what a task's ``compute`` (or ``train_step``) returns in
 ``TaskOutput.metrics`` at training steps, reduced over the log window and the ranks.
 
-Each rank keeps, per metric, two numbers on the device (no host sync per step): a
-numerator and a weight. They ride in the log step's exchange table (exchange.py) as extra
-columns, so the reduction costs no collective of its own. How each metric is reduced is
-the task's to declare, in an optional ``metric_reduce`` (a dict, or a method returning
-one) mapping a metric's name to:
+Each rank keeps, per metric, two numbers on the device (no host sync per step; on CPU on the
+host, where reading a value costs less than a tensor operation): a numerator and a weight.
+They ride in the log step's exchange table (exchange.py) as extra columns, so the reduction
+costs no collective of its own. How each metric is reduced is the task's to declare, in an
+optional ``metric_reduce`` (a dict, or a method returning one) mapping a metric's name to:
 
 - ``"mean_samples"`` (the default): the mean over every sample of the window, on every
   rank (each micro-batch's value weighted by its ``samples``);
@@ -58,6 +58,12 @@ class _Acc:
     dev: torch.Tensor | None = None
     host: float | None = None
     weight: float = 0.0
+    how: str = DEFAULT
+
+
+def _max(a: float, b: float) -> float:
+    """The larger, a NaN winning as under ``torch.maximum`` (``max()`` would drop it)."""
+    return b if b > a or b != b else a
 
 
 class TrainMetrics:
@@ -66,6 +72,9 @@ class TrainMetrics:
     def __init__(self, task, rank: int, world_size: int, device: torch.device, warn=None):
         self.reduce = declared(task)
         self.rank, self.world_size, self.device = rank, world_size, device
+        # On a GPU a metric stays there until the log step (reading it would sync the host);
+        # on CPU reading it costs less than the two tensor operations a step that keep it.
+        self.on_device = device.type != "cpu"
         self.warn = warn or (lambda message: None)
         self.names: list[str] | None = None  # agreed at the first log step
         self._late: set[str] = set()
@@ -78,29 +87,34 @@ class TrainMetrics:
         """One micro-batch's metrics: tensors stay on the device, numbers on the host (a
         number copied to a GPU every step would sync the host)."""
         for name, value in output.metrics.items():
-            if self.names is not None and name not in self.names:
-                if name not in self._late:
-                    self._late.add(name)
-                    self.warn(
-                        f"train metric {name!r} first appeared after the first log step: "
-                        "not reported"
-                    )
-                continue
-            if isinstance(value, torch.Tensor):
+            acc = self._acc.get(name)
+            if acc is None:  # the window's first value of this name
+                if self.names is not None and name not in self.names:
+                    self._left_out(name)
+                    continue
+                acc = self._acc[name] = _Acc(how=self.how(name))
+            if isinstance(value, torch.Tensor) and self.on_device:
                 value = value.detach().float()
                 value = value if value.dim() == 0 else value.mean()
+            elif isinstance(value, torch.Tensor):  # CPU: a host read, then host arithmetic
+                value = float(value if value.dim() == 0 else value.detach().float().mean())
             else:
                 value = float(value)
-            how = self.how(name)
-            weight = {"mean_samples": output.samples, "mean_tokens": output.tokens}.get(how, 1)
-            acc = self._acc.setdefault(name, _Acc())
+            how = acc.how
+            weight = (
+                output.samples
+                if how == "mean_samples"
+                else output.tokens
+                if how == "mean_tokens"
+                else 1
+            )
             acc.weight += weight
             on_device = isinstance(value, torch.Tensor)
             if how == "max":
                 if on_device:
                     acc.dev = value if acc.dev is None else torch.maximum(acc.dev, value)
                 else:
-                    acc.host = value if acc.host is None else max(acc.host, value)
+                    acc.host = value if acc.host is None else _max(acc.host, value)
             else:
                 value = value * weight if weight != 1 else value
                 if on_device:
@@ -108,7 +122,14 @@ class TrainMetrics:
                 else:
                     acc.host = value if acc.host is None else acc.host + value
 
-    def columns(self) -> list[torch.Tensor]:
+    def _left_out(self, name: str) -> None:
+        if name not in self._late:
+            self._late.add(name)
+            self.warn(
+                f"train metric {name!r} first appeared after the first log step: not reported"
+            )
+
+    def columns(self) -> list[torch.Tensor | float]:
         """This rank's extra exchange columns: (numerator, weight) per agreed name. The first
         call agrees on the names (collective: every rank calls it at the same log step)."""
         if self.names is None:
@@ -116,6 +137,8 @@ class TrainMetrics:
         if not self.names:
             return []
         accs = [self._acc.get(name, _Acc()) for name in self.names]
+        if not self.on_device:  # CPU: every numerator is a host number already
+            return [x for a in accs for x in (0.0 if a.host is None else a.host, a.weight)]
         # The host's numbers in one copy (pinned and asynchronous on a GPU, as exchange.py's).
         host = [a.weight for a in accs] + [a.host if a.host is not None else 0.0 for a in accs]
         host_t = torch.tensor(host, dtype=torch.float32)
