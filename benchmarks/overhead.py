@@ -228,6 +228,19 @@ def on_cores(argv: list[str], cpus: set[int] | None) -> list[str]:
     return [sys.executable, "-c", pin, *argv]
 
 
+def _run(
+    argv: list[str], cpus: set[int] | None, env: dict[str, str] | None, workdir: Path
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        on_cores(argv, cpus),
+        capture_output=True,
+        text=True,
+        env=env or bench_env(),
+        cwd=workdir,
+        timeout=900,
+    )
+
+
 def run_engine(
     s: Setup,
     affinity: bool | None,
@@ -249,14 +262,7 @@ def run_engine(
         argv += ["--set", item]
     t0 = time.perf_counter()
     with LoadMeter() as load:
-        proc = subprocess.run(
-            on_cores(argv, cpus),
-            capture_output=True,
-            text=True,
-            env=env or bench_env(),
-            cwd=workdir,
-            timeout=900,
-        )
+        proc = _run(argv, cpus, env, workdir)
     wall = time.perf_counter() - t0
     _check(proc, "engine run")
     run_dirs = [p for p in runs_dir.iterdir() if p.is_dir()]
@@ -321,14 +327,7 @@ def run_plain(
         argv.append("--pin")
     t0 = time.perf_counter()
     with LoadMeter() as load:
-        proc = subprocess.run(
-            on_cores(argv, cpus),
-            capture_output=True,
-            text=True,
-            env=env or bench_env(),
-            cwd=workdir,
-            timeout=900,
-        )
+        proc = _run(argv, cpus, env, workdir)
     wall = time.perf_counter() - t0
     _check(proc, "plain loop")
     result = json.loads(out.read_text())
