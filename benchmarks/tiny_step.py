@@ -76,9 +76,8 @@ def run_pair(setup, work: Path, engine_core: int, plain_core: int) -> dict[str, 
     This machine's speed moves by up to half from one run to the next (other guests of its
     host), which made one-rank ratios of alternate runs spread from 0.8 to 1.5; side by
     side, both meet the same moments of the host. The plain loop starts once the engine
-    trains (the engine's console, supervisor and torchrun take longer to start). The
-    engine's console, supervisor and torchrun agent share the engine rank's core, so their
-    cost counts against it."""
+    trains (the engine's console, supervisor and torchrun take longer to start); then the
+    engine's console and supervisor may run on either core (``_float_helpers``)."""
     before = set(work.glob("runs-*"))
     with ThreadPoolExecutor(max_workers=2) as pool:
         engine = pool.submit(run_engine, setup, False, work, one_thread_env(), cpus={engine_core})

@@ -87,7 +87,7 @@ class Control:
         st = _stat(self.tail.path)
         grew = st is not None and st.st_size > self.tail.offset
         lines = self.tail.read() if grew else []
-        owner_ok = _owned_by_me(self.tail.path) if grew else (st is None or _mine(st))
+        owner_ok = _owned_by_me(_stat(self.tail.path) if grew else st)
         if not owner_ok:
             # Someone else's file (swapped in, or chowned): its lines are read and dropped,
             # never acted on, not even later should the file change hands again.
@@ -189,14 +189,10 @@ def _acknowledged(run_dir: Path) -> set[str]:
     return {e["id"] for e in events if e.get("kind") == "control" and isinstance(e.get("id"), str)}
 
 
-def _owned_by_me(path: Path) -> bool:
-    """Commands are taken only from a control file this user owns (DESIGN: who may touch)."""
-    st = _stat(path)
-    return st is None or _mine(st)
-
-
-def _mine(st: os.stat_result) -> bool:
-    return st.st_uid == os.getuid()
+def _owned_by_me(st: os.stat_result | None) -> bool:
+    """Commands are taken only from a control file this user owns (DESIGN: who may touch);
+    ``st``: the file's stat, None when there is no file."""
+    return st is None or st.st_uid == os.getuid()
 
 
 def _stat(path: Path) -> os.stat_result | None:

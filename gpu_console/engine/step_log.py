@@ -87,11 +87,7 @@ class StepLogger:
             )
 
     def step_done(self, last_loss: torch.Tensor, skipped: int) -> None:
-        w = self.window
-        if isinstance(w.loss_sum, torch.Tensor):
-            w.loss_sum += last_loss
-        else:
-            w.loss_sum += float(last_loss)
+        self.window.loss_sum = self._with(last_loss)
         self.window.steps += 1
         self.window.skipped += skipped
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 REDUCTIONS = ("mean_samples", "mean_tokens", "sum", "max", "rank0")
+_WEIGHT = {"mean_samples": "samples", "mean_tokens": "tokens"}  # what a value is weighted by
 DEFAULT = "mean_samples"
 
 
@@ -84,8 +85,8 @@ class TrainMetrics:
         return self.reduce.get(name, DEFAULT)
 
     def add(self, output) -> None:
-        """One micro-batch's metrics: tensors stay on the device, numbers on the host (a
-        number copied to a GPU every step would sync the host)."""
+        """One micro-batch's metrics: on a GPU tensors stay there and numbers on the host (a
+        number copied to a GPU every step would sync the host); on CPU all are host numbers."""
         for name, value in output.metrics.items():
             acc = self._acc.get(name)
             if acc is None:  # the window's first value of this name
@@ -101,13 +102,7 @@ class TrainMetrics:
             else:
                 value = float(value)
             how = acc.how
-            weight = (
-                output.samples
-                if how == "mean_samples"
-                else output.tokens
-                if how == "mean_tokens"
-                else 1
-            )
+            weight = getattr(output, _WEIGHT[how]) if how in _WEIGHT else 1
             acc.weight += weight
             on_device = isinstance(value, torch.Tensor)
             if how == "max":
