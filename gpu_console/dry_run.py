@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,34 +59,170 @@ def engine_plan(
         "only": only,
         "step": step,
     }
-    env = launch.worker_env(placement)  # the GPUs a rank would see, the threads it would use
-    env["PYTHONDONTWRITEBYTECODE"] = "1"  # not even a user task's __pycache__
     kind = profile.task_kind
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "gpu_console.engine.plan"],
+            PLAN_ARGV,
             input=json.dumps(doc),
             capture_output=True,
             text=True,
             cwd=cwd,
-            env=env,
+            env=_plan_env(placement),
             timeout=timeout_s or PLAN_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
         if timeout_s is not None:
-            why = f"task {kind}: its data sets took over {timeout_s:.0f} s to build"
-            raise PlanTimeout(why) from None
+            raise PlanTimeout(_data_late(kind, timeout_s)) from None
         raise launch.LaunchError(
             f"task {kind}: building the model and data took longer than {PLAN_TIMEOUT_S} s"
         ) from None
+    answer = _plan_answer(kind, proc.stdout, proc.stderr, proc.returncode)
+    return answer["data" if only == "data" else "plan"]
+
+
+PLAN_ARGV = [sys.executable, "-m", "gpu_console.engine.plan"]
+
+
+def _plan_env(placement: Placement) -> dict[str, str]:
+    env = launch.worker_env(placement)  # the GPUs a rank would see, the threads it would use
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # not even a user task's __pycache__
+    return env
+
+
+def _data_late(kind: str, timeout_s: float) -> str:
+    return f"task {kind}: its data sets took over {timeout_s:.0f} s to build"
+
+
+def _plan_answer(kind: str, stdout: str, stderr: str, returncode: int | None) -> dict:
+    """The plan's last line, or LaunchError naming the task and what went wrong."""
     try:
-        answer = json.loads(proc.stdout.strip().splitlines()[-1])
+        answer = json.loads(stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        why = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        why = stderr.strip().splitlines()[-1:] or [f"exit code {returncode}"]
         raise launch.LaunchError(f"task {kind}: the plan could not be built ({why[0]})") from None
     if "error" in answer:
         raise launch.LaunchError(answer["error"])
-    return answer["data" if only == "data" else "plan"]
+    return answer
+
+
+@dataclass
+class DataSize:
+    """A user task's training-set size, counted by the launch's one task subprocess and
+    judged later, where ``launch.check_data`` judges it: ``samples``, or the build's
+    ``error`` (a LaunchError's text), or ``late`` (past the data check's time limit)."""
+
+    samples: int | None = None
+    error: str | None = None
+    late: str | None = None
+
+
+CHECK_TIMEOUT_S = 300.0
+
+
+def check_and_count(
+    profile: Profile, placement: Placement, world_size: int, cwd: str, data_timeout_s: float
+) -> tuple[dict | None, DataSize | None, str]:
+    """A user task's keys checked (``tasks/check.py``'s answer) and then, if they hold, its
+    data sets built and the training set counted, in one subprocess: a launch starts torch
+    once before the run, not twice (each start is seconds). The count has ``data_timeout_s``
+    once the keys are checked; past it the subprocess is ended and the count is ``late``.
+
+    Returns the check's answer (None when the subprocess gave none), the count (None when
+    the keys did not hold), and the subprocess's last line of stderr (what a failed import
+    said)."""
+    doc = {
+        "profile": profile.to_dict(),
+        "device_type": placement.device_type,
+        "world_size": world_size,
+        "only": "data",
+        "check": True,
+    }
+    proc = subprocess.Popen(
+        PLAN_ARGV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=_plan_env(placement),
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    err: list[str] = []
+    threads = [
+        threading.Thread(target=_pump, args=(proc.stdout, lines.put), daemon=True),
+        threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        proc.stdin.write(json.dumps(doc))
+        proc.stdin.close()
+    except BrokenPipeError:  # it died at once; its stderr says why
+        pass
+    out: list[str] = []
+    verdict = _check_line(lines, out, time.monotonic() + CHECK_TIMEOUT_S)
+    if verdict is None or verdict["errors"]:
+        _end(proc, threads, kill=verdict is None)
+        why = _last(err) or (f"exit code {proc.returncode}" if proc.returncode else "no answer")
+        return verdict, None, why
+    end = time.monotonic() + data_timeout_s
+    while (line := _get(lines, end)) not in (None, _LATE):
+        out.append(line)
+    if line is _LATE:
+        _end(proc, threads, kill=True)
+        return verdict, DataSize(late=_data_late(profile.task_kind, data_timeout_s)), ""
+    _end(proc, threads)
+    try:
+        answer = _plan_answer(profile.task_kind, "".join(out), _last(err), proc.returncode)
+    except launch.LaunchError as e:
+        return verdict, DataSize(error=str(e)), ""
+    return verdict, DataSize(samples=answer["data"]["train_samples"]), ""
+
+
+_LATE = object()
+
+
+def _pump(stream, put) -> None:
+    for line in stream:
+        put(line)
+    put(None)
+
+
+def _get(lines: queue.Queue, deadline: float):
+    try:
+        return lines.get(timeout=max(0.0, deadline - time.monotonic()))
+    except queue.Empty:
+        return _LATE
+
+
+def _check_line(lines: queue.Queue, out: list[str], deadline: float) -> dict | None:
+    """The check's answer: the first line that is one (a user module may print first)."""
+    while (line := _get(lines, deadline)) not in (None, _LATE):
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict) and isinstance(answer.get("check"), dict):
+            return answer["check"]
+        out.append(line)
+    return None
+
+
+def _end(proc: subprocess.Popen, threads: list[threading.Thread], kill: bool = False) -> None:
+    if proc.poll() is None:
+        try:
+            # After its answer the process is on its way out; one past its time is ended.
+            proc.wait(timeout=0 if kill else 5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for t in threads:
+        t.join(timeout=5)
+
+
+def _last(err: list[str]) -> str:
+    lines = "".join(err).strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def check_runs_dir(folder: Path) -> None:

@@ -126,31 +126,31 @@ def free_port() -> int:
 
 
 def check_user_task(
-    profile: Profile, source: str, overridden: set[str], cwd: str | None = None
-) -> Profile:
-    """Validate a user task's keys in a subprocess: its module may import torch."""
+    profile: Profile,
+    source: str,
+    overridden: set[str],
+    cwd: str | None = None,
+    count_for: tuple[Placement, int] | None = None,
+):
+    """Validate a user task's keys in a subprocess: its module may import torch.
+
+    ``count_for`` (the placement and the world): the same subprocess then counts the task's
+    training set (``dry_run.check_and_count``), which :func:`check_data` judges at its place
+    in the checks; returned beside the profile (None otherwise)."""
     if profile.task_kind in BUILTIN:
-        return profile
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gpu_console.tasks.check",
-            profile.task_kind,
-            json.dumps(profile.task),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=cwd or os.getcwd(),
-        timeout=300,
-    )
-    try:
-        answer = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        err = proc.stderr.strip().splitlines()[-1:] or ["no answer"]
-        raise ProfileError(
-            [f"{source}: task.kind: cannot load {profile.task_kind} ({err[0]})"]
-        ) from None
+        return profile, None
+    count = None
+    if count_for is not None:
+        from .dry_run import check_and_count
+
+        placement, world = count_for
+        answer, count, why = check_and_count(
+            profile, placement, world, cwd or os.getcwd(), data_check_s()
+        )
+    else:
+        answer, why = _check_only(profile, cwd)
+    if answer is None:
+        raise ProfileError([f"{source}: task.kind: cannot load {profile.task_kind} ({why})"])
     if answer["errors"]:
         raise ProfileError(
             [
@@ -169,7 +169,23 @@ def check_user_task(
             ]
         )
     profile.task = answer["task"]
-    return profile
+    return profile, count
+
+
+def _check_only(profile: Profile, cwd: str | None) -> tuple[dict | None, str]:
+    """``tasks/check.py``'s answer (None if it gave none) and its last line of stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpu_console.tasks.check", profile.task_kind,
+         json.dumps(profile.task)],
+        capture_output=True,
+        text=True,
+        cwd=cwd or os.getcwd(),
+        timeout=300,
+    )  # fmt: skip
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1]), ""
+    except (ValueError, IndexError):
+        return None, (proc.stderr.strip().splitlines()[-1:] or ["no answer"])[0]
 
 
 def resolve_placement(devices: str, oversubscribe: bool = False) -> Placement:
@@ -621,7 +637,17 @@ def prepare(
         profile.notes.append(
             "W&B: off, the wandb package is not installed (pip install wandb); the run trains"
         )
-    profile = check_user_task(profile, source, set_keys | set(flags), cwd=task_cwd)
+    # Resolved now, judged at its place below: a user task's one subprocess also counts its
+    # data, for which it needs the ranks' world.
+    try:
+        placement = resolve_placement(profile.hardware.devices, profile.hardware.oversubscribe)
+        world = placement.nproc * (nodes.max_nodes if nodes else 1)
+    except DeviceSpecError as e:
+        placement, world, wrong_devices = None, 0, e
+    count_for = (placement, world) if build_data and placement is not None else None
+    profile, count = check_user_task(
+        profile, source, set_keys | set(flags), cwd=task_cwd, count_for=count_for
+    )
     if resume_run is not None:
         _keep_chosen_batch(profile, resume_run)
         # A changed [task] key: refused where the checkpoint's model does not load into the
@@ -634,10 +660,8 @@ def prepare(
                 first.key, f"a resumed run cannot change it (was {show(first.old)}): "
                 f"{first.why}{more}", first.new,
             )  # fmt: skip
-    try:
-        placement = resolve_placement(profile.hardware.devices, profile.hardware.oversubscribe)
-    except DeviceSpecError as e:
-        raise bad("hardware.devices", str(e), profile.hardware.devices) from None
+    if placement is None:
+        raise bad("hardware.devices", str(wrong_devices), profile.hardware.devices) from None
     if placement.per_rank and placement.nproc > 1 and profile.distributed.backend == "nccl":
         raise bad(
             "distributed.backend",
@@ -663,13 +687,12 @@ def prepare(
         raise bad(
             "train.optimizer_impl", f"{FUSED_UNDER_SHARDED_SCALER}; use auto or foreach", "fused"
         )
-    world = placement.nproc * (nodes.max_nodes if nodes else 1)
     # What a built-in task refuses once the world is known (moe: its experts over the
     # ranks; cvrp: a sharded policy).
     judge = getattr(profile.task, "launch_problem", None)
     if callable(judge) and (problem := judge(world, profile)):
         raise bad(*problem)
-    samples = check_data(profile, placement, world, task_cwd or os.getcwd(), bad, build_data)
+    samples = check_data(profile, placement, world, task_cwd or os.getcwd(), bad, build_data, count)
     if build_data or samples is not None:  # else --dry-run's plan turns them into steps
         epochs_to_steps(profile, samples, world, bad)
     if resume_run is not None and not any(getattr(profile.train, k) for k in IN_EPOCHS):
@@ -690,30 +713,44 @@ def data_check_s() -> float:
 
 
 def check_data(
-    profile: Profile, placement: Placement, world: int, cwd: str, bad, build: bool = True
+    profile: Profile,
+    placement: Placement,
+    world: int,
+    cwd: str,
+    bad,
+    build: bool = True,
+    count=None,
 ) -> int | None:
     """``data.batch_size`` against the training set (batching.py), as the ranks would judge it
     after launch. A built-in task's size is a key of its own; a user task's data sets are
     built once by the engine's own code in a subprocess (the console never imports torch),
-    unless ``build`` is False. The training set's size, where it was found."""
+    unless ``build`` is False; ``count``: that subprocess's ``dry_run.DataSize``, when the
+    task check's subprocess counted them already. The training set's size, where it was
+    found."""
     samples = getattr(profile.task, "train_samples", None)
     if profile.task_kind not in BUILTIN or not isinstance(samples, int):
         if not build:
             return None
-        from .dry_run import PlanTimeout, engine_plan
+        from .dry_run import DataSize, PlanTimeout, engine_plan
 
-        try:
-            answer = engine_plan(
-                profile, placement, world, cwd, only="data", timeout_s=data_check_s()
-            )
-        except PlanTimeout as e:
+        if count is None:
+            try:
+                answer = engine_plan(
+                    profile, placement, world, cwd, only="data", timeout_s=data_check_s()
+                )
+                count = DataSize(samples=answer["train_samples"])
+            except PlanTimeout as e:
+                count = DataSize(late=str(e))
+        if count.late:
             # A data set that takes minutes to load must not hold (or refuse) the launch
             # twice over: the ranks apply the same rule once they have built it.
             profile.notes.append(
-                f"data.batch_size: not checked before launch ({e}); the ranks check it"
+                f"data.batch_size: not checked before launch ({count.late}); the ranks check it"
             )
             return None
-        samples = answer["train_samples"]
+        if count.error:
+            raise LaunchError(count.error)
+        samples = count.samples
     if problem := batch_problem(samples, world, profile.data.batch_size, profile.data.drop_last):
         raise bad("data.batch_size", problem, profile.data.batch_size)
     return samples

@@ -76,3 +76,80 @@ def test_a_slow_data_set_does_not_hold_the_launch(procs, runs_dir, tmp_path):
     assert "data.batch_size: not checked before launch" in both, both
     assert "took over 2 s to build" in both, both
     assert events_of(only_run(runs_dir), "step")[-1]["step"] == 5
+
+
+# Says, in a file, each process that imports it and each that builds its data sets.
+COUNTED = """
+import os
+from gpu_console.tasks.mlp import MLPTask
+
+def _say(what):
+    with open(os.environ["SEEN_FILE"], "a") as f:
+        f.write(f"{what} {os.getpid()} {os.environ.get('LOCAL_RANK', '-')}\\n")
+
+_say("import")
+
+
+class Counted(MLPTask):
+    def build_datasets(self):
+        _say("data")
+        return super().build_datasets()
+"""
+
+
+def seen(path) -> list[tuple[str, str, str]]:
+    return [tuple(line.split()) for line in path.read_text().splitlines()]
+
+
+def test_a_launch_checks_a_user_task_and_counts_its_data_in_one_process(procs, runs_dir, tmp_path):
+    # Each torch start-up before the run is seconds: the key check and the data count share one.
+    from conftest import task_profile, test_env
+
+    profile = task_profile(tmp_path, "counted", COUNTED, "Counted", max_steps=2)
+    said = tmp_path / "seen.txt"
+    result = procs.cli(
+        "run", str(profile), "--headless", "--devices", "cpu:1", "--runs-dir", str(runs_dir),
+        cwd=tmp_path, env=test_env(SEEN_FILE=str(said)),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    before = [s for s in seen(said) if s[2] == "-"]  # not a rank
+    assert [what for what, _, _ in before] == ["import", "data"]
+    assert before[0][1] == before[1][1]  # the same process
+    assert ("data", "0") in {(what, rank) for what, _, rank in seen(said)}  # the rank's own
+
+    said.unlink()
+    result = procs.cli(
+        "run", str(profile), "--headless", "--devices", "cpu:1", "--runs-dir", str(runs_dir),
+        "--set", "task.hiden=3", cwd=tmp_path, env=test_env(SEEN_FILE=str(said)),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "task.hiden: unknown key" in result.stderr
+    assert [what for what, _, _ in seen(said)] == ["import"]  # keys wrong: no data built
+
+
+NO_DATA = """
+from gpu_console.tasks.mlp import MLPTask
+
+print("a line of the user's own, on import")
+
+
+class NoData(MLPTask):
+    def build_datasets(self):
+        raise FileNotFoundError("/data/train.bin")
+"""
+
+
+def test_a_user_task_whose_data_cannot_be_built_is_refused_in_one_line(procs, runs_dir, tmp_path):
+    from conftest import task_profile
+
+    profile = task_profile(tmp_path, "nodata", NO_DATA, "NoData", max_steps=2)
+    result = procs.cli(
+        "run", str(profile), "--headless", "--devices", "cpu:1", "--runs-dir", str(runs_dir),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        "gpu-console: task nodata:NoData: build_datasets() failed: "
+        "FileNotFoundError: /data/train.bin"
+    ]
+    assert not runs_dir.exists() or not list(runs_dir.iterdir())

@@ -7,6 +7,10 @@ engine's own builders (the ones build.py calls), then (unless ``"step": false``,
 rehearses one real training micro-batch and one batch of each eval split (:func:`rehearse`),
 and prints one JSON line: ``{"plan": {...}}``, or ``{"error": "..."}`` naming the task, where
 it failed and its exception's last line. Nothing is written.
+
+A launch asks it too, for a user task (``"only": "data", "check": true``): first the task's
+keys (``tasks/check.py``'s answer, on a line of its own), then, if they hold, its data sets
+counted (``{"data": {"train_samples": N}}``): one torch start-up before a launch, not two.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from ..batching import IN_EPOCHS, batch_problem, epochs_to_steps
 from ..devices import fused_steps_ok
 from ..profile import Profile, resolve, with_task_config
 from ..schema import show
+from ..tasks.check import check as check_task
 from ..tasks.loader import TaskLoadError, load_task_class
 from . import activation_checkpoint, fsdp, precision, train_metrics
 from .compile import mode_of
@@ -260,6 +265,14 @@ def _strategy(p: Profile, task, model, kind: str, device_type: str, world: int) 
 
 def main() -> int:
     doc = json.loads(sys.stdin.read())
+    if doc.get("check"):  # a launch's task check first, then its data (dry_run.check_and_count)
+        table = dict(doc["profile"]["task"])
+        kind = table.pop("kind")
+        verdict = check_task(kind, table)
+        print(json.dumps({"check": verdict}), flush=True)
+        if verdict["errors"]:
+            return 0
+        doc["profile"]["task"] = {"kind": kind, **verdict["task"]}
     try:
         p = resolve(doc["profile"], SOURCE)
         world, start = int(doc["world_size"]), int(doc.get("start_step") or 0)
