@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ctrl_c_then_resume, events_of, only_run, run_dirs, set_args, test_env
+from conftest import ctrl_c_then_resume, events_of, only_run, run_dirs, set_args
+from conftest import test_env as cli_env
 
 from gpu_console.profile import ProfileError, load_profile
 from gpu_console.tasks.hf import HFTask
@@ -143,7 +144,7 @@ def test_without_transformers_the_profile_fails_in_one_line_before_launch(procs,
     blocker.mkdir()
     # The documented way to make a package unimportable: sys.modules[name] = None.
     (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['transformers'] = None\n")
-    env = test_env()
+    env = cli_env()
     env["PYTHONPATH"] = f"{blocker}:{env.get('PYTHONPATH', '')}"
     runs = tmp_path / "runs"
     result = procs.cli("run", "hf", "--headless", "--devices", "cpu:2", "--runs-dir", str(runs),
