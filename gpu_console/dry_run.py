@@ -10,11 +10,14 @@ directory's name is only computed. No torch here (the engine's part is a subproc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -98,6 +101,8 @@ def _plan_answer(kind: str, stdout: str, stderr: str, returncode: int | None) ->
     try:
         answer = json.loads(stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
+        answer = None
+    if not isinstance(answer, dict):  # none, or a line of the user's own last
         why = stderr.strip().splitlines()[-1:] or [f"exit code {returncode}"]
         raise launch.LaunchError(f"task {kind}: the plan could not be built ({why[0]})") from None
     if "error" in answer:
@@ -119,110 +124,132 @@ class DataSize:
 CHECK_TIMEOUT_S = 300.0
 
 
-def check_and_count(
-    profile: Profile, placement: Placement, world_size: int, cwd: str, data_timeout_s: float
-) -> tuple[dict | None, DataSize | None, str]:
-    """A user task's keys checked (``tasks/check.py``'s answer) and then, if they hold, its
-    data sets built and the training set counted, in one subprocess: a launch starts torch
-    once before the run, not twice (each start is seconds). The count has ``data_timeout_s``
-    once the keys are checked; past it the subprocess is ended and the count is ``late``.
+class TaskProcess:
+    """A user task's one subprocess before a launch (``engine/plan.py`` with ``"check"``):
+    it imports the task and checks its keys at once (:meth:`verdict`), then waits; it builds
+    and counts the data sets only when :meth:`count` tells it to, once every other launch
+    check has passed, where the data check has always been made. One torch start-up before a
+    run, not two (each is seconds). Always :meth:`close` it: a launch refused in between ends
+    it, data sets unbuilt."""
 
-    Returns the check's answer (None when the subprocess gave none), the count (None when
-    the keys did not hold), and the subprocess's last line of stderr (what a failed import
-    said)."""
-    doc = {
-        "profile": profile.to_dict(),
-        "device_type": placement.device_type,
-        "world_size": world_size,
-        "only": "data",
-        "check": True,
-    }
-    proc = subprocess.Popen(
-        PLAN_ARGV,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=cwd,
-        env=_plan_env(placement),
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-    err: list[str] = []
-    threads = [
-        threading.Thread(target=_pump, args=(proc.stdout, lines.put), daemon=True),
-        threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True),
-    ]
-    for t in threads:
-        t.start()
-    try:
-        proc.stdin.write(json.dumps(doc))
-        proc.stdin.close()
-    except BrokenPipeError:  # it died at once; its stderr says why
-        pass
-    out: list[str] = []
-    verdict = _check_line(lines, out, time.monotonic() + CHECK_TIMEOUT_S)
-    if verdict is None or verdict["errors"]:
-        _end(proc, threads, kill=verdict is None)
-        why = _last(err) or (f"exit code {proc.returncode}" if proc.returncode else "no answer")
-        return verdict, None, why
-    end = time.monotonic() + data_timeout_s
-    while (line := _get(lines, end)) not in (None, _LATE):
-        out.append(line)
-    if line is _LATE:
-        _end(proc, threads, kill=True)
-        return verdict, DataSize(late=_data_late(profile.task_kind, data_timeout_s)), ""
-    _end(proc, threads)
-    try:
-        answer = _plan_answer(profile.task_kind, "".join(out), _last(err), proc.returncode)
-    except launch.LaunchError as e:
-        return verdict, DataSize(error=str(e)), ""
-    return verdict, DataSize(samples=answer["data"]["train_samples"]), ""
+    def __init__(self, profile: Profile, placement: Placement, world_size: int, cwd: str):
+        self.kind = profile.task_kind
+        self._closed = False
+        self._stderr_last = ""
+        doc = {
+            "profile": profile.to_dict(),
+            "device_type": placement.device_type,
+            "world_size": world_size,
+            "only": "data",
+            "check": True,
+        }
+        # stderr: a file (closed by close()), never a pipe that fills and blocks it.
+        self._err = tempfile.TemporaryFile()  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            PLAN_ARGV,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            errors="replace",  # a stray byte of the user's own is not the end of the answer
+            cwd=cwd,
+            env=_plan_env(placement),
+            start_new_session=True,  # its group: what a user's data sets start ends with it
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+        self._send(json.dumps(doc) + "\n")
+
+    def verdict(self) -> tuple[dict | None, str]:
+        """``tasks/check.py``'s answer, or None and why there is none (the subprocess's last
+        line of stderr: what a failed import said)."""
+        deadline = time.monotonic() + CHECK_TIMEOUT_S
+        while isinstance(line := self._next(deadline), str):
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                continue  # a line of the user's own (a print on import)
+            if isinstance(answer, dict) and isinstance(answer.get("check"), dict):
+                return answer["check"], ""
+        self.close(wait_s=0.0 if line is _LATE else 5.0)  # ended: its exit code is coming
+        if line is _LATE:
+            return None, f"no answer within {CHECK_TIMEOUT_S:.0f} s"
+        return None, self._last_err() or f"exit code {self.proc.returncode}"
+
+    def count(self, timeout_s: float) -> DataSize:
+        """The training set's size, counted within ``timeout_s`` (else ``late``)."""
+        self._send("go\n")
+        end = time.monotonic() + timeout_s
+        out = []
+        while isinstance(line := self._next(end), str):
+            out.append(line)
+        if line is _LATE:
+            self.close()
+            return DataSize(late=_data_late(self.kind, timeout_s))
+        self.close(wait_s=5.0)
+        try:
+            answer = _plan_answer(self.kind, "".join(out), self._last_err(), self.proc.returncode)
+        except launch.LaunchError as e:
+            return DataSize(error=str(e))
+        return DataSize(samples=answer["data"]["train_samples"])
+
+    def close(self, wait_s: float = 0.0) -> None:
+        """Its process group ended (after ``wait_s`` for a process that has answered), its
+        pipes and file closed. Once: later calls do nothing (its pid may be another's)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=wait_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the group: the user's pools too
+        self.proc.wait()
+        self._reader.join(timeout=5)  # the pipe's end, now its writers are gone
+        streams = [self.proc.stdin] + ([] if self._reader.is_alive() else [self.proc.stdout])
+        for stream in streams:  # one still read (a writer that left the group) stays open
+            with contextlib.suppress(OSError):
+                stream.close()
+        self._stderr_last = self._read_err()
+        self._err.close()
+
+    def _send(self, text: str) -> None:
+        try:
+            self.proc.stdin.write(text)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass  # it ended (or was ended): its answer, or the lack of one, says why
+
+    def _pump(self) -> None:
+        try:
+            for line in self.proc.stdout:
+                self._lines.put(line)
+        except (OSError, ValueError):
+            pass  # closed under it
+        self._lines.put(None)
+
+    def _next(self, deadline: float):
+        """The next line; None at its end; _LATE past ``deadline``."""
+        try:
+            return self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return _LATE
+
+    def _last_err(self) -> str:
+        """The subprocess's last line of stderr."""
+        return self._stderr_last if self._closed else self._read_err()
+
+    def _read_err(self) -> str:
+        try:
+            self._err.seek(0)
+            lines = self._err.read().decode(errors="replace").strip().splitlines()
+        except (OSError, ValueError):
+            return ""
+        return lines[-1] if lines else ""
 
 
 _LATE = object()
-
-
-def _pump(stream, put) -> None:
-    for line in stream:
-        put(line)
-    put(None)
-
-
-def _get(lines: queue.Queue, deadline: float):
-    try:
-        return lines.get(timeout=max(0.0, deadline - time.monotonic()))
-    except queue.Empty:
-        return _LATE
-
-
-def _check_line(lines: queue.Queue, out: list[str], deadline: float) -> dict | None:
-    """The check's answer: the first line that is one (a user module may print first)."""
-    while (line := _get(lines, deadline)) not in (None, _LATE):
-        try:
-            answer = json.loads(line)
-        except ValueError:
-            answer = None
-        if isinstance(answer, dict) and isinstance(answer.get("check"), dict):
-            return answer["check"]
-        out.append(line)
-    return None
-
-
-def _end(proc: subprocess.Popen, threads: list[threading.Thread], kill: bool = False) -> None:
-    if proc.poll() is None:
-        try:
-            # After its answer the process is on its way out; one past its time is ended.
-            proc.wait(timeout=0 if kill else 5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    for t in threads:
-        t.join(timeout=5)
-
-
-def _last(err: list[str]) -> str:
-    lines = "".join(err).strip().splitlines()
-    return lines[-1] if lines else ""
 
 
 def check_runs_dir(folder: Path) -> None:

@@ -134,19 +134,18 @@ def check_user_task(
 ):
     """Validate a user task's keys in a subprocess: its module may import torch.
 
-    ``count_for`` (the placement and the world): the same subprocess then counts the task's
-    training set (``dry_run.check_and_count``), which :func:`check_data` judges at its place
-    in the checks; returned beside the profile (None otherwise)."""
+    ``count_for`` (the placement and the world): that subprocess stays, to count the task's
+    training set when :func:`check_data` asks (``dry_run.TaskProcess``); returned beside the
+    profile (None otherwise). :func:`prepare` ends it when it returns, whatever happened."""
     if profile.task_kind in BUILTIN:
         return profile, None
-    count = None
+    task = None
     if count_for is not None:
-        from .dry_run import check_and_count
+        from .dry_run import TaskProcess
 
-        placement, world = count_for
-        answer, count, why = check_and_count(
-            profile, placement, world, cwd or os.getcwd(), data_check_s()
-        )
+        task = TaskProcess(profile, *count_for, cwd or os.getcwd())
+        _task_processes.append(task)
+        answer, why = task.verdict()
     else:
         answer, why = _check_only(profile, cwd)
     if answer is None:
@@ -169,7 +168,12 @@ def check_user_task(
             ]
         )
     profile.task = answer["task"]
-    return profile, count
+    return profile, task
+
+
+# The key check's subprocess of the launch being checked (check_user_task), ended when
+# prepare returns (_launch_checks).
+_task_processes: list = []
 
 
 def _check_only(profile: Profile, cwd: str | None) -> tuple[dict | None, str]:
@@ -540,8 +544,10 @@ def run_cwd(run: Path) -> str | None:
     return cwd if isinstance(cwd, str) and os.path.isdir(cwd) else None
 
 
-def _resumes_let_go_on_failure(fn):
-    """A launch refused after its resume's session lock was taken lets the lock go."""
+def _launch_checks(fn):
+    """A launch refused after its resume's session lock was taken lets the lock go; a user
+    task's key-check subprocess ends, whatever happened (refused before its data count, or
+    done)."""
 
     @functools.wraps(fn)
     def checked(*args, **kwargs):
@@ -550,11 +556,14 @@ def _resumes_let_go_on_failure(fn):
         except BaseException:
             release_resumes()
             raise
+        finally:
+            while _task_processes:
+                _task_processes.pop().close()
 
     return checked
 
 
-@_resumes_let_go_on_failure
+@_launch_checks
 def prepare(
     profile_arg: str | None,
     *,
@@ -639,13 +648,14 @@ def prepare(
         )
     # Resolved now, judged at its place below: a user task's one subprocess also counts its
     # data, for which it needs the ranks' world.
+    wrong_devices = None
     try:
         placement = resolve_placement(profile.hardware.devices, profile.hardware.oversubscribe)
         world = placement.nproc * (nodes.max_nodes if nodes else 1)
     except DeviceSpecError as e:
         placement, world, wrong_devices = None, 0, e
     count_for = (placement, world) if build_data and placement is not None else None
-    profile, count = check_user_task(
+    profile, task = check_user_task(
         profile, source, set_keys | set(flags), cwd=task_cwd, count_for=count_for
     )
     if resume_run is not None:
@@ -692,7 +702,7 @@ def prepare(
     judge = getattr(profile.task, "launch_problem", None)
     if callable(judge) and (problem := judge(world, profile)):
         raise bad(*problem)
-    samples = check_data(profile, placement, world, task_cwd or os.getcwd(), bad, build_data, count)
+    samples = check_data(profile, placement, world, task_cwd or os.getcwd(), bad, build_data, task)
     if build_data or samples is not None:  # else --dry-run's plan turns them into steps
         epochs_to_steps(profile, samples, world, bad)
     if resume_run is not None and not any(getattr(profile.train, k) for k in IN_EPOCHS):
@@ -719,21 +729,22 @@ def check_data(
     cwd: str,
     bad,
     build: bool = True,
-    count=None,
+    task=None,
 ) -> int | None:
     """``data.batch_size`` against the training set (batching.py), as the ranks would judge it
     after launch. A built-in task's size is a key of its own; a user task's data sets are
     built once by the engine's own code in a subprocess (the console never imports torch),
-    unless ``build`` is False; ``count``: that subprocess's ``dry_run.DataSize``, when the
-    task check's subprocess counted them already. The training set's size, where it was
-    found."""
+    unless ``build`` is False; ``task``: the key check's subprocess (``dry_run.TaskProcess``),
+    which counts them in place of a new one. The training set's size, where it was found."""
     samples = getattr(profile.task, "train_samples", None)
     if profile.task_kind not in BUILTIN or not isinstance(samples, int):
         if not build:
             return None
         from .dry_run import DataSize, PlanTimeout, engine_plan
 
-        if count is None:
+        if task is not None:
+            count = task.count(data_check_s())
+        else:
             try:
                 answer = engine_plan(
                     profile, placement, world, cwd, only="data", timeout_s=data_check_s()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import REPO, events_of, only_run
+from conftest import REPO, events_of, only_run, run_dirs
 
 
 def test_example_user_task_trains_from_its_import_path(procs, runs_dir):
@@ -125,6 +125,16 @@ def test_a_launch_checks_a_user_task_and_counts_its_data_in_one_process(procs, r
     assert result.returncode == 2
     assert "task.hiden: unknown key" in result.stderr
     assert [what for what, _, _ in seen(said)] == ["import"]  # keys wrong: no data built
+
+    said.unlink()  # the keys hold, a later check refuses: the data sets are not built either
+    result = procs.cli(
+        "run", str(profile), "--headless", "--devices", "cpu:1", "--runs-dir", str(runs_dir),
+        "--precision", "fp16", cwd=tmp_path, env=test_env(SEEN_FILE=str(said)),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.startswith("gpu-console: --precision: train.precision: ")
+    assert [what for what, _, _ in seen(said)] == ["import"]
+    assert len(run_dirs(runs_dir)) == 1  # the first launch's run alone
 
 
 NO_DATA = """

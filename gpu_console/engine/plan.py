@@ -8,9 +8,11 @@ rehearses one real training micro-batch and one batch of each eval split (:func:
 and prints one JSON line: ``{"plan": {...}}``, or ``{"error": "..."}`` naming the task, where
 it failed and its exception's last line. Nothing is written.
 
-A launch asks it too, for a user task (``"only": "data", "check": true``): first the task's
-keys (``tasks/check.py``'s answer, on a line of its own), then, if they hold, its data sets
-counted (``{"data": {"train_samples": N}}``): one torch start-up before a launch, not two.
+A launch asks it too, for a user task (``"only": "data", "check": true``; the document on
+one line): first the task's keys (``tasks/check.py``'s answer, on a line of its own); then,
+if they hold and once the launch's other checks have passed (a ``go`` line on stdin), its
+data sets counted (``{"data": {"train_samples": N}}``): one torch start-up before a launch,
+not two.
 """
 
 from __future__ import annotations
@@ -264,13 +266,14 @@ def _strategy(p: Profile, task, model, kind: str, device_type: str, world: int) 
 
 
 def main() -> int:
-    doc = json.loads(sys.stdin.read())
-    if doc.get("check"):  # a launch's task check first, then its data (dry_run.check_and_count)
+    doc = json.loads(sys.stdin.readline())  # one line (JSON escapes its newlines)
+    if doc.get("check"):  # a launch's task check first, then its data (dry_run.TaskProcess)
         table = dict(doc["profile"]["task"])
         kind = table.pop("kind")
         verdict = check_task(kind, table)
         print(json.dumps({"check": verdict}), flush=True)
-        if verdict["errors"]:
+        # The data sets are built once the launch's other checks have passed: "go".
+        if verdict["errors"] or sys.stdin.readline().strip() != "go":
             return 0
         doc["profile"]["task"] = {"kind": kind, **verdict["task"]}
     try:
