@@ -121,9 +121,6 @@ class DataSize:
     late: str | None = None
 
 
-CHECK_TIMEOUT_S = 300.0
-
-
 class TaskProcess:
     """A user task's one subprocess before a launch (``engine/plan.py`` with ``"check"``):
     it imports the task and checks its keys at once (:meth:`verdict`), then waits; it builds
@@ -164,7 +161,7 @@ class TaskProcess:
     def verdict(self) -> tuple[dict | None, str]:
         """``tasks/check.py``'s answer, or None and why there is none (the subprocess's last
         line of stderr: what a failed import said)."""
-        deadline = time.monotonic() + CHECK_TIMEOUT_S
+        deadline = time.monotonic() + launch.CHECK_TIMEOUT_S
         while isinstance(line := self._next(deadline), str):
             try:
                 answer = json.loads(line)
@@ -174,12 +171,13 @@ class TaskProcess:
                 return answer["check"], ""
         self.close(wait_s=0.0 if line is _LATE else 5.0)  # ended: its exit code is coming
         if line is _LATE:
-            return None, f"no answer within {CHECK_TIMEOUT_S:.0f} s"
+            return None, f"no answer within {launch.CHECK_TIMEOUT_S:.0f} s"
         return None, self._last_err() or f"exit code {self.proc.returncode}"
 
-    def count(self, timeout_s: float) -> DataSize:
-        """The training set's size, counted within ``timeout_s`` (else ``late``)."""
-        self._send("go\n")
+    def count(self, profile: Profile, timeout_s: float) -> DataSize:
+        """The training set's size, counted within ``timeout_s`` (else ``late``), with the
+        profile as the launch's checks left it (a resume's chosen batch size)."""
+        self._send(json.dumps({"go": True, "profile": profile.to_dict()}) + "\n")
         end = time.monotonic() + timeout_s
         out = []
         while isinstance(line := self._next(end), str):

@@ -171,6 +171,9 @@ def check_user_task(
     return profile, task
 
 
+# How long a user task's module may take to import and check its keys.
+CHECK_TIMEOUT_S = 300.0
+
 # The key check's subprocess of the launch being checked (check_user_task), ended when
 # prepare returns (_launch_checks).
 _task_processes: list = []
@@ -178,14 +181,17 @@ _task_processes: list = []
 
 def _check_only(profile: Profile, cwd: str | None) -> tuple[dict | None, str]:
     """``tasks/check.py``'s answer (None if it gave none) and its last line of stderr."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "gpu_console.tasks.check", profile.task_kind,
-         json.dumps(profile.task)],
-        capture_output=True,
-        text=True,
-        cwd=cwd or os.getcwd(),
-        timeout=300,
-    )  # fmt: skip
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "gpu_console.tasks.check", profile.task_kind,
+             json.dumps(profile.task)],
+            capture_output=True,
+            text=True,
+            cwd=cwd or os.getcwd(),
+            timeout=CHECK_TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return None, f"no answer within {CHECK_TIMEOUT_S:.0f} s"
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1]), ""
     except (ValueError, IndexError):
@@ -743,7 +749,7 @@ def check_data(
         from .dry_run import DataSize, PlanTimeout, engine_plan
 
         if task is not None:
-            count = task.count(data_check_s())
+            count = task.count(profile, data_check_s())
         else:
             try:
                 answer = engine_plan(

@@ -10,9 +10,9 @@ it failed and its exception's last line. Nothing is written.
 
 A launch asks it too, for a user task (``"only": "data", "check": true``; the document on
 one line): first the task's keys (``tasks/check.py``'s answer, on a line of its own); then,
-if they hold and once the launch's other checks have passed (a ``go`` line on stdin), its
-data sets counted (``{"data": {"train_samples": N}}``): one torch start-up before a launch,
-not two.
+if they hold and once the launch's other checks have passed (a ``go`` line on stdin, with
+the profile as they left it), its data sets counted (``{"data": {"train_samples": N}}``):
+one torch start-up before a launch, not two.
 """
 
 from __future__ import annotations
@@ -272,10 +272,17 @@ def main() -> int:
         kind = table.pop("kind")
         verdict = check_task(kind, table)
         print(json.dumps({"check": verdict}), flush=True)
-        # The data sets are built once the launch's other checks have passed: "go".
-        if verdict["errors"] or sys.stdin.readline().strip() != "go":
+        if verdict["errors"]:
             return 0
-        doc["profile"]["task"] = {"kind": kind, **verdict["task"]}
+        # The data sets are built once the launch's other checks have passed: its "go"
+        # brings the profile as they left it (the task's keys resolved).
+        try:
+            go = json.loads(sys.stdin.readline())
+        except ValueError:
+            return 0  # ended: the launch was refused
+        if not isinstance(go, dict) or not go.get("go"):
+            return 0
+        doc["profile"] = go["profile"]
     try:
         p = resolve(doc["profile"], SOURCE)
         world, start = int(doc["world_size"]), int(doc.get("start_step") or 0)
