@@ -54,33 +54,71 @@ def engine_plan(
     ``only="data"``: the task's data sets only (``{"train_samples": N}``), a launch's check.
     ``step``: one real training micro-batch and one batch of each eval split too.
     """
-    doc = {
-        "profile": profile.to_dict(),
-        "device_type": placement.device_type,
-        "world_size": world_size,
-        "start_step": start_step,
-        "only": only,
-        "step": step,
-    }
     kind = profile.task_kind
+    with _scratch() as scratch:
+        doc = {
+            "profile": profile.to_dict(),
+            "device_type": placement.device_type,
+            "world_size": world_size,
+            "start_step": start_step,
+            "only": only,
+            "step": step,
+            "scratch": scratch,
+        }
+        try:
+            stdout, stderr, code = _run_plan(doc, cwd, placement, timeout_s or PLAN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            if timeout_s is not None:
+                raise PlanTimeout(_data_late(kind, timeout_s)) from None
+            raise launch.LaunchError(
+                f"task {kind}: building the model and data took longer than {PLAN_TIMEOUT_S} s"
+            ) from None
+    answer = _plan_answer(kind, stdout, stderr, code)
+    return answer["data" if only == "data" else "plan"]
+
+
+def _run_plan(doc: dict, cwd: str, placement: Placement, limit_s: float) -> tuple[str, str, int]:
+    """``engine/plan.py`` on ``doc``: its stdout, stderr and exit code, or TimeoutExpired past
+    ``limit_s``. Whatever it started is ended with it: it runs in a process group of its own,
+    killed once it has ended. Files, not pipes: a process the task left behind may hold them
+    open, and they are read once the plan has ended."""
+    files = [tempfile.TemporaryFile("w+") for _ in range(3)]  # noqa: SIM115 (closed below)
+    stdin, out, err = files
     try:
-        proc = subprocess.run(
+        stdin.write(json.dumps(doc))
+        stdin.seek(0)
+        proc = subprocess.Popen(
             PLAN_ARGV,
-            input=json.dumps(doc),
-            capture_output=True,
-            text=True,
+            stdin=stdin,
+            stdout=out,
+            stderr=err,
             cwd=cwd,
             env=_plan_env(placement),
-            timeout=timeout_s or PLAN_TIMEOUT_S,
+            start_new_session=True,
         )
-    except subprocess.TimeoutExpired:
-        if timeout_s is not None:
-            raise PlanTimeout(_data_late(kind, timeout_s)) from None
-        raise launch.LaunchError(
-            f"task {kind}: building the model and data took longer than {PLAN_TIMEOUT_S} s"
-        ) from None
-    answer = _plan_answer(kind, proc.stdout, proc.stderr, proc.returncode)
-    return answer["data" if only == "data" else "plan"]
+        try:
+            proc.wait(timeout=limit_s)
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the group: the user's pools too
+            proc.wait()
+        return _text(out), _text(err), proc.returncode
+    finally:
+        for file in files:
+            file.close()
+
+
+def _scratch() -> tempfile.TemporaryDirectory:
+    """The planning process's run directory, made and removed here: a plan killed at its
+    time limit runs no exit handler of its own."""
+    return tempfile.TemporaryDirectory(prefix="gpu-console-plan-", ignore_cleanup_errors=True)
+
+
+def _text(file) -> str:
+    """What a subprocess wrote to a temporary file, a stray byte of the user's own replaced."""
+    with open(file.fileno(), "rb", closefd=False) as raw:
+        raw.seek(0)
+        return raw.read().decode(errors="replace")
 
 
 PLAN_ARGV = [sys.executable, "-m", "gpu_console.engine.plan"]
@@ -133,12 +171,14 @@ class TaskProcess:
         self.kind = profile.task_kind
         self._closed = False
         self._stderr_last = ""
+        self._scratch = _scratch()
         doc = {
             "profile": profile.to_dict(),
             "device_type": placement.device_type,
             "world_size": world_size,
             "only": "data",
             "check": True,
+            "scratch": self._scratch.name,
         }
         # stderr: a file (closed by close()), never a pipe that fills and blocks it.
         self._err = tempfile.TemporaryFile()  # noqa: SIM115
@@ -182,6 +222,8 @@ class TaskProcess:
         out = []
         while isinstance(line := self._next(end), str):
             out.append(line)
+            if _is_answer(line):  # not the pipe's end: a helper the task started may hold it
+                break
         if line is _LATE:
             self.close()
             return DataSize(late=_data_late(self.kind, timeout_s))
@@ -211,6 +253,7 @@ class TaskProcess:
                 stream.close()
         self._stderr_last = self._read_err()
         self._err.close()
+        self._scratch.cleanup()
 
     def _send(self, text: str) -> None:
         try:
@@ -248,6 +291,15 @@ class TaskProcess:
 
 
 _LATE = object()
+
+
+def _is_answer(line: str) -> bool:
+    """Whether ``line`` is plan.py's last: its answer, ``data`` or ``error``."""
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and ("data" in doc or "error" in doc)
 
 
 def check_runs_dir(folder: Path) -> None:

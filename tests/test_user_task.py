@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 from conftest import REPO, events_of, only_run, run_dirs
 
 
@@ -48,13 +51,18 @@ def test_user_task_keys_are_checked_against_its_config(procs, runs_dir):
 # Its data sets take long to build outside a rank (what the launch's own check runs).
 SLOW_DATA = """
 import os
+import subprocess
 import time
+from pathlib import Path
 from gpu_console.tasks.mlp import MLPTask
 
 
 class SlowData(MLPTask):
     def build_datasets(self):
         if "LOCAL_RANK" not in os.environ:
+            # A loading helper of the task's own, in the launch's check (as a pool would be).
+            helper = subprocess.Popen(["sleep", "600"])
+            Path(os.environ["HELPER_PID_FILE"]).write_text(str(helper.pid))
             time.sleep(120)
         return super().build_datasets()
 """
@@ -62,11 +70,15 @@ class SlowData(MLPTask):
 
 def test_a_slow_data_set_does_not_hold_the_launch(procs, runs_dir, tmp_path):
     # The launch checks a user task's data set size within a time limit; past it the launch
-    # goes on, says so, and the ranks apply the same rule (launch.check_data).
-    from conftest import task_profile, test_env
+    # goes on, says so, and the ranks apply the same rule (launch.check_data). The check's
+    # process is killed there, so its exit handlers never run: the console removes its
+    # temporary run directory and ends what the task started.
+    from conftest import pid_alive, task_profile, test_env, wait_for
 
     profile = task_profile(tmp_path, "slowdata", SLOW_DATA, "SlowData", max_steps=5)
-    env = test_env(GPU_CONSOLE_DATA_CHECK_S="2")
+    scratch, helper = tmp_path / "tmp", tmp_path / "helper.pid"
+    scratch.mkdir()
+    env = test_env(GPU_CONSOLE_DATA_CHECK_S="2", TMPDIR=str(scratch), HELPER_PID_FILE=str(helper))
     result = procs.cli(
         "run", str(profile), "--headless", "--devices", "cpu:2", "--runs-dir", str(runs_dir),
         cwd=tmp_path, env=env, timeout=100,
@@ -76,6 +88,13 @@ def test_a_slow_data_set_does_not_hold_the_launch(procs, runs_dir, tmp_path):
     assert "data.batch_size: not checked before launch" in both, both
     assert "took over 2 s to build" in both, both
     assert events_of(only_run(runs_dir), "step")[-1]["step"] == 5
+    assert list(scratch.glob("gpu-console-plan-*")) == []
+    pid = int(helper.read_text())
+    try:
+        wait_for(lambda: not pid_alive(pid), what="the task's helper process to be ended")
+    finally:
+        if pid_alive(pid):  # what the launch left, ended by its pid
+            os.kill(pid, signal.SIGKILL)
 
 
 # Says, in a file, each process that imports it and each that builds its data sets.
@@ -163,3 +182,77 @@ def test_a_user_task_whose_data_cannot_be_built_is_refused_in_one_line(procs, ru
         "FileNotFoundError: /data/train.bin"
     ]
     assert not runs_dir.exists() or not list(runs_dir.iterdir())
+
+
+# Its data sets start a helper that would outlive the process (a server, a persistent pool).
+LINGERING = """
+import os
+import subprocess
+from pathlib import Path
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Lingering(MLPTask):
+    def build_datasets(self):
+        if "LOCAL_RANK" in os.environ:  # the ranks: the launch's and the plan's check only
+            return super().build_datasets()
+        helper = subprocess.Popen(["sleep", "600"])
+        with open(os.environ["HELPER_PID_FILE"], "a") as f:
+            f.write(f"{helper.pid}\\n")
+        return super().build_datasets()
+"""
+
+
+def test_a_dry_run_answers_and_ends_what_the_task_left_running(procs, runs_dir, tmp_path):
+    # The helper holds the plan's output open: a dry run that read to the end of its output
+    # waited out its 300 s limit and failed. It is answered when the plan ends, and the
+    # plan's process group (the helper with it) is ended.
+    from conftest import pid_alive, task_profile, test_env, wait_for
+
+    profile = task_profile(tmp_path, "lingering", LINGERING, "Lingering", max_steps=5)
+    pids_file = tmp_path / "helpers.txt"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = test_env(HELPER_PID_FILE=str(pids_file), TMPDIR=str(scratch))
+    try:
+        result = procs.cli(
+            "run", str(profile), "--dry-run", "--no-step", "--devices", "cpu:2",
+            "--runs-dir", str(runs_dir), cwd=tmp_path, env=env, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "lingering:Lingering" in result.stdout
+        pids = [int(line) for line in pids_file.read_text().split()]
+        assert pids  # the plan built the data sets
+        wait_for(lambda: not any(map(pid_alive, pids)), what="the task's helpers to be ended")
+        assert list(scratch.glob("gpu-console-plan-*")) == []
+        assert not runs_dir.exists()
+    finally:
+        for pid in map(int, pids_file.read_text().split() if pids_file.exists() else []):
+            if pid_alive(pid):  # what the dry run left, ended by its pid
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_launch_counts_the_data_of_a_task_that_left_a_helper_running(procs, runs_dir, tmp_path):
+    # The launch's check reads the count when it is printed, not at the end of an output the
+    # helper holds open (that waited out the data limit and launched unchecked).
+    from conftest import pid_alive, task_profile, test_env, wait_for
+
+    profile = task_profile(tmp_path, "lingering", LINGERING, "Lingering", max_steps=3)
+    pids_file = tmp_path / "helpers.txt"
+    env = test_env(HELPER_PID_FILE=str(pids_file), GPU_CONSOLE_DATA_CHECK_S="120")
+    try:
+        result = procs.cli(
+            "run", str(profile), "--headless", "--devices", "cpu:2", "--runs-dir", str(runs_dir),
+            cwd=tmp_path, env=env, timeout=110,
+        )  # fmt: skip
+        both = result.stdout + result.stderr
+        assert result.returncode == 0, both
+        assert "not checked before launch" not in both, both
+        assert events_of(only_run(runs_dir), "step")[-1]["step"] == 3
+        pids = [int(line) for line in pids_file.read_text().split()]
+        assert len(pids) == 1  # the launch's check: one process, before the ranks
+        wait_for(lambda: not pid_alive(pids[0]), what="the task's helper to be ended")
+    finally:
+        for pid in map(int, pids_file.read_text().split() if pids_file.exists() else []):
+            if pid_alive(pid):  # what the launch left, ended by its pid
+                os.kill(pid, signal.SIGKILL)

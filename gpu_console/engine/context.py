@@ -104,13 +104,20 @@ def make(d: Any, run_dir: Path, profile: Profile, resumed: bool, start_step: int
     return ctx
 
 
-def planning(profile: Profile, world_size: int, device_type: str) -> TaskContext:
-    """Rank 0's context for ``run --dry-run`` (plan.py): its run directory is a temporary
-    one, removed when the planning process exits, and its log lines go nowhere."""
+def planning(
+    profile: Profile, world_size: int, device_type: str, scratch: str | None = None
+) -> TaskContext:
+    """Rank 0's context for ``run --dry-run`` and a launch's data check (plan.py): its run
+    directory is ``scratch``, a temporary one the console made and removes (a planning
+    process it kills runs no exit handler), else one of its own, removed at its exit. Its
+    log lines go nowhere."""
     import torch
 
-    run_dir = Path(tempfile.mkdtemp(prefix="gpu-console-plan-"))
-    atexit.register(shutil.rmtree, run_dir, True)
+    if scratch is not None:
+        run_dir = Path(scratch)
+    else:
+        run_dir = Path(tempfile.mkdtemp(prefix="gpu-console-plan-"))
+        atexit.register(shutil.rmtree, run_dir, True)
     ctx = TaskContext(0, world_size, 0, torch.device(device_type), run_dir, profile)
     ctx._emit = lambda level, text: None
     ctx.task_dir.mkdir()

@@ -82,13 +82,18 @@ def _task(p: Profile) -> tuple[Profile, Any]:
 
 
 def plan(
-    p: Profile, device_type: str, world_size: int, start_step: int = 0, step: bool = True
+    p: Profile,
+    device_type: str,
+    world_size: int,
+    start_step: int = 0,
+    step: bool = True,
+    scratch: str | None = None,
 ) -> dict[str, Any]:
     """The facts a run would start from, built as build.py builds them (model on the CPU);
     ``step``: then one real micro-batch and one batch of each eval split (:func:`rehearse`)."""
     kind = p.task_kind
     p, task = _task(p)
-    ctx = planning(p, world_size, device_type)
+    ctx = planning(p, world_size, device_type, scratch)
     ctx.resumed, ctx.start_step, ctx.step = bool(start_step), start_step, start_step
     attach(task, ctx)  # as the loop does, before build_model
     reduce = _call(kind, "metric_reduce", train_metrics.declared, task)  # checked at start too
@@ -234,12 +239,14 @@ def datasets(p: Profile, task, kind: str, world_size: int) -> tuple[Any, Any]:
     return train_set, eval_set
 
 
-def data_size(p: Profile, device_type: str, world_size: int) -> dict[str, Any]:
+def data_size(
+    p: Profile, device_type: str, world_size: int, scratch: str | None = None
+) -> dict[str, Any]:
     """A launch's half of :func:`plan`: the task built and its data sets checked, nothing
     else (no model): how a user task's data is judged before a run directory is written."""
     kind = p.task_kind
     p, task = _task(p)
-    attach(task, planning(p, world_size, device_type))  # as the loop does, before its data
+    attach(task, planning(p, world_size, device_type, scratch))  # as the loop does, first
     train_set, eval_set = _call(kind, "build_datasets()", task.build_datasets)
     if problem := without_compute(task, eval_set, kind):
         raise TaskBuildError(problem)
@@ -286,11 +293,12 @@ def main() -> int:
     try:
         p = resolve(doc["profile"], SOURCE)
         world, start = int(doc["world_size"]), int(doc.get("start_step") or 0)
+        scratch = doc.get("scratch")  # the console's temporary directory (dry_run.py)
         if doc.get("only") == "data":  # a launch's check (launch.check_data)
-            answer = {"data": data_size(p, doc["device_type"], world)}
+            answer = {"data": data_size(p, doc["device_type"], world, scratch)}
         else:
             step = bool(doc.get("step", True))  # --dry-run --no-step: the build only
-            answer = {"plan": plan(p, doc["device_type"], world, start, step)}
+            answer = {"plan": plan(p, doc["device_type"], world, start, step, scratch)}
     except TaskBuildError as e:
         answer = {"error": str(e)}
     except Exception as e:  # a profile key the task's data cannot meet (batch_size, ...)
