@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -64,6 +65,7 @@ def engine_plan(
             "only": only,
             "step": step,
             "scratch": scratch,
+            "tag": _tag(),
         }
         try:
             stdout, stderr, code = _run_plan(doc, cwd, placement, timeout_s or PLAN_TIMEOUT_S)
@@ -73,7 +75,7 @@ def engine_plan(
             raise launch.LaunchError(
                 f"task {kind}: building the model and data took longer than {PLAN_TIMEOUT_S} s"
             ) from None
-    answer = _plan_answer(kind, stdout, stderr, code)
+    answer = _plan_answer(kind, stdout, stderr, code, doc["tag"])
     return answer["data" if only == "data" else "plan"]
 
 
@@ -108,6 +110,20 @@ def _run_plan(doc: dict, cwd: str, placement: Placement, limit_s: float) -> tupl
             file.close()
 
 
+def _tag() -> str:
+    """A token the plan puts on its own lines: the task's prints share its output."""
+    return secrets.token_hex(8)
+
+
+def _tagged(line: str, tag: str) -> dict | None:
+    """``line`` as the plan's own line carrying ``tag``, else None (a line of the task's)."""
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and doc.get("tag") == tag else None
+
+
 def _scratch() -> tempfile.TemporaryDirectory:
     """The planning process's run directory, made and removed here: a plan killed at its
     time limit runs no exit handler of its own."""
@@ -134,13 +150,11 @@ def _data_late(kind: str, timeout_s: float) -> str:
     return f"task {kind}: its data sets took over {timeout_s:.0f} s to build"
 
 
-def _plan_answer(kind: str, stdout: str, stderr: str, returncode: int | None) -> dict:
-    """The plan's last line, or LaunchError naming the task and what went wrong."""
-    try:
-        answer = json.loads(stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        answer = None
-    if not isinstance(answer, dict):  # none, or a line of the user's own last
+def _plan_answer(kind: str, stdout: str, stderr: str, returncode: int | None, tag: str) -> dict:
+    """The plan's answer (its last line with ``tag``), or LaunchError naming the task and
+    what went wrong."""
+    answer = next(filter(None, (_tagged(x, tag) for x in reversed(stdout.splitlines()))), None)
+    if answer is None:  # a failed import, a crash: stderr says why
         why = stderr.strip().splitlines()[-1:] or [f"exit code {returncode}"]
         raise launch.LaunchError(f"task {kind}: the plan could not be built ({why[0]})") from None
     if "error" in answer:
@@ -172,6 +186,7 @@ class TaskProcess:
         self._closed = False
         self._stderr_last = ""
         self._scratch = _scratch()
+        self._tag = _tag()
         doc = {
             "profile": profile.to_dict(),
             "device_type": placement.device_type,
@@ -179,20 +194,26 @@ class TaskProcess:
             "only": "data",
             "check": True,
             "scratch": self._scratch.name,
+            "tag": self._tag,
         }
         # stderr: a file (closed by close()), never a pipe that fills and blocks it.
         self._err = tempfile.TemporaryFile()  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            PLAN_ARGV,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            text=True,
-            errors="replace",  # a stray byte of the user's own is not the end of the answer
-            cwd=cwd,
-            env=_plan_env(placement),
-            start_new_session=True,  # its group: what a user's data sets start ends with it
-        )
+        try:
+            self.proc = subprocess.Popen(
+                PLAN_ARGV,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._err,
+                text=True,
+                errors="replace",  # a stray byte of the user's own is not the end of the answer
+                cwd=cwd,
+                env=_plan_env(placement),
+                start_new_session=True,  # its group: what a user's data sets start ends with it
+            )
+        except BaseException:
+            self._err.close()
+            self._scratch.cleanup()
+            raise
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
@@ -203,11 +224,8 @@ class TaskProcess:
         line of stderr: what a failed import said)."""
         deadline = time.monotonic() + launch.CHECK_TIMEOUT_S
         while isinstance(line := self._next(deadline), str):
-            try:
-                answer = json.loads(line)
-            except ValueError:
-                continue  # a line of the user's own (a print on import)
-            if isinstance(answer, dict) and isinstance(answer.get("check"), dict):
+            answer = _tagged(line, self._tag)  # not a line of the user's own (a print on import)
+            if answer is not None and isinstance(answer.get("check"), dict):
                 return answer["check"], ""
         self.close(wait_s=0.0 if line is _LATE else 5.0)  # ended: its exit code is coming
         if line is _LATE:
@@ -222,14 +240,16 @@ class TaskProcess:
         out = []
         while isinstance(line := self._next(end), str):
             out.append(line)
-            if _is_answer(line):  # not the pipe's end: a helper the task started may hold it
+            if _tagged(line, self._tag):  # not the pipe's end: a helper of the task's may hold it
                 break
         if line is _LATE:
             self.close()
             return DataSize(late=_data_late(self.kind, timeout_s))
         self.close(wait_s=5.0)
         try:
-            answer = _plan_answer(self.kind, "".join(out), self._last_err(), self.proc.returncode)
+            answer = _plan_answer(
+                self.kind, "".join(out), self._last_err(), self.proc.returncode, self._tag
+            )
         except launch.LaunchError as e:
             return DataSize(error=str(e))
         return DataSize(samples=answer["data"]["train_samples"])
@@ -291,15 +311,6 @@ class TaskProcess:
 
 
 _LATE = object()
-
-
-def _is_answer(line: str) -> bool:
-    """Whether ``line`` is plan.py's last: its answer, ``data`` or ``error``."""
-    try:
-        doc = json.loads(line)
-    except ValueError:
-        return False
-    return isinstance(doc, dict) and ("data" in doc or "error" in doc)
 
 
 def check_runs_dir(folder: Path) -> None:

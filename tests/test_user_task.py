@@ -79,22 +79,23 @@ def test_a_slow_data_set_does_not_hold_the_launch(procs, runs_dir, tmp_path):
     scratch, helper = tmp_path / "tmp", tmp_path / "helper.pid"
     scratch.mkdir()
     env = test_env(GPU_CONSOLE_DATA_CHECK_S="2", TMPDIR=str(scratch), HELPER_PID_FILE=str(helper))
-    result = procs.cli(
-        "run", str(profile), "--headless", "--devices", "cpu:2", "--runs-dir", str(runs_dir),
-        cwd=tmp_path, env=env, timeout=100,
-    )  # fmt: skip
-    both = result.stdout + result.stderr
-    assert result.returncode == 0, both
-    assert "data.batch_size: not checked before launch" in both, both
-    assert "took over 2 s to build" in both, both
-    assert events_of(only_run(runs_dir), "step")[-1]["step"] == 5
-    assert list(scratch.glob("gpu-console-plan-*")) == []
-    pid = int(helper.read_text())
     try:
-        wait_for(lambda: not pid_alive(pid), what="the task's helper process to be ended")
+        result = procs.cli(
+            "run", str(profile), "--headless", "--devices", "cpu:2", "--runs-dir", str(runs_dir),
+            cwd=tmp_path, env=env, timeout=100,
+        )  # fmt: skip
+        both = result.stdout + result.stderr
+        assert result.returncode == 0, both
+        assert "data.batch_size: not checked before launch" in both, both
+        assert "took over 2 s to build" in both, both
+        assert events_of(only_run(runs_dir), "step")[-1]["step"] == 5
+        assert list(scratch.glob("gpu-console-plan-*")) == []
+        if helper.exists() and helper.read_text():  # started within the check's 2 s
+            pid = int(helper.read_text())
+            wait_for(lambda: not pid_alive(pid), what="the task's helper process to be ended")
     finally:
-        if pid_alive(pid):  # what the launch left, ended by its pid
-            os.kill(pid, signal.SIGKILL)
+        if helper.exists() and helper.read_text() and pid_alive(pid := int(helper.read_text())):
+            os.kill(pid, signal.SIGKILL)  # what the launch left, ended by its pid
 
 
 # Says, in a file, each process that imports it and each that builds its data sets.
@@ -184,18 +185,26 @@ def test_a_user_task_whose_data_cannot_be_built_is_refused_in_one_line(procs, ru
     assert not runs_dir.exists() or not list(runs_dir.iterdir())
 
 
-# Its data sets start a helper that would outlive the process (a server, a persistent pool).
+# Its data sets start a helper that would outlive the process (a server, a persistent pool)
+# and a thread that would hold its exit; it prints JSON lines of its own, shaped like the
+# check's and the plan's answers.
 LINGERING = """
 import os
 import subprocess
-from pathlib import Path
+import threading
+import time
 from gpu_console.tasks.mlp import MLPTask
+
+print('{"check": {"errors": ["a line of the task\\'s own"], "task": {}}}', flush=True)
 
 
 class Lingering(MLPTask):
     def build_datasets(self):
         if "LOCAL_RANK" in os.environ:  # the ranks: the launch's and the plan's check only
             return super().build_datasets()
+        print('{"data": {"path": "data/"}}', flush=True)
+        print('{"error": "a line of the task\\'s own"}', flush=True)
+        threading.Thread(target=time.sleep, args=(600,)).start()  # not a daemon
         helper = subprocess.Popen(["sleep", "600"])
         with open(os.environ["HELPER_PID_FILE"], "a") as f:
             f.write(f"{helper.pid}\\n")
@@ -206,7 +215,8 @@ class Lingering(MLPTask):
 def test_a_dry_run_answers_and_ends_what_the_task_left_running(procs, runs_dir, tmp_path):
     # The helper holds the plan's output open: a dry run that read to the end of its output
     # waited out its 300 s limit and failed. It is answered when the plan ends, and the
-    # plan's process group (the helper with it) is ended.
+    # plan's process group (the helper with it) is ended. The task's own JSON lines are not
+    # taken for the plan's.
     from conftest import pid_alive, task_profile, test_env, wait_for
 
     profile = task_profile(tmp_path, "lingering", LINGERING, "Lingering", max_steps=5)
@@ -234,7 +244,8 @@ def test_a_dry_run_answers_and_ends_what_the_task_left_running(procs, runs_dir, 
 
 def test_a_launch_counts_the_data_of_a_task_that_left_a_helper_running(procs, runs_dir, tmp_path):
     # The launch's check reads the count when it is printed, not at the end of an output the
-    # helper holds open (that waited out the data limit and launched unchecked).
+    # helper holds open (that waited out the data limit and launched unchecked); the task's
+    # own JSON lines, shaped like the check's and the count's, are not taken for them.
     from conftest import pid_alive, task_profile, test_env, wait_for
 
     profile = task_profile(tmp_path, "lingering", LINGERING, "Lingering", max_steps=3)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from typing import Any
@@ -272,13 +274,31 @@ def _strategy(p: Profile, task, model, kind: str, device_type: str, world: int) 
     }
 
 
+def _say(answer: dict, tag: str | None) -> None:
+    """One line for the console, with the tag it sent: a line the task prints itself is
+    never taken for it (dry_run.py)."""
+    print(json.dumps({**answer, "tag": tag}), flush=True)
+
+
 def main() -> int:
     doc = json.loads(sys.stdin.readline())  # one line (JSON escapes its newlines)
+    own = None
+    if not doc.get("scratch"):  # run by hand, not by the console: a directory of its own
+        own = tempfile.TemporaryDirectory(prefix="gpu-console-plan-")
+        doc["scratch"] = own.name
+    try:
+        return _main(doc, doc.get("tag"))
+    finally:
+        if own is not None:
+            own.cleanup()
+
+
+def _main(doc: dict, tag: str | None) -> int:
     if doc.get("check"):  # a launch's task check first, then its data (dry_run.TaskProcess)
         table = dict(doc["profile"]["task"])
         kind = table.pop("kind")
         verdict = check_task(kind, table)
-        print(json.dumps({"check": verdict}), flush=True)
+        _say({"check": verdict}, tag)
         if verdict["errors"]:
             return 0
         # The data sets are built once the launch's other checks have passed: its "go"
@@ -293,7 +313,7 @@ def main() -> int:
     try:
         p = resolve(doc["profile"], SOURCE)
         world, start = int(doc["world_size"]), int(doc.get("start_step") or 0)
-        scratch = doc.get("scratch")  # the console's temporary directory (dry_run.py)
+        scratch = doc["scratch"]  # the console's temporary directory (dry_run.py)
         if doc.get("only") == "data":  # a launch's check (launch.check_data)
             answer = {"data": data_size(p, doc["device_type"], world, scratch)}
         else:
@@ -303,9 +323,13 @@ def main() -> int:
         answer = {"error": str(e)}
     except Exception as e:  # a profile key the task's data cannot meet (batch_size, ...)
         answer = {"error": f"task {doc['profile']['task'].get('kind')}: {_last_line(e)}"}
-    print(json.dumps(answer))
+    _say(answer, tag)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The answer is out: no wait for what the task started and left running (a non-daemon
+    # process or thread), which the console ends with this process group.
+    sys.stderr.flush()
+    os._exit(code)
