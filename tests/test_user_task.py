@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -53,7 +54,6 @@ SLOW_DATA = """
 import os
 import subprocess
 import time
-from pathlib import Path
 from gpu_console.tasks.mlp import MLPTask
 
 
@@ -62,10 +62,40 @@ class SlowData(MLPTask):
         if "LOCAL_RANK" not in os.environ:
             # A loading helper of the task's own, in the launch's check (as a pool would be).
             helper = subprocess.Popen(["sleep", "600"])
-            Path(os.environ["HELPER_PID_FILE"]).write_text(str(helper.pid))
+            with open(os.environ["HELPER_PID_FILE"], "a") as f:
+                f.write(f"{helper.pid}\\n")
             time.sleep(120)
         return super().build_datasets()
 """
+
+
+def helper_pids(pids_file) -> list[int]:
+    """The pids a test task wrote, one a line (none yet: an empty list)."""
+    return [int(x) for x in pids_file.read_text().split()] if pids_file.exists() else []
+
+
+@contextlib.contextmanager
+def helpers_ended(pids_file):
+    """Whatever happens inside, the helpers a test task started are ended, by their pids."""
+    from conftest import pid_alive
+
+    try:
+        yield
+    finally:
+        for pid in helper_pids(pids_file):
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def launch(procs, profile, runs_dir, tmp_path, env, timeout: float) -> str:
+    """``run PROFILE --headless`` on two CPU ranks, which must succeed: its output."""
+    result = procs.cli(
+        "run", str(profile), "--headless", "--devices", "cpu:2", "--runs-dir", str(runs_dir),
+        cwd=tmp_path, env=env, timeout=timeout,
+    )  # fmt: skip
+    both = result.stdout + result.stderr
+    assert result.returncode == 0, both
+    return both
 
 
 def test_a_slow_data_set_does_not_hold_the_launch(procs, runs_dir, tmp_path):
@@ -76,26 +106,19 @@ def test_a_slow_data_set_does_not_hold_the_launch(procs, runs_dir, tmp_path):
     from conftest import pid_alive, task_profile, test_env, wait_for
 
     profile = task_profile(tmp_path, "slowdata", SLOW_DATA, "SlowData", max_steps=5)
-    scratch, helper = tmp_path / "tmp", tmp_path / "helper.pid"
+    scratch, pids_file = tmp_path / "tmp", tmp_path / "helpers.txt"
     scratch.mkdir()
-    env = test_env(GPU_CONSOLE_DATA_CHECK_S="2", TMPDIR=str(scratch), HELPER_PID_FILE=str(helper))
-    try:
-        result = procs.cli(
-            "run", str(profile), "--headless", "--devices", "cpu:2", "--runs-dir", str(runs_dir),
-            cwd=tmp_path, env=env, timeout=100,
-        )  # fmt: skip
-        both = result.stdout + result.stderr
-        assert result.returncode == 0, both
+    env = test_env(
+        GPU_CONSOLE_DATA_CHECK_S="2", TMPDIR=str(scratch), HELPER_PID_FILE=str(pids_file)
+    )
+    with helpers_ended(pids_file):
+        both = launch(procs, profile, runs_dir, tmp_path, env, timeout=100)
         assert "data.batch_size: not checked before launch" in both, both
         assert "took over 2 s to build" in both, both
         assert events_of(only_run(runs_dir), "step")[-1]["step"] == 5
         assert list(scratch.glob("gpu-console-plan-*")) == []
-        if helper.exists() and helper.read_text():  # started within the check's 2 s
-            pid = int(helper.read_text())
-            wait_for(lambda: not pid_alive(pid), what="the task's helper process to be ended")
-    finally:
-        if helper.exists() and helper.read_text() and pid_alive(pid := int(helper.read_text())):
-            os.kill(pid, signal.SIGKILL)  # what the launch left, ended by its pid
+        pids = helper_pids(pids_file)  # none if the check was stopped before it started one
+        wait_for(lambda: not any(map(pid_alive, pids)), what="the task's helper to be ended")
 
 
 # Says, in a file, each process that imports it and each that builds its data sets.
@@ -224,22 +247,18 @@ def test_a_dry_run_answers_and_ends_what_the_task_left_running(procs, runs_dir, 
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = test_env(HELPER_PID_FILE=str(pids_file), TMPDIR=str(scratch))
-    try:
+    with helpers_ended(pids_file):
         result = procs.cli(
             "run", str(profile), "--dry-run", "--no-step", "--devices", "cpu:2",
             "--runs-dir", str(runs_dir), cwd=tmp_path, env=env, timeout=120,
         )  # fmt: skip
         assert result.returncode == 0, result.stdout + result.stderr
         assert "lingering:Lingering" in result.stdout
-        pids = [int(line) for line in pids_file.read_text().split()]
+        pids = helper_pids(pids_file)
         assert pids  # the plan built the data sets
         wait_for(lambda: not any(map(pid_alive, pids)), what="the task's helpers to be ended")
         assert list(scratch.glob("gpu-console-plan-*")) == []
         assert not runs_dir.exists()
-    finally:
-        for pid in map(int, pids_file.read_text().split() if pids_file.exists() else []):
-            if pid_alive(pid):  # what the dry run left, ended by its pid
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_launch_counts_the_data_of_a_task_that_left_a_helper_running(procs, runs_dir, tmp_path):
@@ -251,19 +270,10 @@ def test_a_launch_counts_the_data_of_a_task_that_left_a_helper_running(procs, ru
     profile = task_profile(tmp_path, "lingering", LINGERING, "Lingering", max_steps=3)
     pids_file = tmp_path / "helpers.txt"
     env = test_env(HELPER_PID_FILE=str(pids_file), GPU_CONSOLE_DATA_CHECK_S="120")
-    try:
-        result = procs.cli(
-            "run", str(profile), "--headless", "--devices", "cpu:2", "--runs-dir", str(runs_dir),
-            cwd=tmp_path, env=env, timeout=110,
-        )  # fmt: skip
-        both = result.stdout + result.stderr
-        assert result.returncode == 0, both
+    with helpers_ended(pids_file):
+        both = launch(procs, profile, runs_dir, tmp_path, env, timeout=110)
         assert "not checked before launch" not in both, both
         assert events_of(only_run(runs_dir), "step")[-1]["step"] == 3
-        pids = [int(line) for line in pids_file.read_text().split()]
+        pids = helper_pids(pids_file)
         assert len(pids) == 1  # the launch's check: one process, before the ranks
         wait_for(lambda: not pid_alive(pids[0]), what="the task's helper to be ended")
-    finally:
-        for pid in map(int, pids_file.read_text().split() if pids_file.exists() else []):
-            if pid_alive(pid):  # what the launch left, ended by its pid
-                os.kill(pid, signal.SIGKILL)
