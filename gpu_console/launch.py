@@ -265,6 +265,9 @@ def torchrun_argv(
     Only flags the installed torchrun accepts, in its parser's spelling; one it lacks is left
     out where :data:`TORCHRUN_FALLBACKS` provides its behaviour another way.
     """
+    # Absolute: a resume's torchrun starts in the run's own launch directory, which may not
+    # be the console's (--resume runs/X from elsewhere).
+    run_dir = run_dir.absolute()
     d = profile.distributed
     if nodes is None:
         where = [("nnodes", "1"), ("rdzv_endpoint", "127.0.0.1:0"), ("rdzv_id", run_dir.name)]
@@ -1141,7 +1144,7 @@ def spawn_supervisor(
     held = [] if lock is None else ["--lock-fd", str(lock.fd)]
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gpu_console.supervisor", str(run_dir), *held],
+            [sys.executable, "-m", "gpu_console.supervisor", str(run_dir.absolute()), *held],
             pass_fds=() if lock is None else (lock.fd,),
             stdin=subprocess.DEVNULL,
             stdout=log,

@@ -341,7 +341,11 @@ def find_run(arg: str, runs_dir: Path) -> Path:
     """RUN is a run directory, or a run's name (or a prefix of one) under the runs directory.
 
     A spelling with a path separator (or ``.``/``..``/``~``) is a path and only a path: it
-    is never taken as a name prefix to match.
+    is never taken as a name prefix to match. A name is, in order: a run directory's exact
+    name; the newest run launched with ``--name`` that name (``NAME-<timestamp>``); the
+    newest of the runs it prefixes when they all have one name (``quick`` for
+    ``quickstart-…``). A prefix of runs of several names is refused, naming them: ``exp1``
+    is never ``exp10-…``.
     """
     if not arg.strip():
         raise RunDirError(f"{arg!r}: no such run (an empty name)")
@@ -362,9 +366,26 @@ def find_run(arg: str, runs_dir: Path) -> Path:
             matches = sorted((p for p in found if _is_run(p)), key=lambda p: p.name)
         except (OSError, ValueError, NotImplementedError):
             matches = []
-        if matches:
-            return matches[-1]
+        named = [p for p in matches if _launched_name(p.name) == arg]
+        names = sorted({_launched_name(p.name) for p in matches})
+        if named or len(names) == 1:
+            return (named or matches)[-1]
+        if names:
+            shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+            raise RunDirError(
+                f"{arg}: could be the runs of {len(names)} names ({shown}) under {runs_dir}; "
+                f"give more of the name"
+            )
     raise RunDirError(f"{arg}: {_why_not_a_run(path, is_path, runs_dir)}")
+
+
+# What run_dir_name adds to a run's name: -<YYYYmmdd-HHMMSS>, and -2... on a clash.
+_LAUNCH_STAMP = re.compile(r"-\d{8}-\d{6}(?:-\d+)?$")
+
+
+def _launched_name(directory: str) -> str:
+    """The name a run directory's run was launched with (``--name``, else the profile's)."""
+    return _LAUNCH_STAMP.sub("", directory)
 
 
 def _is_run(path: Path) -> bool:

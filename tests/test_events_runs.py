@@ -303,6 +303,28 @@ def test_find_run_by_path_name_and_prefix(tmp_path, monkeypatch):
     assert runs.find_run("archive/old-run", runs_dir) == Path("archive/old-run")
 
 
+def test_a_name_is_never_another_name_it_prefixes(tmp_path):
+    # "-" sorts before "0": the newest match by name made "exp1" stop, export or resume
+    # exp10's run.
+    runs_dir = tmp_path / "runs"
+    exp1 = _fake_run(runs_dir, "exp1-20240101-000000")
+    exp1_later = _fake_run(runs_dir, "exp1-20240101-000000-2")  # a clash in one second
+    _fake_run(runs_dir, "exp10-20240102-000000")
+    exp10b = _fake_run(runs_dir, "exp10b-20240102-000000")
+    assert runs.find_run("exp1", runs_dir) == exp1_later
+    assert runs.find_run("exp1-2024", runs_dir) == exp1_later
+    assert runs.find_run("exp1-20240101-000000", runs_dir) == exp1
+    assert runs.find_run("exp10b", runs_dir) == exp10b
+    with pytest.raises(RunDirError) as info:
+        runs.find_run("exp", runs_dir)  # three names: not one of them by chance
+    assert str(info.value) == (
+        f"exp: could be the runs of 3 names (exp1, exp10, exp10b) under {runs_dir}; "
+        "give more of the name"
+    )
+    with pytest.raises(RunDirError):
+        runs.find_run("exp1x", runs_dir)
+
+
 def test_find_run_errors_name_the_run_and_the_runs_dir(tmp_path):
     runs_dir = tmp_path / "runs"
     _fake_run(runs_dir, "quick-20240101-000000")

@@ -314,3 +314,23 @@ def test_a_reader_acts_only_on_its_sessions_new_commands(tmp_path):
     control = Control(run, is_reader=True, interval_s=0.25)
     assert control.proposal(10)[0] == CODES["pause"]
     assert control.proposal(11)[0] == 0
+
+
+def test_a_resume_by_a_relative_path_from_another_directory(procs, runs_dir, tmp_path):
+    # The resumed session's torchrun starts where the run was launched: a run directory the
+    # console was given relative to its own directory failed every rank there (and left a
+    # skeleton of logs under that directory).
+    launched_in = tmp_path / "launched-in"
+    launched_in.mkdir()
+    profile = fast_profile(tmp_path, max_steps=5)
+    first = procs.cli(
+        "run", str(profile), "--headless", "--runs-dir", str(runs_dir), "--name", "rel",
+        "--exact-name", cwd=launched_in,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stdout + first.stderr
+    resumed = procs.cli(
+        "run", "--resume", "runs/rel", "--headless", "--set", "train.max_steps=8", cwd=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert events_of(runs_dir / "rel", "step")[-1]["step"] == 8
+    assert list(launched_in.iterdir()) == []
