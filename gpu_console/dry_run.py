@@ -101,13 +101,19 @@ def _run_plan(doc: dict, cwd: str, placement: Placement, limit_s: float) -> tupl
         try:
             proc.wait(timeout=limit_s)
         finally:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the group: the user's pools too
-            proc.wait()
+            _end_group(proc)
         return _text(out), _text(err), proc.returncode
     finally:
         for file in files:
             file.close()
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """``proc``'s process group killed (what the task started there, its pools too) and
+    ``proc`` reaped."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _tag() -> str:
@@ -263,9 +269,7 @@ class TaskProcess:
         if self.proc.poll() is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=wait_s)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the group: the user's pools too
-        self.proc.wait()
+        _end_group(self.proc)
         self._reader.join(timeout=5)  # the pipe's end, now its writers are gone
         streams = [self.proc.stdin] + ([] if self._reader.is_alive() else [self.proc.stdout])
         for stream in streams:  # one still read (a writer that left the group) stays open
