@@ -86,6 +86,10 @@ def strategy_text(start: dict[str, Any]) -> str:
     blocks + root)`` / ``fsdp (root only)`` with its offload (engine/fsdp.py)."""
     if start.get("strategy") == "single":
         return "single device (one rank: no DDP)"
+    if start.get("strategy") == "expert":
+        n = (start.get("expert_parallel") or {}).get("parameters")
+        own = f"{n} expert tensors on their own rank" if isinstance(n, int) else "experts spread"
+        return f"expert ({own}, the rest ddp)"
     if start.get("strategy") != "fsdp":
         return start.get("strategy") or "ddp"
     f = start.get("fsdp") or {}

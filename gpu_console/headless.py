@@ -371,7 +371,7 @@ def _notable(e: dict, console: Console) -> None:
     elif kind == "status" and e.get("state") == "stopping":
         why = STOPPING.get(e.get("reason"), e.get("reason"))
         say(f"state: stopping ({why})" if why else "state: stopping")
-    elif kind == "status" and e.get("state") in ("paused", "failed"):
+    elif kind == "status" and e.get("state") in ("paused", "failed", "refused"):
         say(f"state: {e.get('state')} {e.get('reason') or ''}".rstrip())
     elif kind == "log" and e.get("level") in ("warning", "error"):
         say(f"{e.get('level')}: {e.get('message')}", "yellow")

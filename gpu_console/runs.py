@@ -22,7 +22,10 @@ from . import strict_json
 STATUS = "status.json"
 # ``interrupted`` and ``killed``: ended at once on request, no checkpoint (the supervisor's
 # word: the engine never writes them).
-FINAL_STATES = {"finished", "stopped", "requeued", "failed", "interrupted", "killed"}
+# ``refused``: the ranks refused the user's input once they built it (engine/refusal.py).
+FINAL_STATES = {
+    "finished", "stopped", "requeued", "failed", "refused", "interrupted", "killed",
+}  # fmt: skip
 
 # The run's exit code (DESIGN.md "Exit codes"): the same number in status.json, ``ls --json``,
 # ``status --json`` and the exit of the command that followed the run.
@@ -45,6 +48,8 @@ def exit_code(state: str | None, checkpointed: bool = True) -> int | None:
         return EXIT_KILLED
     if state in ("failed", "lost"):
         return EXIT_FAILED
+    if state == "refused":  # bad input, judged by the ranks: as a launch check's refusal
+        return EXIT_BAD_INPUT
     return None
 
 

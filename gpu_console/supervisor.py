@@ -401,6 +401,10 @@ class Supervisor:
             # forwarded the signal, the ranks stopped with their checkpoint, and torchrun
             # still exits 1 for the signal it got. The engine's word stands.
             state = "stopped"
+        elif code == 0 and engine_state == "refused":
+            # The ranks refused the user's input (engine/refusal.py): one line, exit 2.
+            state = "refused"
+            self.status["reason"] = self.status.get("reason") or "the ranks refused the input"
         elif code == 0 and engine_state == "failed":
             # The engine failed the run by policy (nan_policy = "stop") and the ranks exited
             # 0 so that torchrun would not restart them: the engine's reason is the failure.

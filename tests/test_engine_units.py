@@ -29,6 +29,7 @@ from gpu_console.engine import checkpoint, precision
 from gpu_console.engine import optim_build as optim
 from gpu_console.engine.data import Batches, DataPosition, ShardSampler, make_loader
 from gpu_console.engine.optim_set import Optimizers
+from gpu_console.engine.refusal import Refused
 from gpu_console.engine.schedule import lr_factor, scaled_lr
 from gpu_console.profile import DataConfig, TrainConfig
 from gpu_console.state import RunState
@@ -355,8 +356,9 @@ def test_eval_sampler_len_matches_what_it_yields():
 
 
 def test_too_few_samples_for_one_batch_names_data_batch_size():
-    with pytest.raises(ValueError, match=r"^data\.batch_size: .*got 8"):
+    with pytest.raises(Refused, match=r"^data\.batch_size: .*got 8") as refused:
         int_loader(10, 8, rank=0, world=2)
+    assert refused.value.key == "data.batch_size"  # the ranks' refusal: state refused, exit 2
     # One full batch per rank is enough.
     assert len(list(int_loader(16, 8, rank=1, world=2))) == 1
     # Eval never drops samples, so it does not need a full batch.

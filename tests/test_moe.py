@@ -9,6 +9,7 @@ launch's refusals of a world the experts do not divide over."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -148,6 +149,14 @@ def test_expert_parallel_trains_the_replicated_model_and_checkpoints_it_whole(pr
     assert start["strategy"] == "expert"
     assert start["expert_parallel"]["parameters"] == 2 * 4  # two blocks' w1, b1, w2, b2
     assert events_of(rep, "start")[0]["strategy"] == "ddp"
+    # The dry run names the strategy the ranks used, from the ranks' own choice.
+    dry = procs.cli("run", "moe", "--dry-run", "--no-step", "--json", "--devices", "cpu:2",
+                    "--runs-dir", str(tmp_path / "dry"),
+                    *set_args(*sets, "task.expert_parallel=true"))  # fmt: skip
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    plan = json.loads(dry.stdout)
+    assert plan["strategy"] == "expert"
+    assert plan["expert_parallel"] == {"parameters": start["expert_parallel"]["parameters"]}
     # Measured: step losses equal to 1.2e-7, grad norms to 4e-7 (the experts' products
     # batch differently); the checkpointed weights to 1e-4 after 40 Adam steps.
     for a, b in zip(events_of(rep, "step"), events_of(ep, "step"), strict=True):

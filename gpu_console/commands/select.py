@@ -19,7 +19,7 @@ from ..runs import FINAL_STATES, RunDirError
 # reader derives: stalled, lost), and two groups of them.
 STATES = (
     "starting", "compiling", "running", "paused", "stopping", "stalled", "lost",
-    "finished", "stopped", "requeued", "failed", "interrupted", "killed",
+    "finished", "stopped", "requeued", "failed", "refused", "interrupted", "killed",
 )  # fmt: skip
 ENDED = {*FINAL_STATES, "lost"}
 GROUPS = {"live": {s for s in STATES if s not in ENDED}, "ended": ENDED}

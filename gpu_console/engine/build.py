@@ -37,13 +37,15 @@ from .evaluate import Evaluator, without_compute
 from .evaluate import splits as eval_splits
 from .exchange import Exchange
 from .failure_checkpoint import FailureCheckpoint
-from .hooks import Hooks, attach
+from .hooks import Hooks
 from .nan_stop import NanStop
 from .optim_set import Optimizers
+from .refusal import Refused
 from .schedule import scaled_lr
 from .step_log import Parts as LogParts
 from .step_log import StepLogger
 from .strategy import for_profile
+from .task_parts import TaskParts
 from .timeouts import PhaseTimeouts
 from .train_metrics import TrainMetrics
 from .train_state import TrainState
@@ -114,6 +116,7 @@ class _Model:
     opts: Optimizers
     strategy: Any
     update: Any
+    parts: TaskParts
     train_loader: Any = None
     eval_loaders: dict = field(default_factory=dict)
     mfu: Any = None  # flops.MFU
@@ -168,28 +171,29 @@ def _model(s: Setup, facts: Facts) -> _Model:
     p, d, task = s.p, s.d, s.task
     resume = facts.resume
     ctx = contexts.make(d, s.run_dir, p, resume is not None, checkpoint.step_of(resume), s.out)
-    attach(task, ctx)
+    parts = TaskParts(task, ctx, p.train.seed)  # the contract's order (task_parts.py)
     hooks = Hooks(task, ctx)
-    torch.manual_seed(p.train.seed)  # identical init on every rank
-    model = precision.cast_model(task.build_model().to(d.device), facts.prec)
+    model = parts.model(lambda m: precision.cast_model(m.to(d.device), facts.prec))
     facts.lr = scaled_lr(p.train.lr, d.world_size, p.distributed.lr_scaling)
     strategy = for_profile(p.distributed, d, task, model)
     scaler = strategy.make_scaler(facts.prec, d.device.type)
     # The task's configure_optimizers(), else train.optimizer: every one by name.
     fused_ok = fused_steps_ok(p.distributed.strategy, facts.prec, d.device.type)
-    opts = Optimizers.build(task, model, p, d.world_size, d.device.type, ctx, fused_ok)
+    opts = parts.optimizers(
+        lambda m: Optimizers.build(task, m, p, d.world_size, d.device.type, ctx, fused_ok)
+    )
     ctx.optimizers = {e.name: e.optimizer for e in opts.entries}  # what the hooks may reach
     update = for_task(task, opts, p.train, d, scaler, ctx, s.beat)
-    return _Model(ctx, hooks, model, opts, strategy, update)
+    return _Model(ctx, hooks, model, opts, strategy, update, parts)
 
 
 def _data(s: Setup, m: _Model, facts: Facts) -> None:
     """The loaders; ``data.batch_size = "auto"``: searched on real steps first, agreed by
     every rank, and recorded in this node's run.toml (a restart or a resume reads it)."""
     p, d, task = s.p, s.d, s.task
-    train_set, eval_set = task.build_datasets()
+    train_set, eval_set = m.parts.datasets()
     if problem := without_compute(task, eval_set, p.task_kind):  # a launch refused it first
-        raise ValueError(problem)
+        raise Refused("task.kind", problem.removeprefix("task.kind: "))
     cuda = d.device.type == "cuda"
     collate = getattr(task, "collate", None)  # the task's own, else data.collate_of's rule
     if p.data.batch_size == "auto":

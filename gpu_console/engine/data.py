@@ -39,6 +39,7 @@ from ..batching import batch_problem, batches_per_epoch
 from ..profile import DataConfig
 from ..tasks.base import TensorSet, batch_collate
 from . import precision
+from .refusal import Refused
 
 
 @dataclass
@@ -244,7 +245,9 @@ def make_loader(
     size = batch_size or cfg.batch_size
     sampler = ShardSampler(n, rank, world, size, cfg.seed, train, cfg.order, not cfg.drop_last)
     if train and (problem := batch_problem(n, world, size, cfg.drop_last)):
-        raise ValueError(f"data.batch_size: {problem} (got {cfg.batch_size})")
+        # A launch judges it first; where it could not (a user task's data too slow to build
+        # before launch), the ranks refuse it the same way (refusal.py).
+        raise Refused("data.batch_size", f"{problem} (got {cfg.batch_size})")
     workers = cfg.num_workers
     return DataLoader(
         SeededFetch(dataset, cfg.seed, rank),  # type: ignore[arg-type]

@@ -44,6 +44,7 @@ from .failure_checkpoint import AfterUpdateFailed
 from .heartbeat import Heartbeat
 from .metrics import memory_sample
 from .nonfinite import NonFiniteLoss
+from .refusal import Refused
 from .reporter import Reporter
 from .trainer import Trainer
 
@@ -93,6 +94,10 @@ def train(
             snapshot = torch_profiler.dump_memory_snapshot(run_dir, d.rank, oom_snapshot)
             # The step the loop was in (its heartbeat knows), counted from 1 like step events.
             raise OutOfMemory(oom_message(e, d, p, beat.step, snapshot)) from e
+    except Refused as e:
+        # The user's input, judged where it could first be (every rank the same verdict):
+        # reported as a launch check's refusal, one line and exit 2, and not restarted.
+        out.status("refused", reason=str(e)[:500], key=e.key, step=_done_step(beat))
     except (NonFiniteLoss, DiskFullStop, resuming.ResumeFailed) as e:
         # A policy decision every rank made at the same step, not a crash: a restart would
         # not help, so the ranks exit 0 and the status says failed (the supervisor records

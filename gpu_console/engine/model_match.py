@@ -35,9 +35,9 @@ from ..tasks.loader import TaskLoadError, load_task_class
 from .checkpoint import STATE
 from .context import planning
 from .export import plain_keys
-from .hooks import attach
-from .plan import SOURCE, TaskBuildError, _call, _last_line, _task
+from .plan import SOURCE, TaskBuildError, _caller, _last_line, _task
 from .sharded_checkpoint import is_sharded
+from .task_parts import TaskParts
 
 VERDICTS = {"accept": (WARNING, TASK_ACCEPTS), "refuse": (REFUSED, TASK_REFUSES)}
 SHOWN = 2  # differences named in a refusal; the rest counted
@@ -72,13 +72,10 @@ def model_shapes(p: Profile, start_step: int) -> dict[str, list[int]]:
     p, task = _task(p)
     ctx = planning(p, 1, "cpu")
     ctx.resumed, ctx.start_step, ctx.step = True, start_step, start_step
-    attach(task, ctx)
-    torch.manual_seed(p.train.seed)
     try:
-        with torch.device("meta"):
-            model = task.build_model()
+        model = TaskParts(task, ctx, p.train.seed).model(device="meta")
     except Exception:  # a task that needs real tensors (a value read, a weight loaded)
-        model = _call(kind, "build_model()", task.build_model)
+        model = TaskParts(task, ctx, p.train.seed, _caller(kind)).model()
     return shapes(model.state_dict())
 
 

@@ -41,9 +41,10 @@ from .context import planning
 from .data import make_loader
 from .evaluate import splits as eval_splits
 from .evaluate import without_compute
-from .hooks import attach
 from .optim_set import Optimizers
 from .schedule import decay_steps, floor_ratio, lr_factor, scaled_lr
+from .strategy import choose
+from .task_parts import TaskParts
 from .task_step import StepOptimizers
 
 SOURCE = "the resolved profile"
@@ -97,25 +98,20 @@ def plan(
     p, task = _task(p)
     ctx = planning(p, world_size, device_type, scratch)
     ctx.resumed, ctx.start_step, ctx.step = bool(start_step), start_step, start_step
-    attach(task, ctx)  # as the loop does, before build_model
+    parts = TaskParts(task, ctx, p.train.seed, _caller(kind))  # the ranks' order (build.py)
     reduce = _call(kind, "metric_reduce", train_metrics.declared, task)  # checked at start too
     prec = precision.resolve(p.train.precision, device_type, capability(device_type))
 
-    torch.manual_seed(p.train.seed)  # as the loop does before build_model
-    model = _call(kind, "build_model()", task.build_model)
+    model = parts.model()
     lr = scaled_lr(p.train.lr, world_size, p.distributed.lr_scaling)
     # The optimizers are built for the run's device type (their kernel choice), over CPU
     # tensors: every implementation a run can pick takes them. A task's hook sees rank 0.
-    fused_ok = fused_steps_ok(p.distributed.strategy, prec, device_type)
-    opts = _call(
-        kind, "configure_optimizers()", Optimizers.build, task, model, p, world_size, device_type,
-        ctx, fused_ok,
-    )  # fmt: skip
+    opts = parts.optimizers(_optimizers(p, task, ctx, prec, device_type, world_size))
     scheduler = opts.entries[0].scheduler
 
     mode = p.train.activation_checkpointing
     blocks = _checkpointed_blocks(task, model, mode, kind)
-    train_set, eval_set = datasets(p, task, kind, world_size)
+    train_set, eval_set = datasets(p, parts, kind, world_size)
     if any(getattr(p.train, k) for k in IN_EPOCHS):  # a user task's --dry-run: known only here
         epochs_to_steps(p, len(train_set), world_size, _refusal)
     # Rank 0's loader: every rank's has the same number of batches (ShardSampler). With
@@ -230,13 +226,25 @@ def _refusal(key: str, problem: str, value: Any) -> TaskBuildError:
     return TaskBuildError(f"{key}: {problem} (got {show(value)})")
 
 
-def datasets(p: Profile, task, kind: str, world_size: int) -> tuple[Any, Any]:
-    """The task's data sets, the training set checked against the batch (batching.py): the
-    check a launch makes too (:func:`data_size`, judged by ``launch.check_data``)."""
-    train_set, eval_set = _call(kind, "build_datasets()", task.build_datasets)
+def _caller(kind: str):
+    """How :class:`TaskParts` calls the task here: a failure in one line naming the call."""
+    return lambda what, fn, *args: _call(kind, what, fn, *args)
+
+
+def _optimizers(p: Profile, task, ctx, prec: str, device_type: str, world_size: int):
+    """The optimizers as build.py makes them (``Optimizers.build``), for a model."""
+    fused_ok = fused_steps_ok(p.distributed.strategy, prec, device_type)
+    return lambda model: Optimizers.build(task, model, p, world_size, device_type, ctx, fused_ok)
+
+
+def datasets(p: Profile, parts: TaskParts, kind: str, world_size: int) -> tuple[Any, Any]:
+    """The task's data sets (after its model and optimizers: task_parts.py), the training set
+    checked against the batch (batching.py): the check a launch makes too (:func:`data_size`,
+    judged by ``launch.check_data``)."""
+    train_set, eval_set = parts.datasets()
     if problem := batch_problem(len(train_set), world_size, p.data.batch_size, p.data.drop_last):
         raise TaskBuildError(f"data.batch_size: {problem} (got {show(p.data.batch_size)})")
-    if problem := without_compute(task, eval_set, kind):
+    if problem := without_compute(parts.task, eval_set, kind):
         raise TaskBuildError(problem)
     return train_set, eval_set
 
@@ -244,23 +252,47 @@ def datasets(p: Profile, task, kind: str, world_size: int) -> tuple[Any, Any]:
 def data_size(
     p: Profile, device_type: str, world_size: int, scratch: str | None = None
 ) -> dict[str, Any]:
-    """A launch's half of :func:`plan`: the task built and its data sets checked, nothing
-    else (no model): how a user task's data is judged before a run directory is written."""
+    """A launch's half of :func:`plan`: the task's data sets counted, made as the ranks make
+    them (task_parts.py: the model and its optimizers first, a ``build_datasets`` may use
+    what ``build_model`` set). The model is built on the meta device where the task allows
+    it (no weights allocated for a check), else on the CPU, as a resume's model check does."""
     kind = p.task_kind
     p, task = _task(p)
-    attach(task, planning(p, world_size, device_type, scratch))  # as the loop does, first
-    train_set, eval_set = _call(kind, "build_datasets()", task.build_datasets)
+    ctx = planning(p, world_size, device_type, scratch)
+    prec = precision.resolve(p.train.precision, device_type, capability(device_type))
+    build = _optimizers(p, task, ctx, prec, device_type, world_size)
+    train_set, eval_set = _counted(task, ctx, p.train.seed, kind, build)
     if problem := without_compute(task, eval_set, kind):
         raise TaskBuildError(problem)
     return {"train_samples": len(train_set)}  # the console judges it (launch.check_data)
 
 
+def _counted(task, ctx, seed: int, kind: str, build) -> tuple[Any, Any]:
+    """The data sets, after the model and its optimizers made on the meta device; a task
+    whose build_model, optimizers or data sets need real weights (a weight loaded, a value
+    read) is made again on the CPU, from its seed."""
+    for device in ("meta", None):
+        parts = TaskParts(task, ctx, seed, _caller(kind))
+        try:
+            parts.model(device=device)
+            parts.optimizers(build)
+            return parts.datasets()
+        except TaskBuildError:
+            if device is None:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _strategy(p: Profile, task, model, kind: str, device_type: str, world: int) -> dict:
-    """The strategy the ranks would pick (strategy.for_profile) and, under fsdp, what would
-    be sharded (fsdp.py)."""
+    """The strategy the ranks will pick (strategy.choose, the ranks' own choice) and, under
+    fsdp, what would be sharded (fsdp.py)."""
     d = p.distributed
-    if d.strategy != "fsdp":
-        return {"strategy": "single" if world == 1 else d.strategy}
+    name, experts = _call(kind, "expert_parameters()", choose, d, world, task, model)
+    if name != "fsdp":
+        fields: dict[str, Any] = {"strategy": name}
+        if experts:
+            fields["expert_parallel"] = {"parameters": len(experts)}  # as the start event
+        return fields
     blocks = _call(kind, "blocks()", fsdp.blocks_of, task, model)
     on_gpu = device_type == "cuda"  # CPU ranks ignore the offload, saying so (fsdp.py)
     return {

@@ -10,9 +10,9 @@ engine's one line with exit code 2 (``runs.exit_code``).
 from __future__ import annotations
 
 
-class Refused(Exception):
+class Refused(ValueError):
     """``key``: the profile key (or the task's method) to change; ``problem``: why, and what
-    to do instead, in one line."""
+    to do instead, in one line. A ValueError, as such checks raised before it existed."""
 
     def __init__(self, key: str, problem: str) -> None:
         super().__init__(f"{key}: {problem}")

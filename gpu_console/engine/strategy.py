@@ -107,24 +107,38 @@ class Strategy:
         raise NotImplementedError
 
 
-def for_profile(cfg, d, task=None, model=None) -> Strategy:
-    """The strategy ``distributed.strategy`` names (``ddp`` on one rank: ``single``); a task
-    that names rank-local expert parameters on several ranks: ``expert``."""
-    from .strategy_expert import ExpertParallelError, ExpertParallelStrategy, expert_names
+def choose(cfg, world_size: int, task=None, model=None) -> tuple[str, list[str]]:
+    """The one choice of a strategy (its class's ``name``) and the task's rank-local expert
+    parameters: what ``distributed.strategy`` names (``ddp`` on one rank: ``single``); a task
+    that names rank-local expert parameters on several ranks: ``expert``. The ranks
+    (:func:`for_profile`) and ``--dry-run`` (plan.py) both ask it, so they cannot disagree."""
+    from .strategy_expert import ExpertParallelError, expert_names
 
-    names = expert_names(task, model) if task is not None and d.world_size > 1 else []
+    names = expert_names(task, model) if task is not None and world_size > 1 else []
     if names:
         if cfg.strategy == "fsdp":
             raise ExpertParallelError(
                 'task.expert_parallel: not with distributed.strategy = "fsdp" (experts are '
                 "spread over the ranks, the rest replicated under DDP)"
             )
-        return ExpertParallelStrategy(cfg, d, model, names)
+        return "expert", names
     if cfg.strategy == "fsdp":
+        return "fsdp", []
+    return ("single" if world_size == 1 else "ddp"), []
+
+
+def for_profile(cfg, d, task=None, model=None) -> Strategy:
+    """The strategy :func:`choose` picks, made for rank ``d``."""
+    name, experts = choose(cfg, d.world_size, task, model)
+    if name == "expert":
+        from .strategy_expert import ExpertParallelStrategy
+
+        return ExpertParallelStrategy(cfg, d, model, experts)
+    if name == "fsdp":
         from .strategy_fsdp import FsdpStrategy
 
         return FsdpStrategy(cfg, d)
-    if d.world_size == 1:
+    if name == "single":
         from .strategy_single import SingleStrategy
 
         return SingleStrategy(cfg, d)

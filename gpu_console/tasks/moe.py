@@ -252,8 +252,11 @@ class MoETask:
     def expert_parameters(self, model: MoEGPT) -> list[str]:
         """The parameters each rank holds alone, its slice of the experts (first dimension):
         the engine leaves them out of DDP's averaging and saves them whole
-        (engine/strategy_expert.py)."""
-        if getattr(model, "spread", None) is None:
+        (engine/strategy_expert.py). Named from the config and the ranks' world (``ctx``),
+        not from this process's group: ``--dry-run`` builds the model in one process and
+        names the strategy the ranks will use from this answer (engine/strategy.py)."""
+        ctx = getattr(self, "ctx", None)
+        if not self.cfg.expert_parallel or ctx is None or ctx.world_size < 2:
             return []
         return [n for n, _ in model.named_parameters() if ".experts." in n]
 

@@ -23,6 +23,7 @@ STATE_STYLE = {
     "stopped": "bold #ffd75f",
     "requeued": "bold #ffd75f",
     "failed": "bold #ff5f5f",
+    "refused": "bold #ff5f5f",
     "interrupted": "bold #ffaf5f",
     "killed": "bold #ffaf5f",
     "lost": "bold #ff5f5f",
