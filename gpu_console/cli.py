@@ -503,6 +503,19 @@ def main() -> None:
     except (LaunchError, RunDirError, DeviceSpecError) as e:
         print(f"gpu-console: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    except OSError as e:  # a file a command reads or writes: read-only, full, gone
+        print(f"gpu-console: {os_error_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError in one line naming the path and the cause (a full disk: its free space)."""
+    from .diskfull import classify
+
+    path = e.filename if e.filename is not None else ""
+    full = classify(e, path) if path else None
+    cause = str(full) if full is not None else (e.strerror or type(e).__name__)
+    return f"{path}: {cause}" if path else cause
 
 
 if __name__ == "__main__":

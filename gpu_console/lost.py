@@ -7,7 +7,11 @@ status.json itself: under the session lock (:mod:`.session_lock`: it can be take
 no session is live, and it keeps a resume from starting meanwhile), with the step and loss
 of THE fold (:mod:`.fold`) over the session's events, ``ended`` and exit code 1. Every later
 reader (``ls``, ``status``, the consoles, ``--resume``) then reads the same record.
-No torch here.
+
+status.json is a cache of what the run directory holds: where the events end in an end the
+engine itself wrote (``finished``, ``stopped``, ``failed``, ``refused``), a reader that finds
+status.json unended, damaged or missing records that end instead (``repaired``), never a
+worse answer. No torch here.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from .runs import (
     EXIT_FAILED,
     STATUS,
     current_session,
+    exit_code,
     previous_status,
     read_json,
     read_status,
@@ -33,6 +38,9 @@ from .runs import (
 )
 
 LOST_REASON = "the supervisor exited without recording an end"
+# The ends the engine itself records in events.jsonl (trainer.py, loop.py): a reader that
+# finds one needs no supervisor to know how the run ended.
+ENGINE_ENDS = ("finished", "stopped", "failed", "refused")
 READER_WAIT_S = 1.0
 
 
@@ -71,7 +79,8 @@ def _take(run_dir: Path, legacy: bool, supervisor_alive: bool) -> session_lock.S
 
 
 def record_lost(run_dir: Path) -> dict[str, Any]:
-    """Record ``lost`` in status.json unless it says the run ended; the caller holds the
+    """Record the run's end in status.json unless it says the run ended: the end the engine
+    wrote in events.jsonl (:data:`ENGINE_ENDS`), else ``lost``; the caller holds the
     session lock. Returns status.json as it now stands."""
     status = read_status(run_dir)  # again, under the lock: another reader may have been first
     if status.get("ended"):
@@ -86,15 +95,28 @@ def record_lost(run_dir: Path) -> dict[str, Any]:
     for e in JsonlTail(run_dir / "events.jsonl", start if isinstance(start, int) else 0).read():
         fold.apply(e)
     status.update(fold.to_status())
-    status.update(
-        state="lost",
-        reason=LOST_REASON,
-        # Its last sign of life (the newest event, or its last status.json), not this read.
-        ended=max(fold.last_t, _mtime(run_dir / STATUS), _number(status.get("started"))),
-        exit_code=EXIT_FAILED,
-        checkpointed_on_stop=False,
-        lost_recorded={"t": time.time(), "pid": os.getpid()},
-    )
+    # Its last sign of life (the newest event, or its last status.json), not this read.
+    ended = max(fold.last_t, _mtime(run_dir / STATUS), _number(status.get("started")))
+    if fold.state in ENGINE_ENDS:
+        # The engine recorded its own end in the events (status.json damaged, deleted, or
+        # its supervisor killed after the ranks had finished): that end stands, repaired
+        # into status.json, never overwritten with a worse answer.
+        checkpointed = fold.state == "stopped" and fold.checkpointed
+        status.update(
+            ended=ended,
+            exit_code=exit_code(fold.state, checkpointed),
+            checkpointed_on_stop=checkpointed,
+            repaired={"t": time.time(), "pid": os.getpid(), "from": "events.jsonl"},
+        )
+    else:
+        status.update(
+            state="lost",
+            reason=LOST_REASON,
+            ended=ended,
+            exit_code=EXIT_FAILED,
+            checkpointed_on_stop=False,
+            lost_recorded={"t": time.time(), "pid": os.getpid()},
+        )
     status.setdefault("pids", {})["workers"] = []
     status.setdefault("started", session.get("started"))
     # Unwritable (a full disk, a read-only copy): every reader still derives lost.

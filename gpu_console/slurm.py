@@ -1,7 +1,7 @@
 """SLURM, as a job's environment describes it: the job, its nodes, its rendezvous, requeue.
 
 Read from ``SLURM_*`` (no torch). Two programs of SLURM's are called, and only here:
-``scontrol show hostnames`` (a node list's hosts; the syntax is expanded here when scontrol
+``scontrol show hostnames`` (a node list's hosts; python-hostlist expands the syntax when scontrol
 is missing) and ``scontrol requeue`` (the supervisor, when the time-limit signal stopped a run).
 Tests put fakes of them on ``PATH``: the boundary.
 
@@ -86,23 +86,17 @@ def job(env: Mapping[str, str] | None = None) -> Job | None:
 
 
 def expand_hostlist(nodelist: str) -> list[str]:
-    """SLURM's host list syntax (``gpu[01-03,07],login1``) as hosts, in order."""
-    hosts: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
-        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
-        if not m:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = m.groups()
-        for r in ranges.split(","):
-            low, _, high = r.partition("-")
-            if not high:
-                hosts.append(f"{prefix}{low}{suffix}")
-                continue
-            width = len(low)
-            for i in range(int(low), int(high) + 1):
-                hosts.append(f"{prefix}{i:0{width}d}{suffix}")
-    return hosts
+    """SLURM's host list syntax (``gpu[01-03,07],rack[1-2]-n[01-02]``) as hosts, in order,
+    by python-hostlist (the syntax has corners: several brackets in one name, zero padding);
+    a list it cannot read is a :class:`SlurmError` naming it."""
+    import hostlist
+
+    try:
+        return list(hostlist.expand_hostlist(nodelist))
+    except hostlist.BadHostlist as e:
+        raise SlurmError(
+            f"SLURM_JOB_NODELIST: cannot read {nodelist!r} as a host list ({e})"
+        ) from None
 
 
 def _scontrol(*args: str) -> subprocess.CompletedProcess:

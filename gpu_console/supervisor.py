@@ -396,6 +396,10 @@ class Supervisor:
             state, self.status["reason"] = self.killed
         elif code == 0 and engine_state in ("finished", "stopped"):
             state = engine_state
+        elif engine_state == "finished" and (agent_signal or self.signal_stop or self.terminated):
+            # The signal came after the ranks had finished (their end checkpoint written),
+            # while the job step was ending: a signal after the end never changes it.
+            state = "finished"
         elif engine_state == "stopped" and (agent_signal or self.signal_stop or self.terminated):
             # torchrun was signalled too (a scheduler signals every process of a job): it
             # forwarded the signal, the ranks stopped with their checkpoint, and torchrun

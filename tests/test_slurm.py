@@ -98,6 +98,28 @@ def test_a_job_is_read_from_its_environment():
     assert slurm.job({"SLURM_NNODES": "2"}) is None, "no job id: not in a job"
 
 
+def test_host_lists_with_several_brackets_expand_and_a_bad_one_is_one_line(procs, runs_dir):
+    # Where scontrol is absent: python-hostlist reads what the hand-written expansion got
+    # wrong (a second bracket in one name) and what it crashed on (a letter range).
+    assert slurm.expand_hostlist("rack[1-2]-n[01-02]") == [
+        "rack1-n01",
+        "rack1-n02",
+        "rack2-n01",
+        "rack2-n02",
+    ]
+    with pytest.raises(slurm.SlurmError, match=r"SLURM_JOB_NODELIST: cannot read 'node\[a-c\]'"):
+        slurm.expand_hostlist("node[a-c]")
+    env = cli_env(SLURM_JOB_ID="1", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[a-c]",
+                  PATH="/usr/bin:/bin")  # fmt: skip
+    result = procs.cli("run", "quickstart", "--dry-run", "--devices", "cpu:1", "--runs-dir",
+                       str(runs_dir), env=env)  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = result.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line, line
+    assert line.startswith("gpu-console: SLURM job 1: SLURM_JOB_NODELIST: cannot read"), line
+    assert run_dirs(runs_dir) == []
+
+
 def test_two_jobs_get_two_rendezvous(scontrol, tmp_path, monkeypatch):
     """Two jobs whose first node is the same host: each its own port and id."""
     seen = []

@@ -450,11 +450,16 @@ def write(runs: list[RunData], out: Path) -> tuple[Path, list[Path]]:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ReportError(f"--out: {out}: cannot create it ({e.strerror})") from None
-    plots = plot_all(runs, out)
     index = out / "index.html"
     from ..runs import atomic_write_text
 
-    atomic_write_text(index, page(runs, plots))
+    try:
+        plots = plot_all(runs, out)
+        atomic_write_text(index, page(runs, plots))
+    except OSError as e:
+        if e.filename is None:  # a write that names no file (savefig's): the folder it was in
+            e.filename = str(out)
+        raise  # the CLI says it in one line (cli.os_error_line)
     return index, [p for _, p in plots]
 
 

@@ -1,0 +1,108 @@
+"""status.json is a cache of what the run directory holds (issue 42): a finished run stays
+finished whatever happened to its status.json, in every view, and the file is repaired from
+the events rather than overwritten with a worse answer; a signal after the run finished
+never changes its recorded end."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+
+import pytest
+from conftest import events_of, only_run, read_status, task_profile, wait_for
+from conftest import test_env as cli_env
+
+from gpu_console.runs import STATUS
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "missing"])
+def test_a_finished_run_with_a_damaged_status_reads_finished_and_is_repaired(
+    fast_run, procs, tmp_path, damage
+):
+    run = fast_run.copy(tmp_path / "runs")
+    before = read_status(run)
+    assert before["state"] == "finished"
+    path = run / STATUS
+    if damage == "truncated":
+        text = path.read_text()
+        path.write_text(text[: len(text) // 2])
+    elif damage == "empty":
+        path.write_text("")
+    else:
+        path.unlink()
+
+    status = procs.cli("status", str(run), "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert json.loads(status.stdout)["state"] == "finished"
+    (entry,) = json.loads(procs.cli("ls", "--json", "--runs-dir", str(run.parent)).stdout)
+    assert (entry["state"], entry["exit_code"]) == ("finished", 0)
+    repaired = read_status(run)
+    assert repaired["state"] == "finished"
+    assert repaired["exit_code"] == 0
+    assert repaired["step"] == before["step"]
+    assert repaired["repaired"]["from"] == "events.jsonl"
+    assert "lost_recorded" not in repaired
+
+
+# Its close() holds the ranks after the end is recorded, until the test lets them go: the
+# moment a scheduler's SIGTERM can reach a job step that has finished its work.
+HELD_AT_CLOSE = """
+import os
+import time
+from gpu_console.tasks.mlp import MLPTask
+
+
+class HeldAtClose(MLPTask):
+    def close(self):
+        go = os.environ["GO_FILE"]
+        deadline = time.monotonic() + 120
+        while not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.05)
+"""
+
+
+def test_a_sigterm_after_the_run_finished_keeps_it_finished(procs, runs_dir, tmp_path):
+    profile = task_profile(tmp_path, "held", HELD_AT_CLOSE, "HeldAtClose", max_steps=3)
+    go = tmp_path / "go"
+    env = cli_env(GO_FILE=str(go))
+    proc = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                       cwd=tmp_path, env=env)  # fmt: skip
+    run = wait_for(lambda: only_run(runs_dir) if runs_dir.exists() and any(runs_dir.iterdir())
+                   else None, what="the run directory")  # fmt: skip
+    wait_for(lambda: [e for e in events_of(run, "status") if e.get("state") == "finished"],
+             what="the engine's finished event")  # fmt: skip
+    supervisor = read_status(run)["pids"]["supervisor"]
+    os.kill(supervisor, signal.SIGTERM)  # as SLURM signals every process of the job step
+    torchrun = read_status(run)["pids"].get("torchrun")
+    if torchrun:
+        with contextlib.suppress(ProcessLookupError):  # it may have ended already
+            os.kill(torchrun, signal.SIGTERM)
+    go.write_text("")
+    proc.communicate(timeout=120)
+    status = wait_for(lambda: (s := read_status(run)).get("ended") and s, what="the end")
+    assert status["state"] == "finished", status
+    assert status["exit_code"] == 0
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("trouble", ["read-only", "full"])
+def test_report_on_a_run_it_cannot_write_is_one_line(fast_run, procs, small_disk, trouble):
+    import shutil
+
+    from conftest import _mount
+
+    run = small_disk.path / "runs" / fast_run.run.name
+    shutil.copytree(fast_run.run, run, ignore=shutil.ignore_patterns("checkpoints"))
+    if trouble == "read-only":
+        _mount("-o", "remount,ro", str(small_disk.path))
+    else:
+        small_disk.fill()
+    result = procs.cli("report", str(run))
+    # Exit 2 where the report's folder cannot be made (the --out check), 1 where a write fails.
+    assert result.returncode in (1, 2), result.stdout + result.stderr
+    line = result.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line, line
+    cause = "Read-only file system" if trouble == "read-only" else "no space left on"
+    assert str(run) in line and cause in line, line
