@@ -7,6 +7,7 @@ through :func:`atomic_write_text`, so a reader never sees half a file. No torch 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import os
 import re
@@ -14,6 +15,7 @@ import tempfile
 import time
 import unicodedata
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -284,6 +286,28 @@ def _checkpoint_bytes(entry: Path) -> int | None:
         return (entry / "state.pt").stat().st_size
     except OSError:  # unreadable, or pruned while read
         return None
+
+
+# A reader's hold on a run's checkpoints (``export``): a shared flock on this file; the
+# engine prunes only when it can take it exclusively (engine/checkpoint.py ``prune``).
+HOLD = ".hold"
+
+
+@contextlib.contextmanager
+def hold_checkpoints(run_dir: Path) -> Iterator[None]:
+    """While held, no checkpoint of the run is pruned (a later checkpoint prunes instead):
+    a reader that chose one can read it whole. Where the file cannot be made (a read-only
+    run directory, no checkpoints), nothing can prune there either: no hold is needed."""
+    try:
+        fd = os.open(Path(run_dir) / "checkpoints" / HOLD, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # and its lock with it
 
 
 def list_checkpoints(run_dir: Path, newest: int | None = None) -> list[dict[str, Any]]:

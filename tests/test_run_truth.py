@@ -106,3 +106,45 @@ def test_report_on_a_run_it_cannot_write_is_one_line(fast_run, procs, small_disk
     assert "\n" not in line and "Traceback" not in line, line
     cause = "Read-only file system" if trouble == "read-only" else "no space left on"
     assert str(run) in line and cause in line, line
+
+
+def test_export_falls_back_as_resume_does_and_says_which(fast_run, procs, tmp_path):
+    import shutil
+
+    run = fast_run.copy(tmp_path / "runs")
+    ckpts = run / "checkpoints"
+    shutil.copytree(ckpts / "step-00000012", ckpts / "step-00000006")  # an older complete one
+    (ckpts / "LATEST").unlink()
+    out = tmp_path / "weights.pt"
+    result = procs.cli("export", str(run), "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    note, line = result.stdout.strip().splitlines()
+    assert note == (
+        "note: checkpoints/LATEST is missing; exporting step-00000012, the newest complete "
+        "checkpoint that can be loaded"
+    )
+    assert "(from " in line and line.endswith("step-00000012)"), line
+    # A truncated newest one: the one before it, as --resume would take.
+    state = ckpts / "step-00000012" / "state.pt"
+    state.write_bytes(state.read_bytes()[:1000])
+    result = procs.cli("export", str(run), "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step-00000012 cannot be loaded: its state.pt is not a whole torch file" in result.stdout
+    assert result.stdout.strip().endswith("step-00000006)"), result.stdout
+
+
+def test_a_held_run_is_not_pruned_until_released(tmp_path):
+    from gpu_console.engine.checkpoint import prune
+    from gpu_console.runs import hold_checkpoints
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    for step in (1, 2, 3):
+        (ckpts / f"step-{step:08d}").mkdir(parents=True)
+        (ckpts / f"step-{step:08d}" / "meta.json").write_text("{}")
+    with hold_checkpoints(tmp_path / "run"):
+        prune(ckpts, 1)  # an export reads one: the next checkpoint prunes instead
+        assert sorted(p.name for p in ckpts.glob("step-*")) == [
+            "step-00000001", "step-00000002", "step-00000003"
+        ]  # fmt: skip
+    prune(ckpts, 1)
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000003"]

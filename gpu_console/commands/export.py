@@ -20,9 +20,10 @@ from ..runs import (
     RunDirError,
     best_checkpoint,
     find_run,
-    latest_checkpoint,
+    hold_checkpoints,
     list_checkpoints,
     read_json,
+    resume_checkpoint,
 )
 
 
@@ -30,25 +31,27 @@ class ExportError(RunDirError):
     """An export that cannot be made as asked (exit 2, one line)."""
 
 
-def choose(run: Path, best: bool, step: int | None) -> Path:
-    """The checkpoint to export: LATEST, BEST (``--best``) or ``step-N`` (``--step N``)."""
+def choose(run: Path, best: bool, step: int | None) -> tuple[Path, str]:
+    """The checkpoint to export: LATEST, BEST (``--best``) or ``step-N`` (``--step N``), and
+    why it is not LATEST's when LATEST's cannot be used ("" otherwise): the same fallback as
+    ``--resume`` (runs.resume_checkpoint), so the two never disagree."""
     if best and step is not None:
         raise ExportError("--best and --step: give one of them")
     if best:
         found = best_checkpoint(run)
         if found is None:
             raise ExportError(f"--best: {run}: {_why_no_best(run)}")
-        return found
+        return found, ""
     if step is not None:
         for c in list_checkpoints(run):
             if c["step"] == step:
-                return Path(c["path"])
+                return Path(c["path"]), ""
         have = ", ".join(str(c["step"]) for c in list_checkpoints(run)) or "none"
         raise ExportError(f"--step: {run}: no complete checkpoint at step {step} (on disk: {have})")
-    found = latest_checkpoint(run)
+    found, why = resume_checkpoint(run)
     if found is None:
-        raise ExportError(f"{run}: has no complete checkpoint to export")
-    return found
+        raise ExportError(f"{run}: {why or 'has no complete checkpoint to export'}")
+    return found, why.replace("resuming from", "exporting")
 
 
 def _why_no_best(run: Path) -> str:
@@ -78,19 +81,22 @@ def check_out(out: Path) -> Path:
 def export(run_arg: str, runs_dir: Path, out: Path, best: bool, step: int | None) -> dict:
     """Export; return what was written (path, bytes, step, checkpoint, keys per state_dict)."""
     run = find_run(run_arg, runs_dir)
-    ckpt = choose(run, best, step)
     out = check_out(Path(out))
-    proc = subprocess.run(
-        [sys.executable, "-m", "gpu_console.engine.export", str(ckpt), str(out), str(run)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-    )
+    # Held while it is read: a live run does not prune it under the export.
+    with hold_checkpoints(run):
+        ckpt, why = choose(run, best, step)
+        proc = subprocess.run(
+            [sys.executable, "-m", "gpu_console.engine.export", str(ckpt), str(out), str(run)],
+            capture_output=True,
+            text=True,
+            env=_env(),
+        )
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"]
         raise ExportError(f"export of {ckpt}: {lines[-1]}")
     written: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     written["best"] = best or _is_best(ckpt)
+    written["note"] = why
     return written
 
 
@@ -118,7 +124,8 @@ def describe(written: dict[str, Any]) -> str:
         else ", ".join(f"{name}: {n} keys" for name, n in keys.items())
     )
     best = " (best)" if written.get("best") else ""
-    return (
+    line = (
         f"{written['path']}: {written['bytes']:,} bytes, step {written['step']}{best}, {counts}"
         f" (from {written['checkpoint']})"
     )
+    return f"note: {written['note']}\n{line}" if written.get("note") else line

@@ -17,6 +17,7 @@ write runs (checkpoint_writer.py: training blocks only for a copy of the state).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import diskfull, strict_json
-from ..runs import atomic_write_text, fsync_dir, latest_checkpoint
+from ..runs import HOLD, atomic_write_text, fsync_dir, latest_checkpoint
 
 STATE = "state.pt"
 
@@ -317,9 +318,29 @@ def _clean_debris(ckpts: Path) -> None:
 
 
 def prune(ckpts: Path, keep_last: int) -> None:
-    """All but the newest ``keep_last`` complete checkpoints, except the one BEST names."""
+    """All but the newest ``keep_last`` complete checkpoints, except the one BEST names; not
+    while a reader holds them (``runs.hold_checkpoints``: an export reading one), when the
+    next checkpoint prunes instead."""
     if keep_last <= 0:
         return
+    try:
+        fd = os.open(ckpts / HOLD, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        fd = None  # cannot be held by anyone either
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return
+    try:
+        _prune(ckpts, keep_last)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _prune(ckpts: Path, keep_last: int) -> None:
     complete = sorted(p for p in ckpts.glob("step-*") if (p / "meta.json").is_file())
     best = _named(ckpts, BEST)
     for old in complete[:-keep_last]:
