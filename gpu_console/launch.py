@@ -648,6 +648,10 @@ def prepare(
         if resume_note:  # said at launch; the engine's resume line says it again (loop.py)
             profile.notes.append(f"--resume: {resume_run.name}: {resume_note}")
     elif name:
+        if "/" in name or "\0" in name:
+            # RUN arguments with a separator are paths (runs.find_run): such a name could
+            # never find its run again.
+            raise LaunchError(f"--name: a run's name cannot hold '/' (got {name!r})")
         profile.profile.name = name
     if profile.logging.tensorboard and not tensorboard.available():
         profile.notes.append(tensorboard.off_note())

@@ -387,25 +387,35 @@ def find_run(arg: str, runs_dir: Path) -> Path:
         return path
     is_path = "/" in arg or arg in (".", "..") or arg.startswith("~")
     if not is_path:
-        candidate = runs_dir / arg
-        if _is_run(candidate):
-            return candidate
-        try:
-            found = runs_dir.glob(f"{glob.escape(arg)}*")
-            matches = sorted((p for p in found if _is_run(p)), key=lambda p: p.name)
-        except (OSError, ValueError, NotImplementedError):
-            matches = []
-        named = [p for p in matches if _launched_name(p.name) == arg]
-        names = sorted({_launched_name(p.name) for p in matches})
-        if named or len(names) == 1:
-            return (named or matches)[-1]
-        if names:
-            shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-            raise RunDirError(
-                f"{arg}: could be the runs of {len(names)} names ({shown}) under {runs_dir}; "
-                f"give more of the name"
-            )
+        # The name as given, then as its directory spells it (``--name 'my run'`` is the
+        # directory ``my-run-…``): the name a user gave finds the run.
+        for name in dict.fromkeys((arg, _slug(arg))):
+            if (found := _by_name(name, arg, runs_dir)) is not None:
+                return found
     raise RunDirError(f"{arg}: {_why_not_a_run(path, is_path, runs_dir)}")
+
+
+def _by_name(name: str, arg: str, runs_dir: Path) -> Path | None:
+    """The run ``name`` finds under ``runs_dir`` (see :func:`find_run`), or None."""
+    candidate = runs_dir / name
+    if _is_run(candidate):
+        return candidate
+    try:
+        found = runs_dir.glob(f"{glob.escape(name)}*")
+        matches = sorted((p for p in found if _is_run(p)), key=lambda p: p.name)
+    except (OSError, ValueError, NotImplementedError):
+        matches = []
+    named = [p for p in matches if _launched_name(p.name) == name]
+    names = sorted({_launched_name(p.name) for p in matches})
+    if named or len(names) == 1:
+        return (named or matches)[-1]
+    if names:
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise RunDirError(
+            f"{arg}: could be the runs of {len(names)} names ({shown}) under {runs_dir}; "
+            f"give more of the name"
+        )
+    return None
 
 
 # What run_dir_name adds to a run's name: -<YYYYmmdd-HHMMSS>, and -2... on a clash.

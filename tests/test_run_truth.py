@@ -148,3 +148,21 @@ def test_a_held_run_is_not_pruned_until_released(tmp_path):
         ]  # fmt: skip
     prune(ckpts, 1)
     assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000003"]
+
+
+def test_the_name_a_user_gave_finds_the_run(procs, runs_dir, tmp_path):
+    from conftest import fast_profile
+
+    profile = fast_profile(tmp_path, max_steps=2)
+    for name in ("my run", "ünïcødé-✓"):
+        result = procs.cli("run", str(profile), "--headless", "--name", name, "--runs-dir",
+                           str(runs_dir), cwd=tmp_path)  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        status = procs.cli("status", name, "--json", "--runs-dir", str(runs_dir))
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert json.loads(status.stdout)["state"] == "finished"
+    refused = procs.cli("run", str(profile), "--headless", "--name", "a/b", "--runs-dir",
+                        str(runs_dir), cwd=tmp_path)  # fmt: skip
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == "gpu-console: --name: a run's name cannot hold '/' (got 'a/b')"
+    assert len(list(runs_dir.iterdir())) == 2  # nothing written for the refused one

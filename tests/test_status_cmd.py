@@ -18,13 +18,18 @@ from conftest import test_env as cli_env
 
 from gpu_console.events import append_control
 
+# Broken on the ranks only: the launch's own check builds the model too (and would refuse a
+# build_model that always raises, exit 2), so this run fails where a launch cannot see it.
 BROKEN_TASK = """
+import os
 from gpu_console.tasks.mlp import MLPTask
 
 
 class Broken(MLPTask):
     def build_model(self):
-        raise ValueError("no model today")
+        if "LOCAL_RANK" in os.environ:
+            raise ValueError("no model today")
+        return super().build_model()
 """
 
 
