@@ -35,11 +35,7 @@ class MLPConfig:
 @dataclass
 class TransformerConfig:
     vocab_size: int = opt(128, "token vocabulary", min=4)
-    seq_len: int = opt(
-        64,
-        "tokens per sequence (at most the model's n_positions or max_position_embeddings)",
-        min=2,
-    )
+    seq_len: int = opt(64, "tokens per sequence", min=2)
     d_model: int = opt(128, "model width", min=8)
     n_heads: int = opt(4, "attention heads (must divide d_model)", min=1)
     n_layers: int = opt(2, "encoder layers", min=1)
