@@ -44,6 +44,21 @@ OWNED_PREFIXES = {
 }
 
 
+# Read once, when a process starts: a rank applies distributed.env after that
+# (engine/__main__.py), so these would be set and never read.
+def _at_start(who: str) -> str:
+    return (
+        f"{who} reads it only when a process starts, before a rank applies distributed.env; "
+        "export it in the shell that runs gpu-console (the ranks inherit it)"
+    )
+
+
+START_ONLY_PREFIXES = {"LD_": _at_start("the dynamic loader"), "PYTHON": _at_start("Python")}
+START_ONLY = {"GLIBC_TUNABLES": _at_start("glibc")}
+# Read again at each use (sys.breakpointhook): a rank's own setting takes effect.
+READ_LATE = {"PYTHONBREAKPOINT"}
+
+
 def _as_text(value: Any) -> str | None:
     """A TOML value as the variable's text: strings as they are, numbers as written, booleans
     as 1 or 0 (what NCCL and gloo read); None for a table, a list or a date."""
@@ -59,6 +74,18 @@ def owned_reason(name: str) -> str | None:
     if name in OWNED:
         return OWNED[name]
     for prefix, why in OWNED_PREFIXES.items():
+        if name.startswith(prefix):
+            return why
+    return None
+
+
+def too_late_reason(name: str) -> str | None:
+    """Why ``name`` cannot take effect from ``distributed.env``; None when it can."""
+    if name in START_ONLY:
+        return START_ONLY[name]
+    if name in READ_LATE:
+        return None
+    for prefix, why in START_ONLY_PREFIXES.items():
         if name.startswith(prefix):
             return why
     return None
@@ -81,6 +108,8 @@ def env_problems(env: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
             )
         elif why := owned_reason(name):
             problems.append(f"{where}: may not be set here: {why} (got {show(value)})")
+        elif why := too_late_reason(name):
+            problems.append(f"{where}: cannot take effect here: {why} (got {show(value)})")
         elif text is None:
             problems.append(
                 f"{where}: expected a string (or a number or boolean) (got {show(value)})"

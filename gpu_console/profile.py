@@ -62,6 +62,16 @@ def _betas_check(value: list[float]) -> str | None:
     return None
 
 
+# Upper bounds of values that become a wait, a clock's deadline or a number of processes. A
+# timeout is a datetime.timedelta and a deadline on gloo's and NCCL's clocks (nanoseconds in 64
+# bits: 292 years from boot): 1e30 s overflowed in the ranks. A week is beyond any wait that
+# ends well.
+MAX_TIMEOUT_S = 7 * 24 * 3600
+MAX_GRACE_S = 24 * 3600  # the supervisor's and torchrun's wait before SIGKILL
+MAX_WORKERS = 1024  # processes per rank
+MAX_RESTARTS = 1000  # a worker group that fails this often will not succeed next time
+
+
 @dataclass
 class ProfileMeta:
     name: str = opt("", "profile name (default: the file name)")
@@ -77,9 +87,13 @@ class DataConfig:
         "(docs/performance.md: Auto batch size)",
         min=1,
     )
-    num_workers: int = opt(0, "DataLoader worker processes per rank", min=0)
+    num_workers: int = opt(
+        0, "DataLoader worker processes per rank (at most 1024)", min=0, max=MAX_WORKERS
+    )
     pin_memory: bool = opt(True, "page-locked host batches (CUDA only)")
-    prefetch_factor: int = opt(2, "batches each worker loads ahead (num_workers > 0)", min=1)
+    prefetch_factor: int = opt(
+        2, "batches each worker loads ahead (num_workers > 0; at most 1024)", min=1, max=1024
+    )
     persistent_workers: bool = opt(True, "keep DataLoader workers between epochs")
     seed: int = opt(
         0,
@@ -224,7 +238,9 @@ class DistributedConfig:
     )
     fsdp_cpu_offload: bool = opt(False, "fsdp: keep sharded parameters and optimizer state on CPU")
     static_graph: bool = opt(False, "DDP static_graph: the graph never changes between steps")
-    bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB", gt=0.0)
+    bucket_cap_mb: float = opt(
+        25.0, "DDP gradient bucket size in MiB (at most 1048576, 1 TiB)", gt=0.0, max=2**20
+    )
     find_unused_parameters: bool = opt(False, "DDP: look for parameters without gradients")
     broadcast_buffers: bool = opt(True, "DDP: broadcast buffers from rank 0 each forward")
     gradient_as_bucket_view: bool = opt(True, "DDP: gradients alias the buckets (less memory)")
@@ -232,25 +248,40 @@ class DistributedConfig:
     lr_scaling: Literal["none", "linear", "sqrt"] = opt(
         "none", "scale lr by world size: none, linear or sqrt"
     )
-    max_restarts: int = opt(0, "torchrun restarts of the worker group before failing", min=0)
+    max_restarts: int = opt(
+        0,
+        "torchrun restarts of the worker group before failing (at most 1000)",
+        min=0,
+        max=MAX_RESTARTS,
+    )
     collective_timeout_s: float = opt(
         300.0,
-        "after every rank's first step: a collective that waits longer fails (a hung step)",
+        "after every rank's first step: a collective that waits longer fails (a hung step; "
+        "at most 604800, a week)",
         gt=0.0,
+        max=MAX_TIMEOUT_S,
     )
     startup_timeout_s: float = opt(
         1800.0,
         "until every rank's first step is done (process group, compile, auto batch size, "
-        "checkpoint load, the first step): a collective that waits longer fails",
+        "checkpoint load, the first step): a collective that waits longer fails (at most "
+        "604800, a week)",
         gt=0.0,
+        max=MAX_TIMEOUT_S,
     )
     env: dict[str, str] = opt(
         {},
         'variables each rank sets before torch starts, e.g. { NCCL_DEBUG = "INFO" } (NCCL, '
         "gloo); numbers as written, booleans as 1 or 0; not the ones the console or torchrun "
-        "set (CUDA_VISIBLE_DEVICES, RANK, MASTER_ADDR, TORCHELASTIC_*, GPU_CONSOLE_*, ...)",
+        "set (CUDA_VISIBLE_DEVICES, RANK, MASTER_ADDR, TORCHELASTIC_*, GPU_CONSOLE_*, ...), "
+        "nor those read only as a process starts (LD_*, PYTHON*: export them in the shell)",
     )
-    shutdown_grace_s: float = opt(30.0, "seconds between SIGTERM and SIGKILL on stop", gt=0.0)
+    shutdown_grace_s: float = opt(
+        30.0,
+        "seconds between SIGTERM and SIGKILL on stop (at most 86400, a day)",
+        gt=0.0,
+        max=MAX_GRACE_S,
+    )
     cpu_reduce: Literal["shared-memory", "gloo"] = opt(
         "shared-memory",
         "CPU ranks on one machine sum gradients through shared memory (else gloo, said why)",

@@ -16,6 +16,15 @@ from collections.abc import Callable
 from typing import Any, Literal, get_args, get_origin
 
 
+class KeyProblem(ValueError):
+    """A key's value refused where it is judged against more than itself (a file it names,
+    the machine): the launch blames it on its origin as any other (``launch.prepare``)."""
+
+    def __init__(self, key: str, why: str, value: Any):
+        super().__init__(f"{key}: {why} (got {show(value)})")
+        self.key, self.why, self.value = key, why, value
+
+
 def opt(
     default: Any,
     help: str,
@@ -116,7 +125,17 @@ def coerce(tp: Any, value: Any) -> tuple[Any, str | None]:
     raise TypeError(f"unsupported config type {tp!r}")
 
 
+# TOML's integers are 64-bit (a reader may refuse run.toml past them), as are the seeds,
+# counts and sizes torch takes: a float like 1e30 given for an integer key stops here.
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+
+
 def _limits(meta: dict[str, Any], value: Any) -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value > INT_MAX and meta.get("max") is None:
+            return f"must be at most {INT_MAX} (a 64-bit integer)"
+        if value < INT_MIN and meta.get("min") is None:
+            return f"must be at least {INT_MIN} (a 64-bit integer)"
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if meta.get("min") is not None and value < meta["min"]:
             return f"must be at least {show(meta['min'])}"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from typing import Literal
 
-from ..schema import opt
+from ..schema import KeyProblem, opt
+from . import text_data
 
 
 def heads_divide(d_model: int, n_heads: int, width: str = "d_model") -> None:
@@ -92,6 +94,11 @@ class LMConfig:
     def __post_init__(self) -> None:
         heads_divide(self.d_model, self.n_heads)
 
+    def train_size(self, cwd: str | None = None) -> int:
+        """The training sequences the ranks will cut (text_data.py), counted from the text's
+        size in ``cwd``, the run's launch directory; KeyProblem for a text they cannot read."""
+        return text_data.train_windows(self, self.seq_len + 1, cwd)
+
 
 @dataclass
 class MoEConfig:
@@ -137,6 +144,10 @@ class MoEConfig:
                 f"task.capacity_factor: 0 (no limit) or at least 1/top_k = {1 / self.top_k:g} "
                 f"(got {self.capacity_factor:g}): below it most tokens skip every expert"
             )
+
+    def train_size(self, cwd: str | None = None) -> int:
+        """As ``lm``'s (:meth:`LMConfig.train_size`): the same text, cut the same way."""
+        return text_data.train_windows(self, self.seq_len + 1, cwd)
 
     def launch_problem(self, world: int, profile) -> tuple[str, str, object] | None:
         """What launch refuses once it knows the ranks: (key, why, value), or None."""
@@ -211,6 +222,10 @@ class CVRPConfig:
                 f"task.capacity: must hold the largest demand, 9 (got {self.capacity})"
             )
 
+    def train_size(self, cwd: str | None = None) -> int:
+        """An epoch's instances: the training set is their indices (cvrp.py)."""
+        return self.epoch_instances
+
     def launch_problem(self, world: int, profile) -> tuple[str, str, object] | None:
         """What launch refuses once it knows the run: (key, why, value), or None."""
         if profile.distributed.strategy == "fsdp":
@@ -249,7 +264,11 @@ class HFConfig:
         "a UTF-8 text file to train on, through the model's own tokenizer when its directory "
         "has one, else as bytes; empty: Python's own help topics (pydoc_data)",
     )
-    seq_len: int = opt(64, "tokens per sequence", min=2)
+    seq_len: int = opt(
+        64,
+        "tokens per sequence (at most the model's n_positions or max_position_embeddings)",
+        min=2,
+    )
     eval_fraction: float = opt(
         0.05, "the text's tail held out for eval (0: no eval)", min=0.0, max=0.5
     )
@@ -265,3 +284,51 @@ class HFConfig:
             raise ValueError(
                 'task.config: needs model_type (e.g. "gpt2"), the architecture to build'
             )
+
+    def train_size(self, cwd: str | None = None) -> int | None:
+        """What the ranks would refuse once built, judged in ``cwd`` (the run's launch
+        directory): the model directory and its ``config.json``, the sequence against the
+        model's positions, the text file. The training sequences of a config table's model
+        (the text as bytes, cut as ``lm`` cuts it); None with a model directory, whose
+        tokenizer only the ranks can count with."""
+        table, where = self.config, "task.config"
+        if self.model:
+            table, where = _saved_config(self.model, cwd), "task.model"
+        for key in POSITION_KEYS:
+            limit = table.get(key)
+            if isinstance(limit, int) and not isinstance(limit, bool) and self.seq_len > limit:
+                why = f"above the model's {key} = {limit} ({where}), the longest it can read"
+                raise KeyProblem("task.seq_len", why, self.seq_len)
+        if self.model:
+            if self.text_file:
+                text_data.text_size(self.text_file, cwd)
+            return None
+        vocab = self.config.get("vocab_size")
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab < BYTES:
+            why = f"the text is read as bytes without a tokenizer: needs {BYTES} tokens"
+            raise KeyProblem("task.config.vocab_size", why, vocab)
+        length = self.seq_len + 1 if self.head == "causal-lm" else self.seq_len
+        return text_data.train_windows(self, length, cwd)
+
+
+# A transformers config's maximum positions, under the names model types give it.
+POSITION_KEYS = ("n_positions", "max_position_embeddings", "n_ctx")
+BYTES = 256  # the vocabulary of a text read as bytes
+
+
+def _saved_config(model: str, cwd: str | None) -> dict:
+    """``task.model``'s ``config.json`` as plain JSON (no transformers here), or KeyProblem."""
+    folder = text_data.text_path(model, cwd)
+    if not folder.is_dir():
+        raise KeyProblem("task.model", f"no such directory: {folder.absolute()}", model)
+    path = folder / "config.json"
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        why = f"no config.json in {folder.absolute()}: not a saved transformers model"
+        raise KeyProblem("task.model", why, model) from None
+    except (OSError, ValueError) as e:
+        raise KeyProblem("task.model", f"cannot read {path.absolute()}: {e}", model) from None
+    if not isinstance(table, dict):
+        raise KeyProblem("task.model", f"{path.absolute()} is not a JSON object", model)
+    return table

@@ -25,10 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import TaskOutput, TensorSet, at_least_fp32
-from .configs import HFConfig
-from .lm import read_text, windows
-
-BYTES = 256
+from .configs import BYTES, HFConfig
+from .lm import windows
+from .text_data import held_out, read_text
 
 
 class HFTask:
@@ -80,7 +79,7 @@ class HFTask:
         else:
             data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
             self.vocab = BYTES
-        held = int(len(data) * c.eval_fraction)
+        held = held_out(len(data), c.eval_fraction)
         length = c.seq_len + 1 if c.head == "causal-lm" else c.seq_len
         train = self.examples(windows(data[: len(data) - held], length))
         if train is None:

@@ -19,7 +19,6 @@ block is the ``transformer`` task's, made causal.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +26,7 @@ from torch import nn
 
 from .base import TaskOutput, TensorSet, at_least_fp32
 from .configs import LMConfig
+from .text_data import read_text, split
 from .transformer import Block
 
 VOCAB = 256  # bytes
@@ -59,16 +59,17 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def read_text(c: LMConfig) -> bytes:
-    """The text file's bytes, else the help topics every CPython ships (``pydoc_data``)."""
-    if c.text_file:
-        path = Path(c.text_file).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"task.text_file: no such file: {path.resolve()}")
-        return path.read_bytes()
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics)).encode()
+def cut(data: torch.Tensor, length: int, eval_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training windows of ``length`` bytes and the held-out tail, where the console
+    counted them before launch (text_data.split: one rule for both); ValueError where the
+    text holds no training window."""
+    count, held = split(len(data), length, eval_fraction)
+    if count == 0:
+        raise ValueError(
+            f"task.text_file: {len(data):,} bytes hold no training sequence of "
+            f"seq_len + 1 = {length} bytes"
+        )
+    return data[: count * length].view(count, length), data[len(data) - held :]
 
 
 def windows(data: torch.Tensor, length: int) -> torch.Tensor:
@@ -115,14 +116,7 @@ class LMTask:
     def build_datasets(self):
         c = self.cfg
         data = torch.frombuffer(bytearray(read_text(c)), dtype=torch.uint8).long()
-        held = int(len(data) * c.eval_fraction)
-        train = windows(data[: len(data) - held], c.seq_len + 1)
-        if len(train) == 0:
-            raise ValueError(
-                f"task.text_file: {len(data):,} bytes hold no training sequence of "
-                f"seq_len + 1 = {c.seq_len + 1} bytes"
-            )
-        tail = data[len(data) - held :]
+        train, tail = cut(data, c.seq_len + 1, c.eval_fraction)
         prompt = c.prompt.encode() or bytes(tail[: c.seq_len // 2].tolist())
         self._prompt = torch.tensor(list(prompt or b"\n"), dtype=torch.long)
         evals = windows(tail, c.seq_len + 1)

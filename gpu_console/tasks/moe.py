@@ -45,7 +45,8 @@ from torch import nn
 
 from .base import TaskOutput, TensorSet, at_least_fp32
 from .configs import MoEConfig
-from .lm import VOCAB, read_text, windows
+from .lm import VOCAB, cut, windows
+from .text_data import read_text
 from .transformer import Block
 
 
@@ -276,14 +277,8 @@ class MoETask:
     def build_datasets(self):
         c = self.cfg
         data = torch.frombuffer(bytearray(read_text(c)), dtype=torch.uint8).long()
-        held = int(len(data) * c.eval_fraction)
-        train = windows(data[: len(data) - held], c.seq_len + 1)
-        if len(train) == 0:
-            raise ValueError(
-                f"task.text_file: {len(data):,} bytes hold no training sequence of "
-                f"seq_len + 1 = {c.seq_len + 1} bytes"
-            )
-        evals = windows(data[len(data) - held :], c.seq_len + 1)
+        train, tail = cut(data, c.seq_len + 1, c.eval_fraction)
+        evals = windows(tail, c.seq_len + 1)
         return TensorSet(train), TensorSet(evals) if len(evals) else None
 
     def metric_reduce(self) -> dict[str, str]:
