@@ -166,3 +166,22 @@ def test_the_name_a_user_gave_finds_the_run(procs, runs_dir, tmp_path):
     assert refused.returncode == 2
     assert refused.stderr.strip() == "gpu-console: --name: a run's name cannot hold '/' (got 'a/b')"
     assert len(list(runs_dir.iterdir())) == 2  # nothing written for the refused one
+
+
+def test_a_new_run_whose_end_checkpoint_does_not_fit_fails_saying_so(procs, small_disk, tmp_path):
+    from conftest import fast_profile
+
+    # About 3.4 MB of weights and Adam moments: no checkpoint fits on the 3 MiB disk.
+    profile = fast_profile(tmp_path, max_steps=3, extra="")
+    text = profile.read_text().replace("hidden_dim = 64", "hidden_dim = 512")
+    profile.write_text(text)
+    runs = small_disk.path / "runs"
+    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs), cwd=tmp_path)
+    both = result.stdout + result.stderr
+    assert result.returncode == 1, both
+    status = read_status(only_run(runs))
+    assert status["state"] == "failed", status
+    expected = "no checkpoint of the run was kept: checkpoint @ step 3 (end) not written: no space"
+    assert status["reason"].startswith(expected), status["reason"]
+    assert "there is no earlier checkpoint" in status["reason"]
+    assert "Traceback" not in both

@@ -43,6 +43,8 @@ class Checkpointer:
         self.newest = checkpoint.Newest()
         self.best = best_so_far(self.cfg.keep_best, self.cfg.best_direction(), resume, run_dir)
         self.early_wait = 0.0  # seconds settle_before_log waited, for the next save's figures
+        self.failure = ""  # the last write that failed, in one line
+        self.kept: str | None = None  # and the checkpoint LATEST still named then
 
     def save(self, reason: str | None, wait: bool = True) -> bool:
         """Collective. False when rank 0 could not write it (the previous one stays).
@@ -101,6 +103,8 @@ class Checkpointer:
         # Every node's first rank says so: each node's status records the stop as unsaved.
         message, failed = checkpoint.failure(outcome["step"], outcome["reason"], outcome)
         self.out.log("error", message, checkpoint_failed=failed)
+        self.failure = message
+        self.kept = failed["latest"]  # rank 0's LATEST, the same answer on every rank
         return False
 
     def settle_finished(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .build import Built, Setup, build
 from .cadence import end_step
+from .control_handler import DiskFullStop
 from .evaluate import at_start as eval_at_start
 from .exchange import Row
 from .failure_checkpoint import naming
@@ -129,7 +130,11 @@ class Trainer:
             with b.rescue.guard("eval"):
                 improved = b.evaluator.run(b.state)
         if s.p.checkpoint.at_end:
-            b.checkpointer.save("end")
+            if not b.checkpointer.save("end") and not b.checkpointer.kept:
+                # Nothing of the run is kept (a full disk from its start): it has not finished.
+                # With an earlier checkpoint it has, its LATEST named in the error event (a
+                # full disk stops no run: docs/failures.md). Every rank has the same outcome.
+                raise DiskFullStop(f"no checkpoint of the run was kept: {b.checkpointer.failure}")
         elif improved:
             b.checkpointer.save("best")
         b.checkpointer.save(None)  # a write still in flight ends before the run does
