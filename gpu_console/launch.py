@@ -381,11 +381,16 @@ def resume_target(arg: str, runs_dir: Path, hold: bool = True) -> tuple[Path, Pa
         _refuse_live(run, status)  # a run made before the lock: only its pids can tell
     try:
         lock = session_lock.take(run)
-    except session_lock.RunLockedError as e:
+    except session_lock.RunLockedError:
+        # Another session holds it: its own launch, or a resume that took it a moment ago
+        # (after a lost supervisor, two resumes meet here). Stopping it would end that
+        # session, maybe the resume that just won: the safe advice is to watch it.
         state = _resume_status(run).get("state")
-        if state and state not in runs.FINAL_STATES:
-            raise _still_live(run, state) from None
-        raise LaunchError(str(e)) from None
+        now = f" (state {state})" if state and state != "lost" else ""
+        raise LaunchError(
+            f"--resume: {run}: another session is continuing it now{now}; "
+            f"watch it with gpu-console attach {run}"
+        ) from None
     try:
         _refuse_live(run, _resume_status(run))  # again, under the lock
         _room_to_continue(run)

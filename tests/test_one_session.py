@@ -254,7 +254,9 @@ def test_two_resumes_at_the_same_instant_one_runs_the_other_exits_2(procs, runs_
     (lost_,) = [r for r in results if r[0] == 2]
     (line,) = lost_[2].splitlines()
     assert line.startswith(f"gpu-console: --resume: {run}: "), line
-    assert "another session holds it" in line or "is still live" in line, line
+    # The advice is safe: never to stop the resume that won (it would end the good run).
+    assert "another session is continuing it now" in line, line
+    assert line.endswith(f"watch it with gpu-console attach {run}"), line
     assert "Traceback" not in lost_[1] + lost_[2]
 
     # The record: one more session, one history entry, the end of the session that ran.

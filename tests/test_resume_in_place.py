@@ -93,8 +93,8 @@ def test_resume_continues_in_the_same_directory_from_anywhere(procs, runs_dir, t
     live = procs.cli("run", "--resume", str(run), "--headless", cwd=elsewhere)
     assert live.returncode == 2, live.stdout + live.stderr
     assert live.stderr.splitlines() == [
-        f"gpu-console: --resume: {run}: the run is still live (state running); "
-        f"stop it first (gpu-console stop {run})"
+        f"gpu-console: --resume: {run}: another session is continuing it now (state running); "
+        f"watch it with gpu-console attach {run}"
     ], live.stderr
     assert "Traceback" not in live.stderr
     assert (run / "run.toml").read_bytes() == before["run.toml"]
