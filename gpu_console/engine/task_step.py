@@ -199,16 +199,16 @@ class StepOptimizers(Mapping):
     def _clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         return self.strategy.clip_grads(params, max_norm)
 
-    def finish(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], int, bool]:
-        """After the step's last micro-batch: the norm over all, each one's, skips, and
-        whether ``nan_policy = "stop"`` tripped."""
+    def finish(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """After the step's last micro-batch (read :attr:`stopped` before): the norm over
+        all, each one's, and skips."""
         norms, self._norms = self._norms, {}
         skipped, self.skipped = self.skipped, 0
-        stopped, self.stopped = self.stopped, False
+        self.stopped = False
         if not norms:
-            return torch.zeros((), device=self.device), norms, skipped, stopped
+            return torch.zeros((), device=self.device), norms, skipped
         total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms.values()]))
-        return total, norms, skipped, stopped
+        return total, norms, skipped
 
 
 def step_optimizers(task, opts: Optimizers, train, d, scaler) -> StepOptimizers:
@@ -263,5 +263,6 @@ class TaskStep(UpdateStep):
                                         self.ctx, step)  # fmt: skip
 
     def update(self, last_loss, output, position, logging: bool) -> Update:
-        grad_norm, grad_norms, skipped, stop = self.step_optimizers.finish()
+        stop = self.step_optimizers.stopped  # nan_policy = "stop" tripped in this step
+        grad_norm, grad_norms, skipped = self.step_optimizers.finish()
         return Update(last_loss, output, grad_norm, grad_norms, skipped, stop)
