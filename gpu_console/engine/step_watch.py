@@ -37,15 +37,14 @@ class StepWatch:
         if world_size < 2 or self._hook is not None:
             return
         names = {id(e.optimizer): e.name for e in entries}
-        model = {id(q) for e in entries for q in e.params}
 
         def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             if id(optimizer) in self._engine:
                 return
-            params = (q for g in optimizer.param_groups for q in g["params"])
-            if not any(id(q) in model for q in params):
+            name = names.get(id(optimizer))
+            if name is None and not _of_model(optimizer, entries):
                 return  # the task's own optimizer of something else (not the model)
-            raise Refused(key, _problem(optimizer, names.get(id(optimizer)), world_size, key))
+            raise Refused(key, _problem(optimizer, name, world_size, key))
 
         self._hook = register_optimizer_step_pre_hook(check)
 
@@ -62,6 +61,14 @@ class StepWatch:
             yield
         finally:
             self._engine.discard(id(optimizer))
+
+
+def _of_model(optimizer: torch.optim.Optimizer, entries) -> bool:
+    """Whether ``optimizer`` updates any of the model's parameters (the engine's optimizers
+    cover every trainable one; read now: FSDP puts its shards in their place after this
+    watch is installed)."""
+    model = {id(q) for e in entries for q in e.params}
+    return any(id(q) in model for g in optimizer.param_groups for q in g["params"])
 
 
 def _problem(optimizer, name: str | None, world_size: int, key: str) -> str:
