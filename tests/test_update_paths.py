@@ -101,6 +101,14 @@ def test_only_a_step_of_the_models_optimizers_outside_the_engine_is_refused():
     finally:
         opts.watch.remove()
     torch.optim.SGD(model.parameters(), lr=0.1).step()  # the hook is gone
+    # The engine's own step (no train_step): the task is told to let the engine step.
+    own = Optimizers.from_task(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    own.watch.install(own.entries, 2, "task.compute")
+    try:
+        with pytest.raises(Refused, match=r"^task.compute: .*let the engine step it"):
+            own.first.step()
+    finally:
+        own.watch.remove()
 
 
 OWN_STEP_MOE = """
