@@ -217,3 +217,23 @@ def test_nan_stop_under_a_tasks_own_step_stops_as_the_engines(procs, tmp_path):
     for name, value in engine["model"].items():
         assert torch.equal(own["model"][name], value), name
     assert engine["step"] == own["step"] and engine["data"] == own["data"]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 200, 1 << 20])
+def test_the_task_steps_average_lands_every_bucket_where_it_came_from(one_rank_group, bucket_bytes):
+    # One rank of a group told it is half of two: every gradient comes back halved, whatever
+    # the buckets (one tensor each and in place, a few together, all in one), with more
+    # buckets than are let in flight; a parameter without a gradient gets zeros.
+    from gpu_console.engine.strategy_ddp import average
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*shape, dtype=torch.float64))
+              for shape in [(3, 4), (5,), (2, 2), (7, 3), (1,), (4, 4)]]  # fmt: skip
+    for q in params:
+        q.grad = torch.randn_like(q)
+    params[2].grad = torch.randn(2, 2, dtype=torch.float64).t()  # not contiguous
+    params[4].grad = None
+    before = [None if q.grad is None else q.grad.clone() for q in params]
+    average(params, 2, bucket_bytes)
+    for q, g in zip(params, before, strict=True):
+        assert torch.equal(q.grad, torch.zeros_like(q) if g is None else g * 0.5)
