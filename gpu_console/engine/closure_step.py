@@ -89,7 +89,8 @@ class ClosureStep(EngineStep):
         elif self.guard.skip and bad:
             done.skipped = 1
         else:
-            self.opts.first.step(closure)
+            with self.opts.watch.engine(self.opts.first):
+                self.opts.first.step(closure)
         self.record(step + 1, done)
         if not done.stop:
             self.opts.schedule()

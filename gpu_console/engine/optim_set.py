@@ -29,6 +29,7 @@ from ..tasks.base import OptimizerSpec
 from . import optim_build as optim
 from .resume import Settings
 from .schedule import decay_steps, floor_ratio, lr_factor, scaled_lr
+from .step_watch import StepWatch
 
 MAIN = "main"  # the name of a single optimizer
 
@@ -60,6 +61,7 @@ class Optimizers:
         self.entries = entries
         self.source = source  # "profile" or "task"
         self.decay = decay
+        self.watch = StepWatch()  # a step the engine does not make: refused on several ranks
 
     # -- building ---------------------------------------------------------------------
     @classmethod
@@ -148,10 +150,11 @@ class Optimizers:
 
     def step(self, scaler) -> None:
         for e in self.entries:
-            if scaler is not None:
-                scaler.step(e.optimizer)
-            else:
-                e.optimizer.step()
+            with self.watch.engine(e.optimizer):
+                if scaler is not None:
+                    scaler.step(e.optimizer)
+                else:
+                    e.optimizer.step()
         if scaler is not None:
             scaler.update()
 

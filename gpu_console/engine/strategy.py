@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -51,8 +52,6 @@ class Strategy:
     """The interface; each method's default is what a strategy that does nothing there does."""
 
     name = ""
-    # A task's own train_step (task_step.py): its gradients arrive reduced, as shards.
-    sharded_gradients = False
     # What the trainer trains: called, train()/eval(), ``.module`` the bare model, no_sync().
     wrapped: Any = None
 
@@ -89,6 +88,23 @@ class Strategy:
     def clip(self, optimizers, max_norm: float) -> tuple[Any, dict[str, Any]]:
         """Clip every optimizer's gradients: the norm over all, and each one's."""
         raise NotImplementedError
+
+    # -- a task's own train_step (task_step.py): the engine's step, one optimizer at a time --
+    # The defaults are one rank's (nothing to reduce): what a task's step rehearsed alone
+    # (plan.py, auto_batch.py) gets.
+    def task_backward(self, loss: torch.Tensor, params: list, others: list) -> None:
+        """The gradients of ``loss`` for ``params`` (one optimizer's) only; ``others``: the
+        other optimizers' parameters, whose gradients must stay as they were."""
+        loss.backward(inputs=params)
+
+    def average_grads(self, params: list) -> None:
+        """``params``' gradients replaced by what the engine's own step would hand their
+        optimizer: their mean over the ranks, by this strategy's rule."""
+
+    def clip_grads(self, params: list, max_norm: float) -> torch.Tensor:
+        """Clip averaged gradients of ``params`` to ``max_norm``: their norm over the whole
+        model (the same on every rank)."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def gradient_reduce(self, d, cfg, run_dir: Path) -> tuple[Any, str]:
         """How gradients are summed: a ``SharedReduce`` (or None), and why not one."""

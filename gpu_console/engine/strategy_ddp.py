@@ -9,10 +9,12 @@ loaded into the bare model before DDP wraps it.
 from __future__ import annotations
 
 import os
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import checkpoint, precision
 from . import distributed as distmod
@@ -38,6 +40,11 @@ class DdpStrategy(Strategy):
 
     def clip(self, optimizers, max_norm: float) -> tuple[Any, dict[str, Any]]:
         return optimizers.clip(max_norm)
+
+    def average_grads(self, params: list) -> None:
+        # A task's own step runs the bare model (DDP's hooks never fire): averaged here, in
+        # buckets of DDP's size.
+        average(params, self.d.world_size, int(self.cfg.bucket_cap_mb * 1024 * 1024))
 
     def gradient_reduce(self, d, cfg, run_dir: Path) -> tuple[Any, str]:
         if cfg.cpu_reduce == "shared-memory":
@@ -66,3 +73,55 @@ def settings(ddp) -> dict[str, Any]:
         "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
         "sync_batchnorm": any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules()),
     }
+
+
+IN_FLIGHT = 2  # buckets reduced at once: memory for two flattened buckets, not the model's
+
+
+def average(params: list, world_size: int, bucket_bytes: int) -> None:
+    """Every rank's gradients of ``params`` replaced by their mean, bucket by bucket (each
+    at most ``bucket_bytes``, a larger tensor alone and in place), a few all-reduces in
+    flight at once. A parameter this rank gave no gradient counts as zeros, so every rank
+    sends the same shapes."""
+    if world_size == 1 or not params:
+        return
+    for q in params:
+        if q.grad is None:
+            q.grad = torch.zeros_like(q)
+    pending: deque = deque()
+    for bucket in _buckets([q.grad for q in params], bucket_bytes):
+        alone = len(bucket) == 1 and bucket[0].is_contiguous()
+        flat = bucket[0] if alone else torch.cat([g.reshape(-1) for g in bucket])
+        flat.mul_(1.0 / world_size)  # as DDP: scaled as it is copied in, then summed
+        pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
+        if len(pending) > IN_FLIGHT:
+            _land(*pending.popleft())
+    while pending:
+        _land(*pending.popleft())
+
+
+def _buckets(grads: list, bucket_bytes: int) -> list[list]:
+    """Consecutive gradients of one dtype and device, up to ``bucket_bytes`` each."""
+    out: list[list] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        same = bool(out) and (out[-1][0].dtype, out[-1][0].device) == (g.dtype, g.device)
+        if same and size + nbytes <= bucket_bytes:
+            out[-1].append(g)
+            size += nbytes
+        else:
+            out.append([g])
+            size = nbytes
+    return out
+
+
+def _land(bucket: list, flat: torch.Tensor, work) -> None:
+    work.wait()
+    if flat is bucket[0]:
+        return
+    offset = 0
+    for g in bucket:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
+        offset += n

@@ -9,7 +9,8 @@ its expert and back (``all_to_all``). What the engine does differently from DDP:
 - **Gradients.** DDP ignores the expert parameters (torch_private.ddp_ignore). A rank's
   expert gradient already sums every rank's tokens (the exchange's backward brings them
   home), where DDP would average: a hook divides it by the world size, so an update equals
-  the replicated run's.
+  the replicated run's. A task's own ``train_step`` gets the same rule: its
+  ``optimizers.step`` averages the replicated parameters only (``average_grads``).
 - **Clipping.** The norm over all parameters is the replicated run's: the experts' squared
   norms are summed over the ranks (one all-reduce of a few numbers), the rest are the same
   everywhere.
@@ -34,6 +35,15 @@ import torch.distributed as dist
 from . import checkpoint, torch_private
 from .strategy import SaveJob
 from .strategy_ddp import DdpStrategy, settings
+
+
+def _scale(params, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``params``' gradients scaled down to ``max_norm`` by their whole norm ``norm``."""
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.dtype))
+    return norm
 
 
 class ExpertParallelError(ValueError):
@@ -80,15 +90,23 @@ class ExpertParallelStrategy(DdpStrategy):
         dist.all_reduce(shared)
         norms = {}
         for e, (rep, _), ex in zip(entries, local, shared, strict=True):
-            norm = (rep + ex).sqrt()
-            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for p in e.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale.to(p.grad.dtype))
-            norms[e.name] = norm
+            norms[e.name] = _scale(e.params, (rep + ex).sqrt(), max_norm)
         if len(norms) == 1:
             return next(iter(norms.values())), norms
         return torch.linalg.vector_norm(torch.stack(list(norms.values()))), norms
+
+    # -- a task's own train_step: the same rules, one optimizer at a time ---------------------
+    def average_grads(self, params: list) -> None:
+        """The replicated parameters as DDP averages them; the experts are this rank's alone
+        and their hook has already divided them (every backward runs it), as on the
+        engine's own step."""
+        super().average_grads([p for p in params if id(p) not in self.ids])
+
+    def clip_grads(self, params: list, max_norm: float) -> torch.Tensor:
+        rep, ex = self._squares(params)
+        shared = ex.reshape(1)  # as clip's stack of one optimizer: the same sum
+        dist.all_reduce(shared)
+        return _scale(params, (rep + shared[0]).sqrt(), max_norm)
 
     def _squares(self, params) -> tuple[torch.Tensor, torch.Tensor]:
         """The squared gradient norms of the replicated parameters and of this rank's experts."""

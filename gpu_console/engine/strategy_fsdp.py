@@ -18,7 +18,6 @@ from .strategy import SaveJob, Strategy
 
 class FsdpStrategy(Strategy):
     name = "fsdp"
-    sharded_gradients = True
 
     def __init__(self, cfg, d) -> None:
         self.cfg, self.d = cfg, d
@@ -41,6 +40,25 @@ class FsdpStrategy(Strategy):
 
     def clip(self, optimizers, max_norm: float) -> tuple[Any, dict[str, Any]]:
         return fsdp.clip(optimizers, max_norm)  # each optimizer's on its own, over shards
+
+    # -- a task's own train_step: gradients arrive reduced, as shards ----------------------
+    def task_backward(self, loss, params: list, others: list) -> None:
+        """Gradients reach the shards through FSDP's reduce-scatter after the gathered
+        parameters' backward, which ``backward(inputs=shards)`` would never run. So a whole
+        backward, and the other optimizers' gradients are put back as they were (a task's
+        own step reduces every micro-batch, so none wait unreduced)."""
+        kept = [q.grad for q in others]
+        for q in others:
+            q.grad = None
+        loss.backward()
+        for q, g in zip(others, kept, strict=True):
+            q.grad = g
+
+    def average_grads(self, params: list) -> None:
+        """Reduce-scattered by FSDP in the backward already."""
+
+    def clip_grads(self, params: list, max_norm: float) -> Any:
+        return fsdp.total_norm(params, max_norm)
 
     def gradient_reduce(self, d, cfg, run_dir: Path) -> tuple[Any, str]:
         return None, "distributed.strategy = fsdp: gradients are reduce-scattered by FSDP"

@@ -9,9 +9,11 @@ cannot say that. With ``train_step`` the task calls, in its own order:
   GradScaler under fp16, outside autocast;
 - ``optimizers.step(name)``: at the accumulation boundary (the last micro-batch of the
   step; before it, nothing) the engine averages that optimizer's gradients over the ranks
-  (one all-reduce), unscales them (fp16), clips them to ``train.clip_grad_norm``, skips the
-  update if their norm is not finite (``nan_policy`` skip or stop), steps, and sets them to
-  ``None``;
+  by the strategy's rule (``Strategy.average_grads``: DDP's buckets; the expert strategy's
+  experts left to their own rule; FSDP's arrive reduced), unscales them (fp16), clips them
+  to ``train.clip_grad_norm`` (``Strategy.clip_grads``), checks their norm (``nan_policy``:
+  ``skip`` skips the update; ``stop`` makes no further update and stops the run before
+  the step ends, as the engine's own step does), steps, and sets them to ``None``;
 - ``optimizers.step(name, closure=fn)``: an optimizer that evaluates the loss again
   (LBFGS): ``fn`` computes the loss, calls ``optimizers.backward(loss, name)`` and returns
   the loss; each evaluation is averaged over the ranks and clipped;
@@ -21,7 +23,9 @@ The engine runs ``train_step`` under autocast, once per micro-batch, with the ba
 (not the DDP wrapper: averaging is the engine's, in ``step``; buffers such as BatchNorm's
 running statistics stay each rank's own), and steps every per-step schedule after it, as
 for ``compute``. ``train_step`` returns a :class:`TaskOutput` (its loss is what the step
-events report).
+events report). On several ranks an optimizer that the task steps itself (``step()``, not
+``optimizers.step``) is refused before it changes anything (step_watch.py): its gradients
+would be this rank's alone.
 """
 
 from __future__ import annotations
@@ -32,10 +36,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .closure_step import mean_over_ranks, needs_closure
 from .optim_set import Optimizers, OptimizerSetupError
+from .strategy import Strategy
 from .update_step import Update, UpdateStep
 
 
@@ -51,15 +55,20 @@ class StepOptimizers(Mapping):
         max_norm: float,
         guard_non_finite: bool,
         scalers: dict[str, Any] | None,
+        stop_non_finite: bool = False,
     ):
         self._opts = {e.name: e for e in opts.entries}
+        self.watch = opts.watch  # the engine's steps, told from a task's own (step_watch.py)
         self.device, self.world_size, self.accum = device, world_size, accum
         self.max_norm, self.guard = max_norm, guard_non_finite
+        self.stop = guard_non_finite and stop_non_finite  # nan_policy = "stop"
         self.scalers = scalers  # name → GradScaler (fp16 on CUDA), else None
         self.final = True  # whether this micro-batch ends the step (step() acts)
         self._norms: dict[str, torch.Tensor] = {}
         self.skipped = 0
-        self.sharded = False  # FSDP: gradients arrive averaged, as shards (fsdp.py)
+        self.stopped = False  # stop: a non-finite norm this step; no update after it
+        # How gradients are reduced and clipped (TaskStep.bind); until then one rank's.
+        self.strategy: Strategy = Strategy()
 
     # -- the mapping: name → optimizer ----------------------------------------------------
     def __getitem__(self, name: str) -> torch.optim.Optimizer:
@@ -90,24 +99,9 @@ class StepOptimizers(Mapping):
             loss = loss / self.accum
         if self.scalers is not None:
             loss = self.scalers[name].scale(loss)
-        with torch.autocast(self.device.type, enabled=False):
-            if self.sharded:
-                self._sharded_backward(loss, name)
-            else:
-                loss.backward(inputs=params)
-
-    def _sharded_backward(self, loss: torch.Tensor, name: str) -> None:
-        """FSDP: gradients reach the shards through its reduce-scatter after the gathered
-        parameters' backward, which ``backward(inputs=shards)`` would never run. So a whole
-        backward, and the other optimizers' gradients are put back as they were (the loop
-        reduces every micro-batch for a task's own step, so none wait unreduced)."""
         others = [q for e in self._opts.values() if e.name != name for q in e.params]
-        kept = [q.grad for q in others]
-        for q in others:
-            q.grad = None
-        loss.backward()
-        for q, g in zip(others, kept, strict=True):
-            q.grad = g
+        with torch.autocast(self.device.type, enabled=False):
+            self.strategy.task_backward(loss, params, others)
 
     def step(self, name: str, closure: Callable[[], torch.Tensor] | None = None) -> None:
         """At the step's last micro-batch: average, unscale, clip, check, step, zero.
@@ -118,6 +112,9 @@ class StepOptimizers(Mapping):
         if not self.final:
             return
         entry = self._entry(name)
+        if self.stopped:  # nan_policy = "stop" tripped earlier in this step: no more updates
+            entry.optimizer.zero_grad(set_to_none=True)
+            return
         if closure is not None:
             return self._closure_step(entry, closure)
         if needs_closure(entry.optimizer):
@@ -126,21 +123,31 @@ class StepOptimizers(Mapping):
                 f"closure: optimizers.step({name!r}, closure=...) (docs/tasks.md)"
             )
         params = [q for q in entry.params if q.requires_grad]
-        if not self.sharded:
-            average(params, self.world_size)
+        self.strategy.average_grads(params)
         scaler = self.scalers[name] if self.scalers is not None else None
         if scaler is not None:
             scaler.unscale_(entry.optimizer)
         norm = self._clip(params, self.max_norm)
         self._norms[name] = norm
         if scaler is not None:  # an overflow is the scaler's to skip
-            scaler.step(entry.optimizer)
+            with self.watch.engine(entry.optimizer):
+                scaler.step(entry.optimizer)
             scaler.update()
-        elif self.guard and not bool(torch.isfinite(norm)):
-            self.skipped += 1
-        else:
-            entry.optimizer.step()
+        elif not self._bad(norm):
+            with self.watch.engine(entry.optimizer):
+                entry.optimizer.step()
         entry.optimizer.zero_grad(set_to_none=True)
+
+    def _bad(self, norm: torch.Tensor) -> bool:
+        """Whether ``nan_policy`` keeps this update from being made: a non-finite norm
+        (of the averaged gradients: every rank decides alike) is skipped, or stops the run."""
+        if not self.guard or bool(torch.isfinite(norm)):
+            return False
+        if self.stop:
+            self.stopped = True
+        else:
+            self.skipped += 1
+        return True
 
     def _closure_step(self, entry, closure: Callable[[], torch.Tensor]) -> None:
         """Every evaluation, the first included, is the task's closure from zeroed gradients,
@@ -163,11 +170,10 @@ class StepOptimizers(Mapping):
         params = [q for q in entry.params if q.requires_grad]
         loss, norm = self._evaluate(entry, params, closure)
         self._norms[name] = norm
-        if self.guard and not bool(torch.isfinite(norm)):
-            self.skipped += 1
-        else:  # the optimizer's first call gets the evaluation above back
+        if not self._bad(norm):  # the optimizer's first call gets the evaluation above back
             again = functools.partial(self._evaluate_again, [loss], entry, params, closure)
-            entry.optimizer.step(again)
+            with self.watch.engine(entry.optimizer):
+                entry.optimizer.step(again)
         entry.optimizer.zero_grad(set_to_none=True)
 
     def _evaluate(self, entry, params, closure) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,8 +182,7 @@ class StepOptimizers(Mapping):
         entry.optimizer.zero_grad(set_to_none=True)
         with torch.enable_grad():  # an optimizer's step runs under no_grad
             loss = closure()
-        if not self.sharded:
-            average(params, self.world_size)
+        self.strategy.average_grads(params)
         norm = self._clip(params, self.max_norm)
         return mean_over_ranks(loss, self.world_size), norm
 
@@ -192,37 +197,18 @@ class StepOptimizers(Mapping):
         return self._clip(self._entry(name).params, max_norm)
 
     def _clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        if self.sharded:
-            from .fsdp import total_norm
-
-            return total_norm(params, max_norm)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return self.strategy.clip_grads(params, max_norm)
 
     def finish(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-        """After the step's last micro-batch: the norm over all, each one's, and skips."""
+        """After the step's last micro-batch (read :attr:`stopped` before): the norm over
+        all, each one's, and skips."""
         norms, self._norms = self._norms, {}
         skipped, self.skipped = self.skipped, 0
+        self.stopped = False
         if not norms:
             return torch.zeros((), device=self.device), norms, skipped
         total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms.values()]))
         return total, norms, skipped
-
-
-def average(params: list[torch.Tensor], world_size: int) -> None:
-    """Every rank's gradients of ``params`` replaced by their mean (one flat all-reduce);
-    a parameter this rank gave no gradient counts as zeros, so every rank sends the same
-    shapes."""
-    if world_size == 1 or not params:
-        return
-    grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    flat.mul_(1.0 / world_size)  # as DDP: scaled as it is copied in, then summed
-    dist.all_reduce(flat)
-    offset = 0
-    for q, g in zip(params, grads, strict=True):
-        n = g.numel()
-        q.grad = flat[offset : offset + n].view_as(g).clone()
-        offset += n
 
 
 def step_optimizers(task, opts: Optimizers, train, d, scaler) -> StepOptimizers:
@@ -240,6 +226,7 @@ def step_optimizers(task, opts: Optimizers, train, d, scaler) -> StepOptimizers:
         train.clip_grad_norm if train.clip_grad_norm > 0 else math.inf,
         train.nan_policy in ("skip", "stop"),
         scalers,
+        stop_non_finite=train.nan_policy == "stop",
     )
 
 
@@ -267,8 +254,7 @@ class TaskStep(UpdateStep):
 
     def bind(self, strategy, autocast) -> None:
         super().bind(strategy, autocast)
-        # FSDP: gradients arrive reduced, as shards; DDP: the step averages them itself.
-        self.step_optimizers.sharded = strategy.sharded_gradients
+        self.step_optimizers.strategy = strategy  # its averaging, clipping, backward
 
     def forward(self, batch, final: bool, step: int) -> Any:
         # A task's own step averages at its end (under FSDP: reduces every backward), so no
@@ -277,5 +263,6 @@ class TaskStep(UpdateStep):
                                         self.ctx, step)  # fmt: skip
 
     def update(self, last_loss, output, position, logging: bool) -> Update:
+        stop = self.step_optimizers.stopped  # nan_policy = "stop" tripped in this step
         grad_norm, grad_norms, skipped = self.step_optimizers.finish()
-        return Update(last_loss, output, grad_norm, grad_norms, skipped)
+        return Update(last_loss, output, grad_norm, grad_norms, skipped, stop)

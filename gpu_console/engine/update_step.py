@@ -165,7 +165,10 @@ class EngineStep(UpdateStep):
 def for_task(task, opts, train, d, scaler, ctx, beat) -> UpdateStep:
     """The task's own step when it has ``train_step`` (task_step.py); else the engine's, or
     its closure form for an optimizer that steps with one (LBFGS, closure_step.py)."""
-    if getattr(task, "train_step", None) is not None:
+    own = getattr(task, "train_step", None) is not None
+    # On several ranks, an optimizer the task steps itself is refused (step_watch.py).
+    opts.watch.install(opts.entries, d.world_size, "task.train_step" if own else "task.compute")
+    if own:
         from .task_step import TaskStep
 
         return TaskStep(task, opts, train, d, scaler, ctx, beat)
