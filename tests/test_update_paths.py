@@ -19,10 +19,9 @@ from conftest import events_of, only_run, read_status, task_profile, write_profi
 from gpu_console.engine.optim_set import Optimizers
 from gpu_console.engine.refusal import Refused
 
-# The loop and the supervisor record a Refused as state "refused", exit 2 (engine/refusal.py);
-# where they do not yet, the run fails (exit 1). Tighten these to ("refused",) and (2,).
-REFUSED_STATES = ("failed", "refused")
-REFUSED_CODES = (1, 2)
+# The loop and the supervisor record a Refused as state "refused", exit 2 (engine/refusal.py).
+REFUSED_STATES = ("refused",)
+REFUSED_CODES = (2,)
 
 SCRIPT_STEP_TASK = """
 import torch
@@ -68,7 +67,9 @@ def test_a_task_stepping_its_own_optimizer_is_refused_on_two_ranks(procs, tmp_pa
     assert two.returncode in REFUSED_CODES, two.stdout + two.stderr
     status = read_status(run)
     assert status["state"] in REFUSED_STATES
-    line = status["failure"]["summary"]
+    assert status["exit_code"] in REFUSED_CODES
+    line = status["reason"]
+    assert f"state: refused {line}" in two.stdout + two.stderr  # said in the headless output
     assert (
         "task.train_step: optimizer 'main' (LBFGS) was stepped by the task itself on 2 ranks"
         in line
