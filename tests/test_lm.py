@@ -93,3 +93,19 @@ def test_lm_trains_under_fsdp_with_activation_checkpointing(procs, tmp_path):
     losses = [e["loss"] for e in events_of(run, "step")]
     assert losses[-1] < losses[0]
     assert [e["step"] for e in events_of(run, "eval")] == [20, 40]
+
+
+def test_the_untrained_model_starts_near_a_uniform_guess():
+    # ln 256 = 5.55 for a model that knows nothing of bytes; the tied table's N(0, 1) init
+    # gave about 25 (issue 42).
+    import math
+
+    from gpu_console.tasks.configs import LMConfig
+    from gpu_console.tasks.lm import GPT, VOCAB
+
+    torch.manual_seed(0)
+    model = GPT(LMConfig())
+    x = torch.randint(0, VOCAB, (8, 64))
+    logits = model(x)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x.reshape(-1))
+    assert abs(loss.item() - math.log(VOCAB)) < 0.5, loss.item()

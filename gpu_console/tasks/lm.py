@@ -45,6 +45,9 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, VOCAB, bias=False)
         self.head.weight = self.tok.weight  # tied: one table reads and writes bytes
+        # GPT-2's scale, as moe.py's: nn.Embedding's N(0, 1) made the tied output layer's
+        # first logits so large that a byte model started at loss ~25, not near ln 256 = 5.5.
+        nn.init.normal_(self.tok.weight, std=0.02)
         nn.init.normal_(self.pos, std=0.02)
 
     def no_weight_decay(self) -> set[str]:
