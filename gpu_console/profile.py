@@ -430,7 +430,14 @@ class Profile:
     def to_toml(self) -> str:
         import tomli_w
 
-        return tomli_w.dumps(self.to_dict())
+        return tomli_w.dumps(_without_none(self.to_dict()))
+
+
+def _without_none(table: dict[str, Any]) -> dict[str, Any]:
+    """TOML has no null: an optional key at None is left out (read back, its default)."""
+    return {
+        k: _without_none(v) if isinstance(v, dict) else v for k, v in table.items() if v is not None
+    }
 
 
 def parse_toml(path: Path) -> dict[str, Any]:

@@ -76,6 +76,8 @@ def coerce(tp: Any, value: Any) -> tuple[Any, str | None]:
             return value, None
         return None, f"expected {_type_name(tp)}"
     if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in get_args(tp):
+            return None, None  # an optional key left at None (its default): TOML has no null
         problems = []
         for arm in get_args(tp):
             if arm is type(None):

@@ -277,3 +277,33 @@ def test_a_launch_counts_the_data_of_a_task_that_left_a_helper_running(procs, ru
         pids = helper_pids(pids_file)
         assert len(pids) == 1  # the launch's check: one process, before the ranks
         wait_for(lambda: not pid_alive(pids[0]), what="the task's helper to be ended")
+
+
+OPTIONAL_KEY = """
+from dataclasses import dataclass
+from gpu_console.tasks.mlp import MLPTask
+from gpu_console.tasks.configs import MLPConfig
+
+
+@dataclass
+class Config(MLPConfig):
+    limit: int | None = None  # an optional key, left at None
+
+
+class WithOptional(MLPTask):
+    Config = Config
+"""
+
+
+def test_an_optional_key_left_at_none_launches_and_is_still_checked(procs, runs_dir, tmp_path):
+    # Every launch of such a task failed: "task.limit: expected an integer (got None)".
+    from conftest import task_profile
+
+    profile = task_profile(tmp_path, "optional", OPTIONAL_KEY, "WithOptional", max_steps=2)
+    args = ("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
+    done = procs.cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "\nlimit =" not in (only_run(runs_dir) / "run.toml").read_text()  # TOML has no null
+    bad = procs.cli(*args, "--set", 'task.limit="many"', cwd=tmp_path)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "gpu-console: --set: task.limit: expected an integer (got 'many')"
