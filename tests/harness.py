@@ -85,7 +85,7 @@ def run_engine(
     """Launch ``profile`` (a name, a file, or TOML text) with ``--set`` ``sets`` on ``ranks``
     CPU ranks (or ``--resume`` ``resume``), run its engine to its end and return the run
     directory. ``cwd``: where the run is launched from (a user task's module; default
-    ``tmp_path``); ``env``: more environment for the ranks.
+    ``tmp_path``); ``env``: more environment for the launch and the ranks.
 
     A rank's exception is raised here (rank 0's first, the others' as notes); how the run
     ended otherwise is in its events, as in a real run (the supervisor is not there to fold
@@ -97,11 +97,11 @@ def run_engine(
     if isinstance(profile, str) and "\n" in profile:  # TOML text
         text, profile = profile, tmp_path / f"{name or 'harness'}.toml"
         profile.write_text(text)
-    run_dir = launch_dir(profile, sets, ranks, resume, name, runs_dir, cwd)
-    if ranks == 1:
-        with _environ(env or {}):
+    with _environ(env or {}):  # a user task's data count at launch sees it too
+        run_dir = launch_dir(profile, sets, ranks, resume, name, runs_dir, cwd)
+        if ranks == 1:
             run_in_process(run_dir)
-    else:
+    if ranks > 1:
         run_forked(run_dir, ranks, cwd, env or {}, timeout)
     return run_dir
 
@@ -186,6 +186,7 @@ def run_in_process(run_dir: Path) -> None:
     try:
         with _user_modules(cwd), _torch_flags():
             run_rank(run_dir, heartbeat, Stopwatch(), setup=_determinism_only)
+        assert dist.is_initialized(), "the engine destroyed a process group it did not create"
     except BaseException:
         heartbeat.close("failed")
         raise
@@ -300,12 +301,14 @@ def run_forked(run_dir: Path, ranks: int, cwd: Path, env: dict[str, str], timeou
         with contextlib.suppress(Exception):
             zygote.wait(pids, 30.0)
         raise
-    _raise_from_ranks(work, ranks, ended["codes"], ended["timed_out"], timeout)
+    _raise_from_ranks(work, ended["codes"], ended["order"], ended["timed_out"], timeout)
 
 
-def _raise_from_ranks(work: Path, ranks: int, codes: list, timed_out: bool, timeout: float):
+def _raise_from_ranks(work: Path, codes: list, order: list[int], timed_out: bool, timeout: float):
+    """The exception of the rank that failed first, the others' as notes."""
     errors: list[BaseException] = []
-    for rank, code in enumerate(codes):
+    for rank in order:
+        code = codes[rank]
         result = work / f"rank-{rank}.pickle"
         log = work / f"rank-{rank}.log"
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
@@ -316,6 +319,8 @@ def _raise_from_ranks(work: Path, ranks: int, codes: list, timed_out: bool, time
         elif code != 0:
             why = f"ended by the harness after {timeout:.0f} s" if timed_out else f"exit {code}"
             errors.append(RankFailed(f"rank {rank}: {why}; its output's end:\n{tail}"))
+    # A rank ended by the harness after another failed says less than what that one raised.
+    errors.sort(key=lambda e: isinstance(e, RankFailed))
     if errors:
         first = errors[0]
         for other in errors[1:]:
@@ -419,6 +424,11 @@ def _zygote() -> Zygote:
     return _zygotes[0]
 
 
+def zygote_pid() -> int | None:
+    """This worker's zygote's pid, if it started one."""
+    return _zygotes[0].proc.pid if _zygotes and _zygotes[0].alive() else None
+
+
 def close_zygote() -> None:
     """End this worker's zygote, if it started one (conftest's session fixture)."""
     while _zygotes:
@@ -445,6 +455,7 @@ def _zygote_main() -> None:
             _say(answer, {"pid": pid})
         elif request["op"] == "wait":
             _say(answer, _reap(request["pids"], float(request["timeout"])))
+    os._exit(0)  # its parent closed the pipe: no interpreter teardown (torch's takes seconds)
 
 
 def _say(answer, doc: dict) -> None:
@@ -453,29 +464,41 @@ def _say(answer, doc: dict) -> None:
 
 
 def _reap(pids: list[int], timeout: float) -> dict:
+    """Each rank's exit code, reaped as it ends; as torchrun does, the first rank that fails
+    ends the others (a rank left waiting in a collective would wait for its timeout)."""
     fds = {}
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             fds[os.pidfd_open(pid)] = pid
+    codes: dict[int, int | None] = dict.fromkeys(pids)
+    order: list[int] = []  # the ranks in the order they ended: the first failure is the cause
     deadline = time.monotonic() + timeout
     waiting = set(fds)
-    while waiting and (left := deadline - time.monotonic()) > 0:
+    failed = False
+    while waiting and not failed and (left := deadline - time.monotonic()) > 0:
         done, _, _ = select.select(list(waiting), [], [], left)
-        waiting -= set(done)
-    timed_out = bool(waiting)
+        for fd in done:
+            waiting.discard(fd)
+            code = _reaped(fds[fd])
+            codes[fds[fd]] = code
+            order.append(pids.index(fds[fd]))
+            failed = failed or code != 0
+    timed_out = bool(waiting) and not failed
     for fd in waiting:
         with contextlib.suppress(ProcessLookupError):
             os.kill(fds[fd], signal.SIGKILL)
-    codes = []
-    for pid in pids:
-        try:
-            _, status = os.waitpid(pid, 0)
-            codes.append(os.waitstatus_to_exitcode(status))
-        except ChildProcessError:
-            codes.append(None)
+        codes[fds[fd]] = _reaped(fds[fd])
     for fd in fds:
         os.close(fd)
-    return {"codes": codes, "timed_out": timed_out}
+    order += [r for r in range(len(pids)) if r not in order]
+    return {"codes": [codes[pid] for pid in pids], "timed_out": timed_out, "order": order}
+
+
+def _reaped(pid: int) -> int | None:
+    try:
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    except ChildProcessError:
+        return None
 
 
 def _rank(request: dict) -> None:
