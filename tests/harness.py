@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import math
 import os
 import pickle
 import select
@@ -306,26 +307,35 @@ def run_forked(run_dir: Path, ranks: int, cwd: Path, env: dict[str, str], timeou
 
 def _raise_from_ranks(work: Path, codes: list, order: list[int], timed_out: bool, timeout: float):
     """The exception of the rank that failed first, the others' as notes."""
-    errors: list[BaseException] = []
+    errors: list[tuple[bool, float, BaseException]] = []
     for rank in order:
         code = codes[rank]
         result = work / f"rank-{rank}.pickle"
         log = work / f"rank-{rank}.log"
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
         if result.exists():
-            exc, text = _rebuilt(*pickle.loads(result.read_bytes()))
+            caught, *sent = pickle.loads(result.read_bytes())
+            exc, text = _rebuilt(*sent)
             exc.__cause__ = RemoteTraceback(f"\nrank {rank}'s traceback:\n{text}")
-            errors.append(exc)
+            errors.append((_peer_gone(exc), caught, exc))
         elif code != 0:
             why = f"ended by the harness after {timeout:.0f} s" if timed_out else f"exit {code}"
-            errors.append(RankFailed(f"rank {rank}: {why}; its output's end:\n{tail}"))
-    # A rank ended by the harness after another failed says less than what that one raised.
-    errors.sort(key=lambda e: isinstance(e, RankFailed))
+            ended = RankFailed(f"rank {rank}: {why}; its output's end:\n{tail}")
+            errors.append((True, math.inf, ended))
+    # The cause first: a rank that failed because another did (its peer gone from a
+    # collective, or ended by the harness) says less than what that one raised.
+    errors.sort(key=lambda e: e[:2])
     if errors:
-        first = errors[0]
-        for other in errors[1:]:
+        first = errors[0][2]
+        for *_, other in errors[1:]:
             first.add_note(f"also: {type(other).__name__}: {other}")
         raise first
+
+
+def _peer_gone(e: BaseException) -> bool:
+    """A collective's failure because another rank left it (gloo's words for it)."""
+    text = str(e)
+    return type(e).__name__.startswith("Dist") or "by peer" in text
 
 
 def _rebuilt(exc, text: str, shape: tuple | None = None) -> tuple[BaseException, str]:
@@ -524,12 +534,13 @@ def _rank(request: dict) -> None:
         main([request["run_dir"]])  # leaves with os._exit(0) when the run ends well
         code = 0
     except BaseException as e:
+        caught = time.monotonic()  # the host's clock: the ranks' times compare
         text = "".join(traceback.format_exception(e))
         try:
-            picked = pickle.dumps((e, text))
+            picked = pickle.dumps((caught, e, text))
             pickle.loads(picked)
         except Exception:
-            picked = pickle.dumps((None, text, _shape(e)))
+            picked = pickle.dumps((caught, None, text, _shape(e)))
         with open(request["result"], "wb") as f:
             f.write(picked)
         traceback.print_exc()
