@@ -81,7 +81,9 @@ PATHS = {"engine": "Engine", "closure": "Closure", "task_step": "OwnStep", "raw_
 # Relative, on losses and weights (an absolute floor of the same size for weights near 0):
 # one rank sums a batch's gradients in one reduction, two ranks in two halves and an
 # all-reduce, so the results differ by float rounding only, compounded over 4 steps.
-TOLERANCE = {"fp64": 1e-10, "fp32": 1e-5}
+# Measured (this machine): fp64 at most 8e-13 on the losses (the experts' all_to_all reorders
+# sums; 2e-16 elsewhere); fp32 1e-7, but 6e-6 under LBFGS, whose line search amplifies it.
+TOLERANCE = {"fp64": 1e-10, "fp32": 1e-4}
 
 # Known to be wrong today and being fixed on another branch: a task calling an optimizer's
 # step() itself on two ranks (nothing averages its gradients: it is to become a Refused on
