@@ -46,6 +46,16 @@ def own_cache_dir(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def engine_zygote():
+    """The zygote tests/harness.py forks two-rank engines from, if a test started one, ends
+    with the session (by its pid, waited for)."""
+    yield
+    harness = sys.modules.get("harness")
+    if harness is not None:
+        harness.close_zygote()
+
+
 @pytest.fixture(autouse=True)
 def no_gpu_machine(request, monkeypatch):
     """Pin what a test can see of the hardware: no GPU, whatever the machine has.

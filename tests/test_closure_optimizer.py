@@ -6,7 +6,8 @@ rank gives with the same global batch, to float rounding. Real torchrun."""
 from __future__ import annotations
 
 import pytest
-from conftest import events_of, only_run, task_profile
+from conftest import events_of, task_profile
+from harness import run_engine
 
 LBFGS_TASK = """
 import torch
@@ -39,29 +40,23 @@ class OwnStep(Lbfgs):
 """
 )
 
-SETS = ["--precision", "fp64", "--set", "train.clip_grad_norm=0"]  # as a script: no clipping
+SETS = ["train.precision=fp64", "train.clip_grad_norm=0"]  # as a script: no clipping
 
 
-def _losses(
-    procs, tmp_path, name: str, devices: str, batch: int, cls: str = "Lbfgs"
-) -> list[float]:
-    runs = tmp_path / name
+def _losses(tmp_path, name: str, ranks: int, batch: int, cls: str = "Lbfgs") -> list[float]:
     source = OWN_STEP_TASK if cls == "OwnStep" else LBFGS_TASK
     profile = task_profile(tmp_path, "lbfgs", source, cls, max_steps=6)
-    result = procs.cli("run", str(profile), "--headless", "--devices", devices, *SETS,
-                       "--set", f"data.batch_size={batch}", "--runs-dir", str(runs),
-                       cwd=tmp_path)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(runs)
+    run = run_engine(tmp_path, profile, *SETS, f"data.batch_size={batch}", ranks=ranks,
+                     runs_dir=tmp_path / name)  # fmt: skip
     start = events_of(run, "start")[0]
     assert start["train_step"] == ("task" if cls == "OwnStep" else "engine (closure)")
     assert start["optimizer"].startswith("LBFGS")
     return [e["loss"] for e in events_of(run, "step")]
 
 
-def test_lbfgs_on_two_ranks_equals_one_rank_with_the_global_batch(procs, tmp_path):
-    one = _losses(procs, tmp_path, "one", "cpu:1", 64)
-    two = _losses(procs, tmp_path, "two", "cpu:2", 32)
+def test_lbfgs_on_two_ranks_equals_one_rank_with_the_global_batch(tmp_path):
+    one = _losses(tmp_path, "one", 1, 64)
+    two = _losses(tmp_path, "two", 2, 32)
     assert len(one) == len(two) == 6
     assert two == pytest.approx(one, rel=1e-9, abs=0)
     assert one[-1] < one[0]  # it learns: LBFGS's steps went through
@@ -87,14 +82,14 @@ def test_a_closure_optimizer_beside_another_is_refused_in_one_line():
     assert not closure_step.needs_closure(torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_lbfgs_from_a_tasks_own_step_on_two_ranks_equals_one_rank(procs, tmp_path):
-    one = _losses(procs, tmp_path, "one", "cpu:1", 64, "OwnStep")
-    two = _losses(procs, tmp_path, "two", "cpu:2", 32, "OwnStep")
+def test_lbfgs_from_a_tasks_own_step_on_two_ranks_equals_one_rank(tmp_path):
+    one = _losses(tmp_path, "one", 1, 64, "OwnStep")
+    two = _losses(tmp_path, "two", 2, 32, "OwnStep")
     assert len(one) == len(two) == 6
     assert two == pytest.approx(one, rel=1e-9, abs=0)
     assert one[-1] < one[0]
     # The task's closure makes the engine's own closure step's evaluations, in its order.
-    engine = _losses(procs, tmp_path, "engine", "cpu:1", 64)
+    engine = _losses(tmp_path, "engine", 1, 64)
     assert one == pytest.approx(engine, rel=1e-12, abs=0)
 
 

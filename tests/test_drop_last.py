@@ -1,12 +1,14 @@
 """``data.drop_last = false``: training keeps each epoch's ragged tail. Every rank takes
 ``ceil(samples / world)`` of the epoch (padded with the epoch's first samples, as torch's
 DistributedSampler pads), so every rank's last batch of the epoch has the same, smaller size.
-The sampler on its own, then the engine through real torchrun, resumed across the tail."""
+The sampler on its own, then the engine on 2 ranks (the harness, tests/harness.py), resumed
+across the tail."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import events_of, only_run, task_profile
+from harness import run_engine
 
 from gpu_console.batching import batch_problem, batches_per_epoch
 from gpu_console.engine.data import Batches, DataPosition, make_loader
@@ -71,32 +73,27 @@ class Sized(MLPTask):
         return out
 """
 
-SETS = ["--set", "task.train_samples=70", "--set", "data.batch_size=8", "--set",
-        "data.drop_last=false", "--set", "train.schedule=constant", "--set",
-        "train.eval_every=0"]  # fmt: skip
+SETS = ["task.train_samples=70", "data.batch_size=8", "data.drop_last=false",
+        "train.schedule=constant", "train.eval_every=0"]  # fmt: skip
 
 
-def test_a_run_trains_on_the_short_batch_and_resumes_across_it(procs, tmp_path):
+def test_a_run_trains_on_the_short_batch_and_resumes_across_it(tmp_path):
     profile = task_profile(tmp_path, "sized", SIZED, "Sized", max_steps=12, ranks=2)
 
     def run(runs: str, *more: str) -> list[dict]:
-        result = procs.cli("run", str(profile), "--headless", *SETS, "--runs-dir",
-                           str(tmp_path / runs), *more, cwd=tmp_path)  # fmt: skip
-        assert result.returncode == 0, result.stdout + result.stderr
-        return events_of(only_run(tmp_path / runs), "step")
+        done = run_engine(tmp_path, profile, *SETS, *more, ranks=2, runs_dir=tmp_path / runs)
+        return events_of(done, "step")
 
     whole = run("whole")
     assert [e["metrics"]["n"] for e in whole] == [8, 8, 8, 8, 3] * 2 + [8, 8]
     assert [e["epoch"] for e in whole] == [0] * 5 + [1] * 5 + [2] * 2
     # Stopped at step 5, just after epoch 0's short batch (the position then counts more
     # samples than the epoch has), then resumed to 12: the same steps.
-    part = run("part", "--set", "train.max_steps=5")
+    part = run("part", "train.max_steps=5")
     assert [e["loss"] for e in part] == [e["loss"] for e in whole[:5]]
     resumed_dir = only_run(tmp_path / "part")
-    result = procs.cli("run", "--resume", str(resumed_dir), "--headless", "--set",
-                       "train.max_steps=12", "--runs-dir", str(tmp_path / "part"),
-                       cwd=tmp_path)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_engine(tmp_path, None, "train.max_steps=12", ranks=2, resume=resumed_dir,
+               runs_dir=tmp_path / "part")  # fmt: skip
     after = [e for e in events_of(resumed_dir, "step") if e["step"] > 5]
     assert [e["metrics"]["n"] for e in after] == [8, 8, 8, 8, 3, 8, 8]
     assert [e["loss"] for e in after] == [e["loss"] for e in whole[5:]]

@@ -1,5 +1,7 @@
 """Eval as real scripts do it: its own batch size, an eval at step 0, metrics per sample,
-progress while it runs, and a long eval never taken for a stall (real torchrun, 2 CPU ranks).
+progress while it runs, and a long eval never taken for a stall (2 CPU ranks: through real
+torchrun where the console or the supervisor reads the run as it goes, else on the engine
+harness, tests/harness.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import events_of, only_run, read_status, stopped_run, task_profile
 from conftest import test_env as cli_env
+from harness import run_engine
 
 from gpu_console.engine.evaluate import at_start
 from gpu_console.engine.heartbeat import Heartbeat
@@ -65,12 +68,9 @@ def eval_profile(tmp_path: Path, max_steps: int, extra: str, ranks: int = 1) -> 
     return profile
 
 
-def test_eval_at_start_its_batch_size_and_a_mean_over_samples(procs, runs_dir, tmp_path):
+def test_eval_at_start_its_batch_size_and_a_mean_over_samples(tmp_path):
     profile = eval_profile(tmp_path, max_steps=4, extra="eval_batch_size = 3", ranks=2)
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-                       cwd=tmp_path)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    evals = events_of(only_run(runs_dir), "eval")
+    evals = events_of(run_engine(tmp_path, profile, ranks=2), "eval")
     assert [e["step"] for e in evals] == [0, 2, 4]
     for e in evals:
         assert e["loss"] == pytest.approx(4.5, abs=1e-9)  # 45 / 10 samples
@@ -176,26 +176,20 @@ def test_a_stopped_run_resumed_with_eval_at_start_trains_as_an_uninterrupted_one
     assert evals(run) == evals(whole_run)
 
 
-def test_a_task_counting_tokens_gets_a_mean_over_tokens(procs, runs_dir, tmp_path):
+def test_a_task_counting_tokens_gets_a_mean_over_tokens(tmp_path):
     profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 3", ranks=2)
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-                       cwd=tmp_path, env=cli_env(TOKENS="1"))  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    for e in events_of(only_run(runs_dir), "eval"):
+    run = run_engine(tmp_path, profile, ranks=2, env={"TOKENS": "1"})
+    for e in events_of(run, "eval"):
         # sum of i (i + 1) over sum of (i + 1), i = 0..9: 330 / 55 tokens
         assert e["loss"] == pytest.approx(6.0, rel=1e-6)  # over samples: 5.01
         assert e["perplexity"] == pytest.approx(math.exp(e["loss"]))
 
 
-def test_several_splits_each_named_and_one_kept_best(procs, runs_dir, tmp_path):
+def test_several_splits_each_named_and_one_kept_best(tmp_path):
     profile = eval_profile(tmp_path, max_steps=2, extra="eval_batch_size = 3", ranks=2)
     text = profile.read_text() + '[checkpoint]\nkeep_best = "eval.val/loss"\n'
     profile.write_text(text.replace("eval_at_start = true", ""))
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-                       cwd=tmp_path, env=cli_env(SPLITS="1"))  # fmt: skip
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out
-    run = only_run(runs_dir)
+    run = run_engine(tmp_path, profile, ranks=2, env={"SPLITS": "1"})
     [e] = events_of(run, "eval")
     assert e["val/loss"] == pytest.approx(4.5) and e["train_est/loss"] == pytest.approx(14.5)
     assert e["val/perplexity"] == pytest.approx(math.exp(4.5))  # derived per split

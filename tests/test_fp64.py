@@ -1,11 +1,13 @@
 """``train.precision = "fp64"``: the model and its batches in float64, and the step losses
-reported as the task computed them (no float32 table on the way). Real torchrun, 2 CPU ranks."""
+reported as the task computed them (no float32 table on the way). 2 CPU ranks on the engine
+harness (tests/harness.py)."""
 
 from __future__ import annotations
 
 import json
 
-from conftest import events_of, only_run, task_profile
+from conftest import events_of, task_profile
+from harness import run_engine
 
 FLOAT64_TASK = """
 import json
@@ -30,11 +32,9 @@ class Float64(MLPTask):
 """
 
 
-def test_an_fp64_run_trains_in_float64_and_reports_its_losses_unrounded(procs, runs_dir, tmp_path):
+def test_an_fp64_run_trains_in_float64_and_reports_its_losses_unrounded(tmp_path):
     profile = task_profile(tmp_path, "float64", FLOAT64_TASK, "Float64", max_steps=8, ranks=2)
-    result = procs.cli("run", str(profile), "--headless", "--precision", "fp64",
-                       "--runs-dir", str(runs_dir), cwd=tmp_path)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    run = run_engine(tmp_path, profile, "train.precision=fp64", ranks=2)
     ranks = [
         [json.loads(line) for line in (tmp_path / f"losses-{r}.jsonl").read_text().splitlines()]
         for r in (0, 1)
@@ -43,7 +43,6 @@ def test_an_fp64_run_trains_in_float64_and_reports_its_losses_unrounded(procs, r
     for rec in ranks[0] + ranks[1]:
         assert rec["x"] == rec["loss_dtype"] == "torch.float64"
         assert rec["weights"] == ["torch.float64"]
-    run = only_run(runs_dir)
     assert events_of(run, "start")[0]["precision"] == "fp64"
     reported = [e["loss"] for e in events_of(run, "step")]
     # The mean over the ranks of the task's own float64 losses, to the last bit.

@@ -3,6 +3,11 @@
 Order matters: the scheduler-signal handlers and the heartbeat come first, before torch is
 imported (seconds), so a SIGTERM/SIGUSR1 that arrives while the rank starts is a graceful
 stop, not a death.
+
+What belongs to the whole process is set here, not by the loop: the signal handlers, the
+CPU rank's cores and threads, and determinism (:func:`process_setup`). ``loop.train`` runs in
+any process that has a process group (tests/harness.py runs it in pytest's own), and leaves
+such a process as it found it.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def main(argv: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     try:
-        record(_run)(run_dir, heartbeat, watch)
+        record(run_rank)(run_dir, heartbeat, watch)
     except BaseException:
         heartbeat.close("failed")
         raise
@@ -75,7 +80,21 @@ def restart_count() -> int:
         return 0
 
 
-def _run(run_dir: Path, heartbeat: Heartbeat, watch: Stopwatch) -> None:
+def process_setup(profile, device_type: str) -> None:
+    """Once per rank process, before the process group: CPU placement (cores and threads),
+    then determinism, before anything touches CUDA."""
+    from . import determinism
+    from .distributed import place_process
+
+    place_process(profile.distributed, device_type)
+    determinism.setup(profile.train.deterministic)
+
+
+def run_rank(
+    run_dir: Path, heartbeat: Heartbeat | None, watch: Stopwatch, setup=process_setup
+) -> None:
+    """The rank's run from its run directory; ``setup``: what the process sets for itself
+    (:func:`process_setup`; the harness's own, which restores what it changed)."""
     from ..profile import load_profile, with_task_config
     from ..runs import current_session, read_json
     from ..tasks.loader import load_task_class
@@ -90,12 +109,14 @@ def _run(run_dir: Path, heartbeat: Heartbeat, watch: Stopwatch) -> None:
     profile = with_task_config(profile, task_cls.Config, str(run_dir / "run.toml"))
     watch.session = meta
     watch.mark("imports")
+    device_type = meta.get("placement", {}).get("device_type", "cpu")
+    setup(profile, device_type)
     resume = meta.get("resume_from")
     train(
         run_dir,
         profile,
         task_cls(profile.task),
-        meta.get("placement", {}).get("device_type", "cpu"),
+        device_type,
         Path(resume) if resume else None,
         heartbeat=heartbeat,
         restart=restart_count(),

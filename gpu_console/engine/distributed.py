@@ -29,6 +29,9 @@ class Dist:
     local_world_size: int
     device: torch.device
     backend: str
+    # Whether init created the process group, and so the run's end destroys it: a group the
+    # engine was handed (tests/harness.py) stays its owner's.
+    owned: bool = True
 
     @property
     def is_main(self) -> bool:
@@ -57,10 +60,19 @@ def place_cpu(local_rank: int, local_world_size: int, pin: bool) -> list[int] | 
 
 
 def init(cfg: DistributedConfig, hw: HardwareConfig, device_type: str) -> Dist:
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    """The process group from torchrun's environment, or the one this process already has.
+
+    CPU placement (:func:`place_cpu`) is the process's, set by the entry point
+    (engine/__main__.py) before this: a process that hosts the engine in a group of its own
+    keeps its cores and threads."""
+    given = dist.is_initialized()
+    if given:
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank = int(os.environ.get("RANK", 0))
+        world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank if given else 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world if given else 1))
     # MIG: this rank sees its own instance alone (engine/__main__.py set its mask).
     own_device = bool(os.environ.get(RANK_DEVICES))
     if device_type == "cuda":
@@ -73,7 +85,8 @@ def init(cfg: DistributedConfig, hw: HardwareConfig, device_type: str) -> Dist:
         torch.backends.cudnn.allow_tf32 = hw.tf32
     else:
         device = torch.device("cpu")
-        place_cpu(local_rank, local_world, cfg.cpu_affinity)
+    if given:
+        return Dist(rank, world, local_rank, local_world, device, dist.get_backend(), owned=False)
     backend = cfg.backend
     if backend == "auto":  # NCCL does not run across MIG instances (launch.py refuses it)
         mig = own_device and local_world > 1
@@ -84,6 +97,16 @@ def init(cfg: DistributedConfig, hw: HardwareConfig, device_type: str) -> Dist:
     # Start-up's timeout until every rank's first step; then the collectives' (timeouts.py).
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.startup_timeout_s), **kwargs)
     return Dist(rank, world, local_rank, local_world, device, backend)
+
+
+def place_process(cfg: DistributedConfig, device_type: str) -> list[int] | None:
+    """A CPU rank's cores and threads (:func:`place_cpu`) from torchrun's environment: once
+    per process, by the entry point that torchrun starts, before the process group."""
+    if device_type != "cpu":
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return place_cpu(local_rank, local_world, cfg.cpu_affinity)
 
 
 STORE_WAIT_S = 10.0

@@ -35,9 +35,9 @@ import torch.distributed as dist
 from ..profile import Profile
 from ..tasks.base import Task
 from ..timings import Stopwatch
-from . import determinism, signals, torch_profiler
 from . import distributed as distmod
 from . import resume as resuming
+from . import torch_profiler
 from .build import Setup
 from .control_handler import DiskFullStop
 from .failure_checkpoint import AfterUpdateFailed
@@ -76,8 +76,8 @@ def train(
 ):
     p = profile
     watch = stopwatch or Stopwatch()
-    signals.install()  # already done by __main__ before torch loaded; harmless again
-    determinism.setup(p.train.deterministic)  # before anything touches CUDA
+    # Signals, CPU placement and determinism are the process's: its entry point set them
+    # (__main__.process_setup). A process group this process already has is the run's.
     d = distmod.init(p.distributed, p.hardware, device_type)
     watch.mark("process_group")
     out = Reporter(run_dir, d.local_rank == 0)
@@ -122,7 +122,7 @@ def train(
         torch_profiler.after_failure()  # a capture a failure cut short writes what it has
         close_task(task, out, d.rank)
         out.close()
-        if dist.is_initialized():
+        if d.owned and dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -1,0 +1,56 @@
+"""The engine harness itself (tests/harness.py): a rank's exception reaches the test as
+itself, the other rank is ended with it and nothing is left running; one rank in this process
+leaves the process as it found it (its group, its flags, its threads, its modules)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import events_of, task_profile
+from harness import RemoteTraceback, run_engine, zygote_pid
+
+FAILING = """
+import os
+
+from gpu_console.tasks.mlp import MLPTask
+
+
+class RankOneFails(MLPTask):
+    def compute(self, model, batch):
+        if os.environ["RANK"] == "1" and model.training:
+            raise LookupError("rank 1 cannot go on")
+        return super().compute(model, batch)
+"""
+
+
+def test_a_ranks_exception_reaches_the_test_as_itself_and_its_peer_is_ended(tmp_path):
+    profile = task_profile(tmp_path, "failing", FAILING, "RankOneFails", max_steps=4)
+    with pytest.raises(LookupError, match="rank 1 cannot go on") as info:
+        run_engine(tmp_path, profile, ranks=2)
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert "rank 1's traceback" in str(cause) and "in compute" in str(cause)
+    # Rank 0, left waiting for rank 1 in a collective, was ended by pid and reaped.
+    assert psutil.Process(zygote_pid()).children() == []
+
+
+def test_one_rank_in_this_process_leaves_it_as_it_found_it(tmp_path):
+    profile = task_profile(tmp_path, "mine", "from gpu_console.tasks.mlp import MLPTask\n\n\n"
+                           "class Mine(MLPTask):\n    pass\n", "Mine", max_steps=2)  # fmt: skip
+    threads, path = torch.get_num_threads(), list(sys.path)
+    handler = signal.getsignal(signal.SIGTERM)
+    assert not torch.are_deterministic_algorithms_enabled()
+    run = run_engine(tmp_path, profile, "train.deterministic=true")
+    start = events_of(run, "start")[0]
+    assert start["deterministic"]["algorithms"] is True  # in effect while it ran
+    assert events_of(run, "status")[-1]["state"] == "finished"
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert not dist.is_initialized()
+    assert torch.get_num_threads() == threads and sys.path == path
+    assert signal.getsignal(signal.SIGTERM) == handler
+    assert "mine" not in sys.modules  # the next test's module of that name is another file
