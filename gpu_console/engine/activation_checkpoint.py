@@ -106,7 +106,9 @@ def _held_mode() -> type:
     """The dispatch mode that counts held storages, built on first use: its base class is a
     private torch API (torch_private.py), which a run without this measurement never loads."""
 
-    class Held(torch_private.dispatch_mode_base()):
+    base: Any = torch_private.dispatch_mode_base()  # a class known only at run time
+
+    class Held(base):
         """Every storage the ops create, weakly: what is still alive after the forward is
         what autograd (or a checkpoint) keeps for the backward."""
 

@@ -14,7 +14,7 @@ import contextlib
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -43,11 +43,17 @@ from .optim_set import Optimizers
 from .schedule import scaled_lr
 from .step_log import Parts as LogParts
 from .step_log import StepLogger
-from .strategy import for_profile
+from .strategy import Strategy, for_profile
 from .timeouts import PhaseTimeouts
 from .train_metrics import TrainMetrics
 from .train_state import TrainState
-from .update_step import for_task
+from .update_step import Updater, for_task
+
+if TYPE_CHECKING:
+    from .context import TaskContext
+    from .distributed import Dist
+    from .flops import MFU
+    from .reporter import Reporter
 
 
 @dataclass
@@ -57,8 +63,8 @@ class Setup:
     run_dir: Path
     p: Profile
     task: Task
-    d: Any  # distributed.Dist
-    out: Any  # reporter.Reporter
+    d: Dist
+    out: Reporter
     resume: Path | None  # --resume's checkpoint (a restart picks the run's own LATEST)
     beat: Any  # heartbeat.Heartbeat
     restart: int = 0
@@ -87,8 +93,8 @@ class Built:
     state: TrainState
     model: torch.nn.Module
     opts: Optimizers
-    strategy: Any  # strategy.Strategy
-    update: Any  # update_step.UpdateStep
+    strategy: Strategy
+    update: Updater
     hooks: Hooks
     logger: StepLogger
     evaluator: Evaluator
@@ -99,7 +105,7 @@ class Built:
     profiler: torch_profiler.Profiler
     exchange: Exchange
     compiled: Compiled
-    mfu: Any  # flops.MFU
+    mfu: MFU | None
     eval_loaders: dict
     facts: Facts
     rescue: FailureCheckpoint  # a failure after an update: its state checkpointed
@@ -108,15 +114,15 @@ class Built:
 
 @dataclass
 class _Model:
-    ctx: Any
+    ctx: TaskContext
     hooks: Hooks
     model: torch.nn.Module
     opts: Optimizers
-    strategy: Any
-    update: Any
+    strategy: Strategy
+    update: Updater
     train_loader: Any = None
     eval_loaders: dict = field(default_factory=dict)
-    mfu: Any = None  # flops.MFU
+    mfu: MFU | None = None
 
 
 @dataclass
@@ -207,7 +213,7 @@ def _data(s: Setup, m: _Model, facts: Facts) -> None:
             p, task, m.model, m.opts, m.update.step_optimizers, d, autocast, data, m.ctx
         )
         if d.local_rank == 0:
-            auto_batch.write_run_toml(s.run_dir, p.data.batch_size)
+            auto_batch.write_run_toml(s.run_dir, cast(int, p.data.batch_size))  # choose() set it
         s.out.log("info", auto_batch.describe(facts.batch_search))
     m.train_loader = make_loader(
         train_set, p.data, d.rank, d.world_size, True, cuda, collate, prec=facts.prec
@@ -242,6 +248,7 @@ def _fresh_or_resumed(s: Setup, m: _Model, facts: Facts, load) -> _Start:
 
 
 def _applied(s: Setup, m: _Model, facts: Facts, back) -> _Start:
+    assert facts.resume is not None  # a checkpoint came back: there was one to load
     return _Start(*resuming.apply(back, facts.resume, s.d, s.p, s.changes, m.hooks, s.out))
 
 

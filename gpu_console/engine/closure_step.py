@@ -114,6 +114,7 @@ class ClosureStep(EngineStep):
                     logger.micro_batch(output, total, final and logging, step)
                 loss.backward()
         self.grad_norm, self.grad_norms = self.strategy.clip(self.opts, self.max_norm)
+        assert total is not None  # a step has at least one micro-batch
         return total, output
 
     def _mean(self, loss: torch.Tensor) -> torch.Tensor:

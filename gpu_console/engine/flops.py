@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader
@@ -64,8 +64,8 @@ class _NoCompute(Exception):
 def sample_batch(loader: DataLoader) -> Any:
     """A training batch read from the loader's dataset directly (the loader is untouched)."""
     ds = loader.dataset
-    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", 1)
-    n = min(size, len(ds))  # type: ignore[arg-type]
+    size = loader.batch_size or int(getattr(loader.batch_sampler, "batch_size", 1))
+    n = min(size, len(cast(Sized, ds)))  # a training set has a length (data.py checks it)
     indices = list(range(n))
     getitems = getattr(ds, "__getitems__", None)
     items = getitems(indices) if getitems else [ds[i] for i in indices]

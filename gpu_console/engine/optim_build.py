@@ -171,7 +171,7 @@ def build(
     impl: str,
     device_type: str,
 ) -> torch.optim.AdamW:
-    kwargs = adamw_kwargs(resolve_impl(impl, device_type))
+    kwargs: dict[str, Any] = adamw_kwargs(resolve_impl(impl, device_type))
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **kwargs)
 
 

@@ -221,10 +221,9 @@ class Optimizers:
         """Per optimizer: name, class, kernel, param groups and schedule (start event, plan)."""
         out = []
         for e in self.entries:
-            base = getattr(e.scheduler, "base_lrs", None)
             groups = []
             for i, g in enumerate(e.optimizer.param_groups):
-                peak = base[i] if isinstance(e.scheduler, LambdaLR) else g["lr"]
+                peak = e.scheduler.base_lrs[i] if isinstance(e.scheduler, LambdaLR) else g["lr"]
                 groups.append(
                     {
                         "tensors": len(g["params"]),
@@ -263,6 +262,7 @@ def _entry(name: str, spec: Any) -> Entry:
         )
     opt, schedule = spec.optimizer, spec.schedule
     own = False
+    scheduler: LRScheduler | ReduceLROnPlateau | None
     if schedule is None:
         scheduler, kind = None, {"kind": "none"}
     elif isinstance(schedule, ReduceLROnPlateau):

@@ -310,6 +310,7 @@ def _main(doc: dict, tag: str | None) -> int:
         if not isinstance(go, dict) or not go.get("go"):
             return 0
         doc["profile"] = go["profile"]
+    answer: dict[str, Any]
     try:
         p = resolve(doc["profile"], SOURCE)
         world, start = int(doc["world_size"]), int(doc.get("start_step") or 0)

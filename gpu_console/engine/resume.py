@@ -64,8 +64,8 @@ class Settings:
 
 def _steps_to_device(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
     for q in params:
-        state = optimizer.state.get(q)
-        step = state.get("step") if state else None
+        state = optimizer.state.get(q) or {}
+        step = state.get("step")
         if isinstance(step, torch.Tensor) and step.device != q.device:
             state["step"] = step.to(device=q.device, dtype=torch.float32)
 

@@ -20,11 +20,27 @@ A new strategy is a new class here, not branches in the trainer: see ARCHITECTUR
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ..profile import DistributedConfig
+    from ..tasks.base import Task
+    from .checkpoint import Resumed
+    from .distributed import Dist
+    from .exchange import Exchange
+    from .optim_set import Optimizers
+    from .shared_reduce import SharedReduce
+
+# What a checkpoint saves and loads of the GradScalers: one, one per optimizer, or None
+# (update_step.py).
+Scalers = Any
 
 
 @dataclass
@@ -47,8 +63,9 @@ class SaveJob:
     is_main: bool
 
 
-class Strategy:
-    """The interface; each method's default is what a strategy that does nothing there does."""
+class Strategy(ABC):
+    """The interface. The abstract methods are what every strategy provides; each other
+    method's default is what a strategy that does nothing there does."""
 
     name = ""
     # A task's own train_step (task_step.py): its gradients arrive reduced, as shards.
@@ -56,24 +73,39 @@ class Strategy:
     # What the trainer trains: called, train()/eval(), ``.module`` the bare model, no_sync().
     wrapped: Any = None
 
-    def make_scaler(self, precision: str, device_type: str) -> Any:
+    @abstractmethod
+    def make_scaler(self, precision: str, device_type: str) -> torch.amp.GradScaler | None:
         """The GradScaler (fp16 on a GPU), or None."""
         raise NotImplementedError
 
-    def load_before_wrap(self, point: Path, model, optimizers, scalers, d) -> Any:
+    def load_before_wrap(
+        self, point: Path, model: nn.Module, optimizers: Optimizers, scalers: Scalers, d: Dist
+    ) -> Resumed | None:
         """A checkpoint loaded into the bare model (a ``checkpoint.Resumed``), or None when
         this strategy loads after wrapping."""
         return None
 
-    def wrap(self, model: nn.Module, task, precision: str, optimizers, warn) -> None:
+    @abstractmethod
+    def wrap(
+        self,
+        model: nn.Module,
+        task: Task,
+        precision: str,
+        optimizers: Optimizers,
+        warn: Callable[[str], None],
+    ) -> None:
         """Spread the model over the ranks; sets :attr:`wrapped`."""
         raise NotImplementedError
 
-    def load_after_wrap(self, point: Path, model, optimizers, scalers, d) -> Any:
+    def load_after_wrap(
+        self, point: Path, model: nn.Module, optimizers: Optimizers, scalers: Scalers, d: Dist
+    ) -> Resumed | None:
         """A checkpoint loaded into the wrapped model, or None (loaded before, or not here)."""
         return None
 
-    def autocast(self, autocast: contextlib.AbstractContextManager) -> Any:
+    def autocast(
+        self, autocast: contextlib.AbstractContextManager
+    ) -> contextlib.AbstractContextManager:
         """The autocast the step runs under, given the precision's."""
         return autocast
 
@@ -86,28 +118,39 @@ class Strategy:
         """A micro-batch that is not the step's last: gradients accumulate, unreduced."""
         return self.wrapped.no_sync()
 
-    def clip(self, optimizers, max_norm: float) -> tuple[Any, dict[str, Any]]:
+    @abstractmethod
+    def clip(
+        self, optimizers: Optimizers, max_norm: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Clip every optimizer's gradients: the norm over all, and each one's."""
         raise NotImplementedError
 
-    def gradient_reduce(self, d, cfg, run_dir: Path) -> tuple[Any, str]:
+    @abstractmethod
+    def gradient_reduce(
+        self, d: Dist, cfg: DistributedConfig, run_dir: Path
+    ) -> tuple[SharedReduce | None, str | None]:
         """How gradients are summed: a ``SharedReduce`` (or None), and why not one."""
         raise NotImplementedError
 
-    def carry_table(self, exchange) -> None:
+    def carry_table(self, exchange: Exchange) -> None:
         """Let a log step's table ride the gradient reduction; by default it does not (then
         ``Exchange.gather`` makes a collective of its own)."""
+        return None  # a default, not abstract: DDP's hook is the only one so far
 
+    @abstractmethod
     def save(self, job: SaveJob) -> dict[str, Any] | None:
         """Write a checkpoint: its outcome, or None while a background write is in flight."""
         raise NotImplementedError
 
+    @abstractmethod
     def start_fields(self) -> dict[str, Any]:
         """The start event's ``ddp`` and ``fsdp`` fields (the other one None)."""
         raise NotImplementedError
 
 
-def for_profile(cfg, d, task=None, model=None) -> Strategy:
+def for_profile(
+    cfg: DistributedConfig, d: Dist, task: Task | None = None, model: nn.Module | None = None
+) -> Strategy:
     """The strategy ``distributed.strategy`` names (``ddp`` on one rank: ``single``); a task
     that names rank-local expert parameters on several ranks: ``expert``."""
     from .strategy_expert import ExpertParallelError, ExpertParallelStrategy, expert_names

@@ -39,7 +39,7 @@ class DdpStrategy(Strategy):
     def clip(self, optimizers, max_norm: float) -> tuple[Any, dict[str, Any]]:
         return optimizers.clip(max_norm)
 
-    def gradient_reduce(self, d, cfg, run_dir: Path) -> tuple[Any, str]:
+    def gradient_reduce(self, d, cfg, run_dir: Path) -> tuple[SharedReduce | None, str | None]:
         if cfg.cpu_reduce == "shared-memory":
             return SharedReduce.create(d, cfg.collective_timeout_s, os.path.basename(run_dir))
         return None, "distributed.cpu_reduce = gloo"

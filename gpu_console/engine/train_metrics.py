@@ -141,7 +141,7 @@ class TrainMetrics:
             host_t = host_t.pin_memory().to(self.device, non_blocking=True)
         host_t = host_t.to(self.device)
         n = len(accs)
-        out: list[torch.Tensor] = []
+        out: list[torch.Tensor | float] = []
         for i, (name, a) in enumerate(zip(self.names, accs, strict=True)):
             num = host_t[n + i]
             if a.dev is not None:

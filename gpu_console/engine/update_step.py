@@ -17,12 +17,18 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .data import move
 from .nonfinite import Guard, Settled, SkipStreak
+
+if TYPE_CHECKING:
+    from .data import Batches
+    from .step_log import StepLogger
+    from .strategy import Scalers, Strategy
+    from .task_step import StepOptimizers
 
 
 @dataclass
@@ -37,7 +43,29 @@ class Update:
     stop: bool = False  # nan_policy = "stop" and the gradient is not finite: not made
 
 
+class Updater(Protocol):
+    """What the build and the trainer call on an update step, whichever one it is."""
+
+    owner: str
+    step_optimizers: StepOptimizers | None
+    scalers: Scalers
+    streak: SkipStreak
+
+    def bind(self, strategy: Strategy, autocast: contextlib.AbstractContextManager) -> None:
+        """After the strategy wrapped the model: what the micro-batches run with."""
+
+    def run(self, step: int, batches: Batches, logger: StepLogger, logging: bool) -> Update:
+        """Step ``step + 1``: every micro-batch, then the update (``logging``: a log step)."""
+        ...
+
+    def settle(self, boundary: bool, step: int) -> Settled:
+        """At a boundary (``step``): what the updates gated on the device did."""
+        ...
+
+
 class UpdateStep:
+    """The implementations' common part (an :class:`Updater`)."""
+
     owner = ""  # who runs backward and step: the start event's ``train_step``
     step_optimizers: Any = None  # a task's own step: what its train_step is handed
 
@@ -52,11 +80,11 @@ class UpdateStep:
         self.strategy: Any = None
         self.autocast: Any = contextlib.nullcontext()
 
-    def bind(self, strategy, autocast) -> None:
+    def bind(self, strategy: Strategy, autocast: contextlib.AbstractContextManager) -> None:
         """After the strategy wrapped the model: what the micro-batches run with."""
         self.strategy, self.autocast = strategy, autocast
 
-    def run(self, step: int, batches, logger, logging: bool) -> Update:
+    def run(self, step: int, batches: Batches, logger: StepLogger, logging: bool) -> Update:
         """Step ``step + 1``: every micro-batch, then the update (``logging``: a log step)."""
         last_loss = output = None
         for micro in range(self.accum):
@@ -162,7 +190,7 @@ class EngineStep(UpdateStep):
         return settled
 
 
-def for_task(task, opts, train, d, scaler, ctx, beat) -> UpdateStep:
+def for_task(task, opts, train, d, scaler, ctx, beat) -> Updater:
     """The task's own step when it has ``train_step`` (task_step.py); else the engine's, or
     its closure form for an optimizer that steps with one (LBFGS, closure_step.py)."""
     if getattr(task, "train_step", None) is not None:

@@ -19,6 +19,7 @@ Written against the public task contract (tasks/base.py), as a user's task would
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ from torch import nn
 from .base import TaskOutput, TensorSet, at_least_fp32
 from .configs import HFConfig
 from .lm import read_text, windows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 BYTES = 256
 
@@ -50,7 +54,7 @@ class HFTask:
         import transformers
 
         c = self.cfg
-        extra = {"num_labels": 2} if c.head == "sequence-classification" else {}
+        extra: dict[str, Any] = {"num_labels": 2} if c.head == "sequence-classification" else {}
         if c.model:
             where = Path(c.model).expanduser()
             if not where.is_dir():
@@ -127,5 +131,5 @@ def local_tokenizer(where: Path):
         return None
 
 
-def vocabulary(model: nn.Module) -> int:
-    return model.get_input_embeddings().num_embeddings
+def vocabulary(model: PreTrainedModel) -> int:
+    return cast(nn.Embedding, model.get_input_embeddings()).num_embeddings

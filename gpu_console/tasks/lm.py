@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .base import TaskOutput, TensorSet, at_least_fp32
-from .configs import LMConfig
+from .configs import HFConfig, LMConfig, MoEConfig
 from .transformer import Block
 
 VOCAB = 256  # bytes
@@ -59,7 +60,7 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def read_text(c: LMConfig) -> bytes:
+def read_text(c: LMConfig | MoEConfig | HFConfig) -> bytes:
     """The text file's bytes, else the help topics every CPython ships (``pydoc_data``)."""
     if c.text_file:
         path = Path(c.text_file).expanduser()
@@ -82,7 +83,8 @@ def greedy(model: nn.Module, prompt: torch.Tensor, n: int) -> torch.Tensor:
     most the model's context."""
     out = prompt
     for _ in range(n):
-        logits = model(out[-model.seq_len :][None])[0, -1]
+        # a plain int attribute; nn.Module's stubs type every attribute a tensor or module
+        logits = model(out[-cast(int, model.seq_len) :][None])[0, -1]
         out = torch.cat([out, logits.argmax()[None]])
     return out[len(prompt) :]
 
