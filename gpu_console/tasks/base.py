@@ -174,6 +174,18 @@ class ConfiguresOptimizers(Protocol):
     def configure_optimizers(self, model: torch.nn.Module, ctx: TaskContext) -> Optimizers: ...
 
 
+class ParamGroups(Protocol):
+    """The profile's optimizer over groups of the task's own: each a dict with ``params``."""
+
+    def param_groups(self, model: torch.nn.Module) -> list[dict[str, Any]]: ...
+
+
+class ExpertParameters(Protocol):
+    """Names of the parameters each rank holds alone (the ``expert`` strategy)."""
+
+    def expert_parameters(self, model: torch.nn.Module) -> list[str]: ...
+
+
 class CountsFlops(Protocol):
     def flops_per_sample(self) -> float: ...
 
