@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from .context import TaskContext
     from .distributed import Dist
     from .flops import MFU
+    from .heartbeat import Beat
     from .reporter import Reporter
 
 
@@ -66,7 +67,7 @@ class Setup:
     d: Dist
     out: Reporter
     resume: Path | None  # --resume's checkpoint (a restart picks the run's own LATEST)
-    beat: Any  # heartbeat.Heartbeat
+    beat: Beat
     restart: int = 0
     changes: list[dict] = field(default_factory=list)
     watch: Stopwatch = field(default_factory=Stopwatch)

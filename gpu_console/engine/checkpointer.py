@@ -13,12 +13,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import checkpoint
 from .best import resumed as best_so_far
 from .checkpoint_writer import Writer
 from .strategy import SaveJob
+
+if TYPE_CHECKING:
+    from ..profile import Profile
+    from .distributed import Dist
+    from .heartbeat import Beat
+    from .reporter import Reporter
+    from .strategy import Strategy
+    from .train_state import TrainState
 
 
 @dataclass
@@ -32,7 +40,18 @@ class Saved:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: Path, p, d, out, beat, strategy, saved: Saved, state, resume):
+    def __init__(
+        self,
+        run_dir: Path,
+        p: Profile,
+        d: Dist,
+        out: Reporter,
+        beat: Beat,
+        strategy: Strategy,
+        saved: Saved,
+        state: TrainState,
+        resume: Path | None,
+    ) -> None:
         self.run_dir, self.cfg, self.d, self.out, self.beat = run_dir, p.checkpoint, d, out, beat
         self.strategy, self.saved, self.state = strategy, saved, state
         dp = p.distributed  # never shorter than either timeout of the default group
