@@ -83,7 +83,7 @@ class Facts:
     prec: str = "fp32"
     lr: float = 0.0
     batch_search: dict | None = None  # how data.batch_size = "auto" was chosen
-    held: Any = None  # activation checkpointing's measurement
+    held: dict[str, Any] | None = None  # activation checkpointing's measurement
     reduce: str = ""  # how gradients are summed
 
 

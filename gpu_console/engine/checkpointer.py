@@ -21,11 +21,15 @@ from .checkpoint_writer import Writer
 from .strategy import SaveJob
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from ..profile import Profile
     from .distributed import Dist
     from .heartbeat import Beat
+    from .hooks import Hooks
+    from .optim_set import Optimizers
     from .reporter import Reporter
-    from .strategy import Strategy
+    from .strategy import Scalers, Strategy
     from .train_state import TrainState
 
 
@@ -33,10 +37,10 @@ if TYPE_CHECKING:
 class Saved:
     """What a checkpoint holds besides the strategy's own way of writing it."""
 
-    model: Any
-    opts: Any  # optim_set.Optimizers: every optimizer and schedule, by name
-    scalers: Any  # one GradScaler, one per optimizer, or None
-    hooks: Any  # hooks.Hooks: the task's state
+    model: nn.Module
+    opts: Optimizers  # every optimizer and schedule, by name
+    scalers: Scalers  # one GradScaler, one per optimizer, or None
+    hooks: Hooks  # the task's state
 
 
 class Checkpointer:
