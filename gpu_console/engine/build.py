@@ -297,6 +297,7 @@ def _loop_parts(s: Setup, m: _Model, facts: Facts, start: _Start, compiled, auto
     evaluator = Evaluator(out, d, s.task, m.model, m.eval_loaders, s.beat, compiled, m.opts,
                           m.hooks, ckpt.best)  # fmt: skip
     evaluator.bind(m.strategy, autocast)
+    assert m.mfu is not None  # _prepare set it
     log_parts = LogParts(out, d, p.train, m.opts, exchange, control, m.mfu, s.watch, metrics,
                          compiled, s.beat)  # fmt: skip
     logger = StepLogger(log_parts)

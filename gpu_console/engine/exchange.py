@@ -143,7 +143,7 @@ class Exchange:
 
     def prepare(
         self,
-        floats: list[torch.Tensor],
+        floats: Sequence[torch.Tensor | float],
         ints: list[int],
         extra: Sequence[torch.Tensor | float] = (),
     ) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,8 +21,19 @@ from .metrics import memory_sample
 from .nonfinite import NonFiniteLoss
 
 if TYPE_CHECKING:
+    from ..profile import TrainConfig
     from ..tasks.base import TaskOutput
+    from ..timings import Stopwatch
+    from .compile import Compiled
+    from .control import Control
     from .data import DataPosition
+    from .distributed import Dist
+    from .exchange import Exchange
+    from .flops import MFU
+    from .heartbeat import Beat
+    from .optim_set import Optimizers
+    from .reporter import Reporter
+    from .train_metrics import TrainMetrics
     from .update_step import Update
 
 
@@ -42,17 +53,17 @@ class Window:
 class Parts:
     """What a step event is made of, besides the ranks' rows."""
 
-    out: Any  # reporter.Reporter
-    d: Any  # distributed.Dist
-    train: Any  # the profile's [train]
-    opts: Any  # optim_set.Optimizers
-    exchange: Any  # exchange.Exchange
-    control: Any  # control.Control (a log step's row carries its proposal)
-    mfu: Any  # flops.MFU
-    watch: Any  # timings.Stopwatch
-    metrics: Any  # train_metrics.TrainMetrics
-    compiled: Any  # compile.Compiled
-    beat: Any  # heartbeat.Heartbeat
+    out: Reporter
+    d: Dist
+    train: TrainConfig  # the profile's [train]
+    opts: Optimizers
+    exchange: Exchange
+    control: Control  # a log step's row carries its proposal
+    mfu: MFU
+    watch: Stopwatch
+    metrics: TrainMetrics
+    compiled: Compiled
+    beat: Beat
 
 
 class StepLogger:

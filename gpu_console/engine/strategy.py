@@ -30,9 +30,12 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from ..profile import DistributedConfig
     from ..tasks.base import Task
     from .checkpoint import Resumed
+    from .checkpoint_writer import Writer
     from .distributed import Dist
     from .exchange import Exchange
     from .optim_set import Optimizers
@@ -56,9 +59,9 @@ class SaveJob:
     requested: float  # perf_counter when the save was asked for
     waited: float  # seconds spent waiting for the write before it
     model: nn.Module
-    optimizers: Any
-    writer: Any  # checkpoint_writer.Writer
-    group: Any  # the checkpoint writes' process group
+    optimizers: Optimizers
+    writer: Writer
+    group: dist.ProcessGroup  # the checkpoint writes'
     keep_last: int
     is_main: bool
 
