@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch import nn
@@ -41,9 +41,9 @@ if TYPE_CHECKING:
     from .optim_set import Optimizers
     from .shared_reduce import SharedReduce
 
-# What a checkpoint saves and loads of the GradScalers: one, one per optimizer, or None
-# (update_step.py).
-Scalers = Any
+# What a checkpoint saves and loads of the GradScalers: one, one per optimizer (a task's
+# own step, by name), or None (update_step.py).
+Scalers: TypeAlias = torch.amp.GradScaler | dict[str, torch.amp.GradScaler] | None
 
 
 @dataclass

@@ -155,6 +155,7 @@ class EngineStep(UpdateStep):
 
     def bind(self, strategy: Strategy, autocast: contextlib.AbstractContextManager) -> None:
         super().bind(strategy, autocast)
+        assert not isinstance(self.scalers, dict)  # by name: a task's own step's alone
         self.scaler = self.scalers
         self.guard = Guard(
             self.nan_policy, [e.optimizer for e in self.opts.entries], self.scaler, self.d.device
