@@ -55,9 +55,9 @@ def precision_refusals(
     if device_type != "cuda":
         return {"fp16": FP16_NEEDS_GPU}
     old = [
-        f"GPU {i} is {capabilities[i][0]}.{capabilities[i][1]}"
+        f"GPU {i} is {cc[0]}.{cc[1]}"
         for i in gpus
-        if capabilities.get(i) is not None and not bf16_native(capabilities[i])
+        if (cc := capabilities.get(i)) is not None and not bf16_native(cc)
     ]
     if old:
         return {"bf16": f"bf16 needs compute capability ≥ 8.0 ({', '.join(old)})"}
@@ -187,7 +187,7 @@ def read_grant(gpus: Sequence[Mapping[str, Any]], env: Mapping[str, str] | None 
         everything = tuple(g for i in sorted(by_index) for g in whole(i))
         return Grant(None, None, everything, seen=len(gpus))
     entries = [e.strip() for e in mask.split(",")] if mask.strip() else []
-    uuids = {g["index"]: g.get("uuid") for g in gpus if isinstance(g.get("uuid"), str)}
+    uuids: dict[int, str] = {g["index"]: g["uuid"] for g in gpus if isinstance(g.get("uuid"), str)}
     granted: list[GrantedGpu] = []
     named: set[str] = set()
     for entry in entries:

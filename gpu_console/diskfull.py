@@ -72,10 +72,11 @@ def mount_of(path: Path | str) -> str:
 
 def _chain(exc: BaseException):
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen:
+        seen.add(id(at))
+        yield at
+        at = at.__cause__ or at.__context__
 
 
 def full_errno(exc: BaseException) -> int | None:

@@ -32,7 +32,7 @@ ENDED = ("done", "failed")
 
 def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
     """Every rank's heartbeat record on this node, by rank (unreadable ones skipped)."""
-    beats = []
+    beats: list[dict[str, Any]] = []
     folder = Path(run_dir) / DIR
     try:
         paths = sorted(folder.glob("rank-*.json"))
@@ -100,7 +100,7 @@ def frozen_ranks(
     out = []
     for b in read_heartbeats(run_dir):
         t = b.get("t")
-        if b.get("phase") in ENDED or type(t) not in (int, float):
+        if b.get("phase") in ENDED or not isinstance(t, (int, float)) or isinstance(t, bool):
             continue
         if since is not None and t < since:
             continue

@@ -584,7 +584,8 @@ def _epochs_or_steps(
     """Both given: the one given last wins (``--set`` over the file), as ``--set
     train.max_steps`` shortens a profile in epochs; both in one place contradict each other."""
     train = profile.train
-    table = data.get("train") if isinstance(data.get("train"), dict) else {}
+    found = data.get("train")
+    table = found if isinstance(found, dict) else {}
     for epochs_key, steps_key in IN_EPOCHS.items():
         epochs = getattr(train, epochs_key)
         if not epochs or steps_key not in table:

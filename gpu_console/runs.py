@@ -233,12 +233,14 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path | None, str]:
     complete = [Path(c["path"]) for c in reversed(list_checkpoints(run_dir))]  # newest first
     if latest is not None:
         at = _step(latest)  # None: LATEST names a directory by hand, not step-N
-        order = [latest] + [c for c in complete if c != latest and (at is None or _step(c) < at)]
+        order = [latest] + [
+            c for c in complete if c != latest and (at is None or (_step(c) or 0) < at)
+        ]
         why = ""
     else:
         order = complete
         why = _latest_problem(run_dir)
-    skipped = []
+    skipped: list[tuple[Path, str]] = []
     for ckpt in order:
         problem = unloadable(ckpt)
         if problem is None:

@@ -185,7 +185,12 @@ def describe(cls: type) -> list[tuple[str, str, Any, str]]:
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:  # a key without a default (none of the sections has one)
+            default = None
         rows.append((f.name, _type_name(hints[f.name]), default, f.metadata.get("help", "")))
     return rows
 

@@ -94,9 +94,7 @@ class Stopwatch:
         known = {"created": self.session.get("started"), **inherited(), **self.marks}
         launched = self._launched(known)
         stages = {
-            s: round(known[s] - launched, 3)
-            for s in STAGES
-            if isinstance(known.get(s), (int, float))
+            s: round(t - launched, 3) for s in STAGES if isinstance(t := known.get(s), (int, float))
         }
         return {"timings": {"launched": launched, "stages": stages}}
 

@@ -22,8 +22,10 @@ buffers put back, no gradient kept, the batch read from the data set, not the lo
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,6 +37,9 @@ from torch.utils.checkpoint import (
 )
 
 from . import torch_private
+
+if TYPE_CHECKING:
+    from ..tasks.base import Task
 
 HOOK = "blocks"
 
@@ -63,7 +68,7 @@ def _policy(saved: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def blocks_of(task: Any, model: nn.Module) -> list[nn.Module]:
+def blocks_of(task: object, model: nn.Module) -> list[nn.Module]:
     hook = getattr(task, HOOK, None)
     if not callable(hook):
         raise NoBlocks(
@@ -77,7 +82,7 @@ def blocks_of(task: Any, model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def apply(task: Any, model: nn.Module, mode: str) -> int:
+def apply(task: object, model: nn.Module, mode: str) -> int:
     """Wrap the task's blocks in place for ``mode``; the number of blocks wrapped."""
     if mode == "none":
         return 0
@@ -106,7 +111,9 @@ def _held_mode() -> type:
     """The dispatch mode that counts held storages, built on first use: its base class is a
     private torch API (torch_private.py), which a run without this measurement never loads."""
 
-    class Held(torch_private.dispatch_mode_base()):
+    base: Any = torch_private.dispatch_mode_base()  # a class known only at run time
+
+    class Held(base):
         """Every storage the ops create, weakly: what is still alive after the forward is
         what autograd (or a checkpoint) keeps for the backward."""
 
@@ -142,7 +149,9 @@ def _reason(e: Exception) -> str:
     return str(e) if isinstance(e, NotMeasured) else f"{type(e).__name__}: {e}"[:300]
 
 
-def held_bytes(task: Any, model: nn.Module, batch: Any, autocast) -> int:
+def held_bytes(
+    task: Task, model: nn.Module, batch: Any, autocast: contextlib.AbstractContextManager
+) -> int:
     """Bytes one forward of ``batch`` leaves alive for its backward (activations)."""
     if not hasattr(task, "compute"):  # it trains through train_step alone
         raise NotMeasured("the task has no compute() to measure a forward with")
@@ -165,7 +174,9 @@ def held_bytes(task: Any, model: nn.Module, batch: Any, autocast) -> int:
     return size
 
 
-def setup(task: Any, model: nn.Module, mode: str, measure) -> dict[str, Any] | None:
+def setup(
+    task: object, model: nn.Module, mode: str, measure: Callable[[nn.Module], int | None]
+) -> dict[str, Any] | None:
     """Apply ``mode``; with it on, the start event's figures: bytes held for the backward by
     one micro-batch without and with (``measure(model) -> bytes``, None on ranks that do not
     measure)."""

@@ -30,6 +30,7 @@ the ranks named only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import math
@@ -40,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,13 @@ from ..runs import atomic_write_text
 from . import checkpoint
 from .data import collate_of, move
 from .task_step import StepOptimizers
+
+if TYPE_CHECKING:
+    from ..profile import Profile
+    from ..tasks.base import Task
+    from .context import TaskContext
+    from .distributed import Dist
+    from .optim_set import Optimizers
 
 FAKE_OOM_ENV = "GPU_CONSOLE_FAKE_OOM_ABOVE"
 START = 2  # a batch of one breaks BatchNorm in training
@@ -153,7 +161,7 @@ def fake_oom_limit(rank: int) -> int | None:
 class Snapshot:
     """What a trial step changes, kept on the host and put back exactly."""
 
-    def __init__(self, model, opts, task, ctx, device: torch.device):
+    def __init__(self, model: torch.nn.Module, opts, task, ctx, device: torch.device):
         self.model, self.opts, self.task, self.ctx, self.device = model, opts, task, ctx, device
         with torch.no_grad():
             self.tensors = [
@@ -194,7 +202,18 @@ class Snapshot:
 class Trials:
     """Real steps at a candidate size on this rank, and the ranks' one agreement on them."""
 
-    def __init__(self, p, task, model, opts, owned, d, autocast, data, ctx):
+    def __init__(
+        self,
+        p: Profile,
+        task: Task,
+        model: torch.nn.Module,
+        opts: Optimizers,
+        owned: StepOptimizers | None,
+        d: Dist,
+        autocast: contextlib.AbstractContextManager,
+        data: tuple[Any, Callable[[Any], Any] | None],
+        ctx: TaskContext,
+    ):
         dataset, collate = data
         self.task, self.model, self.opts, self.d = task, model, opts, d
         self.ctx = ctx
@@ -302,7 +321,17 @@ def _memory_limit(device: torch.device, headroom: float) -> int:
     return int((1.0 - headroom) * total) - others
 
 
-def choose(p, task, model, opts, owned, d, autocast, data, ctx) -> dict:
+def choose(
+    p: Profile,
+    task: Task,
+    model: torch.nn.Module,
+    opts: Optimizers,
+    owned: StepOptimizers | None,
+    d: Dist,
+    autocast: contextlib.AbstractContextManager,
+    data: tuple[Any, Callable[[Any], Any] | None],
+    ctx: TaskContext,
+) -> dict:
     """Search, put everything back, set ``p.data.batch_size``; what the start event says.
 
     ``data``: the training set and the task's collate (or None)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..runs import best_checkpoint, read_json
 
@@ -93,7 +93,7 @@ def _so_far(path: Path) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) else None
 
 
-def _same_judge(record: dict[str, Any] | None, metric: str, mode: str) -> bool:
+def _same_judge(record: dict[str, Any] | None, metric: str, mode: str) -> TypeGuard[dict[str, Any]]:
     if not isinstance(record, dict):
         return False
     return record.get("metric") == metric and record.get("mode") == mode

@@ -14,7 +14,7 @@ import contextlib
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -44,12 +44,19 @@ from .refusal import Refused
 from .schedule import scaled_lr
 from .step_log import Parts as LogParts
 from .step_log import StepLogger
-from .strategy import for_profile
+from .strategy import Strategy, for_profile
 from .task_parts import TaskParts
 from .timeouts import PhaseTimeouts
 from .train_metrics import TrainMetrics
 from .train_state import TrainState
-from .update_step import for_task
+from .update_step import Updater, for_task
+
+if TYPE_CHECKING:
+    from .context import TaskContext
+    from .distributed import Dist
+    from .flops import MFU
+    from .heartbeat import Beat
+    from .reporter import Reporter
 
 
 @dataclass
@@ -59,10 +66,10 @@ class Setup:
     run_dir: Path
     p: Profile
     task: Task
-    d: Any  # distributed.Dist
-    out: Any  # reporter.Reporter
+    d: Dist
+    out: Reporter
     resume: Path | None  # --resume's checkpoint (a restart picks the run's own LATEST)
-    beat: Any  # heartbeat.Heartbeat
+    beat: Beat
     restart: int = 0
     changes: list[dict] = field(default_factory=list)
     watch: Stopwatch = field(default_factory=Stopwatch)
@@ -78,7 +85,7 @@ class Facts:
     prec: str = "fp32"
     lr: float = 0.0
     batch_search: dict | None = None  # how data.batch_size = "auto" was chosen
-    held: Any = None  # activation checkpointing's measurement
+    held: dict[str, Any] | None = None  # activation checkpointing's measurement
     reduce: str = ""  # how gradients are summed
 
 
@@ -89,8 +96,8 @@ class Built:
     state: TrainState
     model: torch.nn.Module
     opts: Optimizers
-    strategy: Any  # strategy.Strategy
-    update: Any  # update_step.UpdateStep
+    strategy: Strategy
+    update: Updater
     hooks: Hooks
     logger: StepLogger
     evaluator: Evaluator
@@ -101,7 +108,7 @@ class Built:
     profiler: torch_profiler.Profiler
     exchange: Exchange
     compiled: Compiled
-    mfu: Any  # flops.MFU
+    mfu: MFU | None
     eval_loaders: dict
     facts: Facts
     rescue: FailureCheckpoint  # a failure after an update: its state checkpointed
@@ -110,16 +117,16 @@ class Built:
 
 @dataclass
 class _Model:
-    ctx: Any
+    ctx: TaskContext
     hooks: Hooks
     model: torch.nn.Module
     opts: Optimizers
-    strategy: Any
-    update: Any
+    strategy: Strategy
+    update: Updater
     parts: TaskParts
     train_loader: Any = None
     eval_loaders: dict = field(default_factory=dict)
-    mfu: Any = None  # flops.MFU
+    mfu: MFU | None = None
 
 
 @dataclass
@@ -211,7 +218,7 @@ def _data(s: Setup, m: _Model, facts: Facts) -> None:
             p, task, m.model, m.opts, m.update.step_optimizers, d, autocast, data, m.ctx
         )
         if d.local_rank == 0:
-            auto_batch.write_run_toml(s.run_dir, p.data.batch_size)
+            auto_batch.write_run_toml(s.run_dir, cast(int, p.data.batch_size))  # choose() set it
         s.out.log("info", auto_batch.describe(facts.batch_search))
     m.train_loader = make_loader(
         train_set, p.data, d.rank, d.world_size, True, cuda, collate, prec=facts.prec
@@ -246,6 +253,7 @@ def _fresh_or_resumed(s: Setup, m: _Model, facts: Facts, load) -> _Start:
 
 
 def _applied(s: Setup, m: _Model, facts: Facts, back) -> _Start:
+    assert facts.resume is not None  # a checkpoint came back: there was one to load
     return _Start(*resuming.apply(back, facts.resume, s.d, s.p, s.changes, m.hooks, s.out))
 
 
@@ -293,6 +301,7 @@ def _loop_parts(s: Setup, m: _Model, facts: Facts, start: _Start, compiled, auto
     evaluator = Evaluator(out, d, s.task, m.model, m.eval_loaders, s.beat, compiled, m.opts,
                           m.hooks, ckpt.best)  # fmt: skip
     evaluator.bind(m.strategy, autocast)
+    assert m.mfu is not None  # _prepare set it
     log_parts = LogParts(out, d, p.train, m.opts, exchange, control, m.mfu, s.watch, metrics,
                          compiled, s.beat)  # fmt: skip
     logger = StepLogger(log_parts)

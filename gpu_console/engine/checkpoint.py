@@ -26,13 +26,18 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from .. import diskfull, strict_json
 from ..runs import HOLD, atomic_write_text, fsync_dir, latest_checkpoint
+
+if TYPE_CHECKING:
+    from ..profile import CheckpointConfig
+    from .optim_set import Optimizers
+    from .strategy import Scalers
 
 STATE = "state.pt"
 
@@ -141,7 +146,7 @@ class Newest:
         return self.event if self.event is not None and self.event["step"] == step else None
 
 
-def interval_due(step: int, cfg, max_steps: float) -> bool:
+def interval_due(step: int, cfg: CheckpointConfig, max_steps: float) -> bool:
     """An interval checkpoint after ``step`` (``cfg``: the profile's [checkpoint];
     ``max_steps``: the last step, ``math.inf`` for a run until stopped)."""
     if cfg.at_end and step >= max_steps:
@@ -149,7 +154,7 @@ def interval_due(step: int, cfg, max_steps: float) -> bool:
     return bool(cfg.every_steps and step % cfg.every_steps == 0)
 
 
-def due(step: int, cfg, max_steps: float, improved: bool) -> str | None:
+def due(step: int, cfg: CheckpointConfig, max_steps: float, improved: bool) -> str | None:
     """Why a checkpoint is due after ``step``'s eval: its interval, or a new best eval
     (``improved``; at the last step the end checkpoint is the best's)."""
     if interval_due(step, cfg, max_steps):
@@ -327,12 +332,12 @@ def prune(ckpts: Path, keep_last: int) -> None:
         fd = os.open(ckpts / HOLD, os.O_RDONLY | os.O_CREAT, 0o644)
     except OSError:
         fd = None  # cannot be held by anyone either
-    try:
-        if fd is not None:
+    if fd is not None:
+        try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return
+        except BlockingIOError:
+            os.close(fd)
+            return
     try:
         _prune(ckpts, keep_last)
     finally:
@@ -364,7 +369,14 @@ class Resumed:
     evaluated_at: int | None = None  # the step of the run's newest eval (None: not recorded)
 
 
-def resume(path: Path, model, optimizers, scaler, rank: int, world_size: int) -> Resumed:
+def resume(
+    path: Path,
+    model: torch.nn.Module,
+    optimizers: Optimizers,
+    scaler: Scalers,
+    rank: int,
+    world_size: int,
+) -> Resumed:
     """Load a checkpoint into the run's objects and drop it: nothing of it stays referenced.
 
     The file is memory-mapped, so no rank holds a second copy of it in memory while loading
@@ -374,7 +386,14 @@ def resume(path: Path, model, optimizers, scaler, rank: int, world_size: int) ->
     return resume_state(load(path), model, optimizers, scaler, rank, world_size)
 
 
-def resume_state(state: dict[str, Any], model, optimizers, scaler, rank: int, world_size: int):
+def resume_state(
+    state: dict[str, Any],
+    model: torch.nn.Module,
+    optimizers: Optimizers,
+    scaler: Scalers,
+    rank: int,
+    world_size: int,
+) -> Resumed:
     """:func:`resume` of a checkpoint's dict already read (a strategy may reshape it first:
     strategy_expert.py takes this rank's experts out of the whole)."""
     model.load_state_dict(state["model"])
@@ -385,7 +404,7 @@ def resume_state(state: dict[str, Any], model, optimizers, scaler, rank: int, wo
     return resumed_rest(state, scaler, rank, world_size)
 
 
-def resumed_rest(state: dict[str, Any], scaler, rank: int, world_size: int) -> Resumed:
+def resumed_rest(state: dict[str, Any], scaler: Scalers, rank: int, world_size: int) -> Resumed:
     """What every checkpoint layout keeps in its state dict (sharded ones too): the scaler(s)
     loaded, and the step, data position, this rank's RNG and the task states read."""
     if isinstance(scaler, dict):  # a task's own step: one per optimizer, by name
@@ -404,14 +423,14 @@ def resumed_rest(state: dict[str, Any], scaler, rank: int, world_size: int) -> R
     )
 
 
-def scaler_state(scaler) -> dict[str, Any] | None:
+def scaler_state(scaler: Scalers) -> dict[str, Any] | None:
     """The GradScaler's state; a dict of them by optimizer name (a task's own step)."""
     if isinstance(scaler, dict):
         return {name: one.state_dict() for name, one in scaler.items()}
     return scaler.state_dict() if scaler is not None else None
 
 
-def _own_optimizer_state(optimizer, loaded: list[torch.Tensor]) -> None:
+def _own_optimizer_state(optimizer: torch.optim.Optimizer, loaded: list[torch.Tensor]) -> None:
     """Copy out of the mapping the state tensors the optimizer kept as it was handed them.
 
     ``Optimizer.load_state_dict`` keeps a tensor whose dtype and device already match its

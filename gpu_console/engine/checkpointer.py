@@ -13,26 +13,49 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import checkpoint
 from .best import resumed as best_so_far
 from .checkpoint_writer import Writer
 from .strategy import SaveJob
 
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..profile import Profile
+    from .distributed import Dist
+    from .heartbeat import Beat
+    from .hooks import Hooks
+    from .optim_set import Optimizers
+    from .reporter import Reporter
+    from .strategy import Scalers, Strategy
+    from .train_state import TrainState
+
 
 @dataclass
 class Saved:
     """What a checkpoint holds besides the strategy's own way of writing it."""
 
-    model: Any
-    opts: Any  # optim_set.Optimizers: every optimizer and schedule, by name
-    scalers: Any  # one GradScaler, one per optimizer, or None
-    hooks: Any  # hooks.Hooks: the task's state
+    model: nn.Module
+    opts: Optimizers  # every optimizer and schedule, by name
+    scalers: Scalers  # one GradScaler, one per optimizer, or None
+    hooks: Hooks  # the task's state
 
 
 class Checkpointer:
-    def __init__(self, run_dir: Path, p, d, out, beat, strategy, saved: Saved, state, resume):
+    def __init__(
+        self,
+        run_dir: Path,
+        p: Profile,
+        d: Dist,
+        out: Reporter,
+        beat: Beat,
+        strategy: Strategy,
+        saved: Saved,
+        state: TrainState,
+        resume: Path | None,
+    ) -> None:
         self.run_dir, self.cfg, self.d, self.out, self.beat = run_dir, p.checkpoint, d, out, beat
         self.strategy, self.saved, self.state = strategy, saved, state
         dp = p.distributed  # never shorter than either timeout of the default group

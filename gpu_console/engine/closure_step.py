@@ -12,8 +12,9 @@ row, and the optimizer's own first call gets it back without a second forward.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,12 @@ import torch.distributed as dist
 from .data import move
 from .optim_set import OptimizerSetupError
 from .update_step import EngineStep, Update
+
+if TYPE_CHECKING:
+    from .data import Batches
+    from .optim_set import Optimizers
+    from .step_log import StepLogger
+    from .strategy import Scalers, Strategy
 
 
 def mean_over_ranks(loss: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -41,7 +48,7 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
-def check(opts, scaler) -> None:
+def check(opts: Optimizers, scaler: Scalers) -> None:
     """A closure optimizer is the run's only one, and without fp16's loss scaling."""
     names = [e.name for e in opts.entries if needs_closure(e.optimizer)]
     if not names:
@@ -62,11 +69,11 @@ def check(opts, scaler) -> None:
 class ClosureStep(EngineStep):
     owner = "engine (closure)"
 
-    def bind(self, strategy, autocast) -> None:
+    def bind(self, strategy: Strategy, autocast: contextlib.AbstractContextManager) -> None:
         super().bind(strategy, autocast)
         self.guard.deferred = False  # LBFGS reads the loss on the host at every evaluation
 
-    def run(self, step: int, batches, logger, logging: bool) -> Update:
+    def run(self, step: int, batches: Batches, logger: StepLogger, logging: bool) -> Update:
         self.beat.set(step + 1, "data")
         micro = [move(batches.next(), self.d.device) for _ in range(self.accum)]
         self.beat.set(step + 1, "compute")
@@ -90,7 +97,8 @@ class ClosureStep(EngineStep):
             done.skipped = 1
         else:
             with self.opts.watch.engine(self.opts.first):
-                self.opts.first.step(closure)
+                # torch's stubs want a closure of a float; its optimizers take the loss tensor
+                self.opts.first.step(closure)  # type: ignore[arg-type]
         self.record(step + 1, done)
         if not done.stop:
             self.opts.schedule()
@@ -98,7 +106,7 @@ class ClosureStep(EngineStep):
         return done
 
     def _evaluate(
-        self, micro: list[Any], step: int, logger, logging: bool
+        self, micro: list[Any], step: int, logger: StepLogger | None, logging: bool
     ) -> tuple[torch.Tensor, Any]:
         """Every micro-batch's forward and backward, then the clip: this rank's loss and last
         output. ``logger``: the first evaluation's, counted in the step's window (its log row
@@ -115,6 +123,7 @@ class ClosureStep(EngineStep):
                     logger.micro_batch(output, total, final and logging, step)
                 loss.backward()
         self.grad_norm, self.grad_norms = self.strategy.clip(self.opts, self.max_norm)
+        assert total is not None  # a step has at least one micro-batch
         return total, output
 
     def _mean(self, loss: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,7 +68,7 @@ class Compiled:
         torch_private.compile_for_ddp()
         model.compile(mode=self.mode)
 
-    def begin(self, status) -> None:
+    def begin(self, status: Callable[..., None]) -> None:
         """Before the first step: the run says ``compiling`` until it completes."""
         if not self.on:
             status("running")
@@ -75,7 +76,7 @@ class Compiled:
         self.began = time.time()
         status("compiling", reason=f"torch.compile mode {self.mode}", since=self.began)
 
-    def first_step_done(self, status, log) -> None:
+    def first_step_done(self, status: Callable[..., None], log: Callable[[str, str], None]) -> None:
         if not self.on or self.seconds is not None:
             return
         self.seconds = time.time() - (self.began or time.time())
@@ -84,7 +85,7 @@ class Compiled:
         log("info", f"compiled ({self.mode}) in {self.seconds:.1f} s{graphs}")
         status("running", reason="compiled", compiled_s=round(self.seconds, 3))
 
-    def check(self, log) -> None:
+    def check(self, log: Callable[[str, str], None]) -> None:
         """At a log step: recompiles since the first step, warned about as they grow."""
         if not self.on:  # nothing compiled: Dynamo's counters are not read
             return

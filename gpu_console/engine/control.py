@@ -149,8 +149,9 @@ class Control:
         if cmd is not None and not mine:
             self.pending.appendleft(cmd)  # another node's command won; ours goes next
         arg = max((p[3] for p in proposals if code and p[0] == code), default=0)
-        why = cmd.get("why", "") if mine else ""
-        return Decision(NAMES.get(code), cmd["id"] if mine else None, signalled, arg, why)
+        mine_cmd = cmd if mine else None  # the narrowing mypy cannot see through ``mine``
+        why = mine_cmd.get("why", "") if mine_cmd else ""
+        return Decision(NAMES.get(code), mine_cmd["id"] if mine_cmd else None, signalled, arg, why)
 
 
 # The most steps one profile capture may take: a trace grows with every step it holds.
@@ -163,8 +164,9 @@ def argument(cmd: dict) -> int:
     if cmd.get("cmd") != "profile":
         return 0
     steps = cmd.get("steps")
-    ok = isinstance(steps, int) and not isinstance(steps, bool) and 0 < steps <= MAX_PROFILE_STEPS
-    return steps if ok else 0
+    if isinstance(steps, int) and not isinstance(steps, bool) and 0 < steps <= MAX_PROFILE_STEPS:
+        return steps
+    return 0
 
 
 def _session(run_dir: Path) -> dict:

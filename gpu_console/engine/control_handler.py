@@ -11,9 +11,21 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import TYPE_CHECKING
 
 from .control import GIVE_UP
 from .exchange import Row
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+    from .control import Control, Decision
+    from .distributed import Dist
+    from .exchange import Exchange
+    from .heartbeat import Beat
+    from .reporter import Reporter
+    from .step_log import StepLogger
+    from .torch_profiler import Profiler
+    from .train_state import TrainState
 
 CONTROL_INTERVAL_S = 0.25
 
@@ -23,7 +35,17 @@ class DiskFullStop(RuntimeError):
 
 
 class ControlHandler:
-    def __init__(self, out, d, beat, control, exchange, profiler, checkpointer, logger) -> None:
+    def __init__(
+        self,
+        out: Reporter,
+        d: Dist,
+        beat: Beat,
+        control: Control,
+        exchange: Exchange,
+        profiler: Profiler,
+        checkpointer: Checkpointer,
+        logger: StepLogger,
+    ) -> None:
         self.out, self.d, self.beat, self.control = out, d, beat, control
         self.exchange, self.profiler = exchange, profiler
         self.checkpointer, self.logger = checkpointer, logger
@@ -42,7 +64,7 @@ class ControlHandler:
         self.beat.set(step, "control")
         return self.exchange.control_only(self.control.proposal(step))
 
-    def obey(self, state, rows: list[Row]) -> str | None:
+    def obey(self, state: TrainState, rows: list[Row]) -> str | None:
         """The ranks' proposals decided and acted on; a stop's reason, else None."""
         step = state.step
         decision = self.control.decide(
@@ -79,19 +101,19 @@ class ControlHandler:
         self.ack(decision, "done", step, **done)
         return None
 
-    def pause(self, state) -> None:
+    def pause(self, state: TrainState) -> None:
         if not state.paused:
             self.profiler.finish(state.step, "pause")  # a paused run makes no steps to trace
             state.paused = True
             self.out.status("paused", reason="requested")
 
-    def resume(self, state) -> None:
+    def resume(self, state: TrainState) -> None:
         if state.paused:
             state.paused = False
             self.logger.new_window(keep_skipped=True)  # paused time is no step's
             self.out.status("running", reason="resumed")
 
-    def ack(self, decision, state: str, step: int, **fields) -> None:
+    def ack(self, decision: Decision, state: str, step: int, **fields: object) -> None:
         """Acknowledge a command on the node whose control file held it (cmd_id is None
         elsewhere)."""
         if decision.cmd_id is not None:

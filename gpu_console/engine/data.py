@@ -243,6 +243,7 @@ def make_loader(
     ``prec``: the run's precision (fp64: the batches' floating tensors in float64)."""
     n = len(dataset)  # type: ignore[arg-type]
     size = batch_size or cfg.batch_size
+    assert size != "auto", "data.batch_size = auto is chosen before any loader is made"
     sampler = ShardSampler(n, rank, world, size, cfg.seed, train, cfg.order, not cfg.drop_last)
     if train and (problem := batch_problem(n, world, size, cfg.drop_last)):
         # A launch judges it first; where it could not (a user task's data too slow to build
@@ -251,7 +252,8 @@ def make_loader(
     workers = cfg.num_workers
     return DataLoader(
         SeededFetch(dataset, cfg.seed, rank),  # type: ignore[arg-type]
-        batch_sampler=KeyedBatchSampler(sampler, size, drop_last=train and not sampler.keep_last),
+        # torch's stubs want lists of indices; SeededFetch takes the keyed batches themselves
+        batch_sampler=KeyedBatchSampler(sampler, size, drop_last=train and not sampler.keep_last),  # type: ignore[arg-type]
         collate_fn=precision.collate_in(prec, collate_of(dataset, collate)),
         num_workers=workers,
         pin_memory=cfg.pin_memory and cuda,
@@ -287,6 +289,7 @@ class Batches:
     def next(self):
         if self._it is None:
             self._start_epoch()
+        assert self._it is not None  # _start_epoch set it
         try:
             batch = next(self._it)
         except StopIteration:

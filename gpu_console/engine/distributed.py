@@ -10,6 +10,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,7 +92,7 @@ def init(cfg: DistributedConfig, hw: HardwareConfig, device_type: str) -> Dist:
     if backend == "auto":  # NCCL does not run across MIG instances (launch.py refuses it)
         mig = own_device and local_world > 1
         backend = "nccl" if device_type == "cuda" and not mig else "gloo"
-    kwargs = {"device_id": device} if device_type == "cuda" else {}
+    kwargs: dict[str, Any] = {"device_id": device} if device_type == "cuda" else {}
     if rank != 0:
         wait_for_store(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
     # Start-up's timeout until every rank's first step; then the collectives' (timeouts.py).

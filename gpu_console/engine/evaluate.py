@@ -13,14 +13,32 @@ eval batch as a sign of life like a step). Every rank's heartbeat says ``eval`` 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from .data import move
 from .failure_checkpoint import naming
+
+if TYPE_CHECKING:
+    from ..tasks.base import Task
+    from .best import Best
+    from .compile import Compiled
+    from .distributed import Dist
+    from .heartbeat import Beat
+    from .hooks import Hooks
+    from .optim_set import Optimizers
+    from .reporter import Reporter
+    from .strategy import Strategy
+    from .train_state import TrainState
+
+# data.move's shape: a batch onto the rank's device.
+Move = Callable[[Any, torch.device], Any]
 
 PROGRESS_EVERY_S = 1.0
 
@@ -52,7 +70,17 @@ def metric_name(split: str, name: str) -> str:
     return f"{split}/{name}" if split else name
 
 
-def evaluate(out, d, task, wrapped, loaders, autocast, step: int, move, beat) -> dict[str, float]:
+def evaluate(
+    out: Reporter,
+    d: Dist,
+    task: Task,
+    wrapped: Any,
+    loaders: dict[str, DataLoader],
+    autocast: contextlib.AbstractContextManager,
+    step: int,
+    move: Move,
+    beat: Beat,
+) -> dict[str, float]:
     """Collective: every split's metrics, averaged over every rank's eval (on every rank):
     the ``eval`` event's numbers (:meth:`Evaluator.run` writes it)."""
     metrics: dict[str, float] = {}
@@ -69,7 +97,16 @@ def evaluate(out, d, task, wrapped, loaders, autocast, step: int, move, beat) ->
 
 @torch.no_grad()
 def _evaluate_split(
-    out, d, task, wrapped, loader, autocast, step: int, move, beat, split: str
+    out: Reporter,
+    d: Dist,
+    task: Task,
+    wrapped: Any,
+    loader: DataLoader,
+    autocast: contextlib.AbstractContextManager,
+    step: int,
+    move: Move,
+    beat: Beat,
+    split: str,
 ) -> dict[str, float]:
     """One split's metrics, averaged over every rank's samples (collective).
 
@@ -113,11 +150,11 @@ def _evaluate_split(
     buf = torch.tensor(values, dtype=torch.float64, device=d.device)
     dist.all_reduce(buf)
     values = buf.tolist()
-    n = max(values[-1], 1)
-    return {k: v / n for k, v in zip(names, values[:-1], strict=True)}
+    weights = max(values[-1], 1)  # every rank's, summed
+    return {k: v / weights for k, v in zip(names, values[:-1], strict=True)}
 
 
-def _shortfall(d, batches: int) -> int:
+def _shortfall(d: Dist, batches: int) -> int:
     """FSDP: every forward all-gathers, so every rank runs as many as the rank with the most
     eval batches (a split's samples need not divide by the ranks): how many this one lacks.
     Agreed before the first batch, while no rank is in a forward."""
@@ -126,7 +163,15 @@ def _shortfall(d, batches: int) -> int:
     return int(most.item()) - batches
 
 
-def _pad(d, task, wrapped, loader, autocast, move, extra: int) -> None:
+def _pad(
+    d: Dist,
+    task: Task,
+    wrapped: Any,
+    loader: DataLoader,
+    autocast: contextlib.AbstractContextManager,
+    move: Move,
+    extra: int,
+) -> None:
     """The forwards this rank lacks (:func:`_shortfall`), on a batch read from the dataset
     directly, their results dropped."""
     from .flops import sample_batch
@@ -156,18 +201,30 @@ class Evaluator:
     """The run's evals: at their steps, their metrics to the schedules, the task's hook and
     the best checkpoint's judge."""
 
-    def __init__(self, out, d, task, model, loaders, beat, compiled, opts, hooks, best) -> None:
+    def __init__(
+        self,
+        out: Reporter,
+        d: Dist,
+        task: Task,
+        model: torch.nn.Module,
+        loaders: dict[str, DataLoader],
+        beat: Beat,
+        compiled: Compiled,
+        opts: Optimizers,
+        hooks: Hooks,
+        best: Best,
+    ) -> None:
         self.out, self.d, self.task, self.loaders, self.beat = out, d, task, loaders, beat
         self.model = model  # the bare model, for the task's eval_end hook
         self.compiled, self.opts, self.hooks, self.best = compiled, opts, hooks, best
         self.strategy: Any = None
         self.autocast: Any = None
 
-    def bind(self, strategy, autocast) -> None:
+    def bind(self, strategy: Strategy, autocast: contextlib.AbstractContextManager) -> None:
         """What an eval runs: the strategy's wrapped model, under the step's autocast."""
         self.strategy, self.autocast = strategy, autocast
 
-    def run(self, state) -> bool:
+    def run(self, state: TrainState) -> bool:
         """Collective: one eval at ``state.step``; whether its metric improved on the best."""
         step = state.step
         state.evaluated_at = step

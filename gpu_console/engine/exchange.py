@@ -22,6 +22,7 @@ task's train-time metrics, train_metrics.py): the same number on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -78,7 +79,10 @@ def decode(table: torch.Tensor) -> list[Row]:
         floats = r[: len(FLOATS)]
         pairs = r[len(FLOATS) : WIDTH]
         ints = [int(pairs[i]) * _SPLIT + int(pairs[i + 1]) for i in range(0, len(pairs), 2)]
-        rows.append(Row(*floats, *ints, extra=r[WIDTH:]))
+        # extra by assignment: mypy cannot tell the unpacked columns stop short of it
+        row = Row(*floats, *ints)
+        row.extra = r[WIDTH:]
+        rows.append(row)
     return rows
 
 
@@ -138,7 +142,10 @@ class Exchange:
     # -- a step's exchange -------------------------------------------------------------------
 
     def prepare(
-        self, floats: list[torch.Tensor], ints: list[int], extra: list[torch.Tensor] = ()
+        self,
+        floats: Sequence[torch.Tensor | float],
+        ints: list[int],
+        extra: Sequence[torch.Tensor | float] = (),
     ) -> None:
         """Before the backward of a step that exchanges: this rank's row goes into the table.
 

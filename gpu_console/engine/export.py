@@ -19,7 +19,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 EXIT_BAD_INPUT = 2
 
@@ -77,6 +77,7 @@ def task_modules(run_dir: Path) -> dict[str, str] | None:
     """The task's ``export_modules()``, or None where it declares none."""
     from ..profile import load_profile, with_task_config
     from ..runs import current_session, read_json
+    from ..tasks.base import ExportsModules
     from ..tasks.loader import load_task_class
 
     meta = current_session(read_json(run_dir / "meta.json") or {})
@@ -87,7 +88,7 @@ def task_modules(run_dir: Path) -> dict[str, str] | None:
     if not hasattr(task_cls, "export_modules"):
         return None
     profile = with_task_config(profile, task_cls.Config, str(run_dir / "run.toml"))
-    modules = task_cls(profile.task).export_modules()
+    modules = cast(ExportsModules, task_cls(profile.task)).export_modules()  # it has one
     if not isinstance(modules, dict) or not modules:
         raise ExportInputError(
             f"the task's export_modules() must return a non-empty dict (got {modules!r})"

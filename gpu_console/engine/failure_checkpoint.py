@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import zlib
 from datetime import timedelta
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,14 @@ import torch.distributed as dist
 from .checkpoint import step_dir_name
 from .control_handler import DiskFullStop
 from .nonfinite import NonFiniteLoss
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from .checkpointer import Checkpointer
+    from .distributed import Dist
+    from .reporter import Reporter
+    from .train_state import TrainState
 
 # How long a failed rank waits for every other one to have failed at the same place. Ranks
 # that fail together (a task's bug hits every rank) meet within a second; a peer that did
@@ -87,7 +95,9 @@ class AfterUpdateFailed(RuntimeError):
 
 
 class FailureCheckpoint:
-    def __init__(self, d, out, state, checkpointer, run_dir) -> None:
+    def __init__(
+        self, d: Dist, out: Reporter, state: TrainState, checkpointer: Checkpointer, run_dir: Path
+    ) -> None:
         self.d, self.out, self.state = d, out, state
         self.checkpointer, self.run_dir = checkpointer, run_dir
         # Collective, at setup (every rank creates its groups in the same order).

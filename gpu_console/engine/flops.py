@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sized
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..peaks import Peak, UnknownPeak, matmul_precision, mfu, peak_for
+from ..tasks.base import HasState
+
+if TYPE_CHECKING:
+    from ..tasks.base import Task
 
 
 @contextlib.contextmanager
@@ -64,15 +68,17 @@ class _NoCompute(Exception):
 def sample_batch(loader: DataLoader) -> Any:
     """A training batch read from the loader's dataset directly (the loader is untouched)."""
     ds = loader.dataset
-    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", 1)
-    n = min(size, len(ds))  # type: ignore[arg-type]
+    size = loader.batch_size or int(getattr(loader.batch_sampler, "batch_size", 1))
+    n = min(size, len(cast(Sized, ds)))  # a training set has a length (data.py checks it)
     indices = list(range(n))
     getitems = getattr(ds, "__getitems__", None)
     items = getitems(indices) if getitems else [ds[i] for i in indices]
     return loader.collate_fn(items) if loader.collate_fn else items
 
 
-def measure(task, model: torch.nn.Module, batch: Any, autocast) -> float:
+def measure(
+    task: Task, model: torch.nn.Module, batch: Any, autocast: contextlib.AbstractContextManager
+) -> float:
     """Training FLOPs per sample of ``task.compute`` on ``batch`` (forward and backward)."""
     device = next(model.parameters()).device
     kept = {name: b.detach().clone() for name, b in model.named_buffers()}
@@ -92,18 +98,18 @@ def measure(task, model: torch.nn.Module, batch: Any, autocast) -> float:
             for name, b in model.named_buffers():
                 b.copy_(kept[name])
         if task_state is not None:
-            task.load_state_dict(task_state)
+            cast(HasState, task).load_state_dict(task_state)  # it has one: it gave its state
     return counter.get_total_flops() / max(int(result.samples), 1)
 
 
-def _task_state(task) -> Any:
+def _task_state(task: object) -> Any:
     """A copy of the task's own state (its ``state_dict``), or None where it has none."""
     if getattr(task, "state_dict", None) is None or getattr(task, "load_state_dict", None) is None:
         return None
-    return copy.deepcopy(task.state_dict())
+    return copy.deepcopy(cast(HasState, task).state_dict())
 
 
-def per_sample(task, measure_now: Callable[[], float]) -> tuple[float | None, str]:
+def per_sample(task: object, measure_now: Callable[[], float]) -> tuple[float | None, str]:
     """(FLOPs per sample, where they come from): ``task`` (declared) or ``measured``.
 
     ``(None, why)`` when neither gives a number.
@@ -131,7 +137,9 @@ def per_sample(task, measure_now: Callable[[], float]) -> tuple[float | None, st
 class MFU:
     """What MFU needs, decided once before training: FLOPs per sample and the GPUs' peak."""
 
-    def __init__(self, flops: float | None, flops_from: str, peak: Peak | None, world: int, why):
+    def __init__(
+        self, flops: float | None, flops_from: str, peak: Peak | None, world: int, why: str | None
+    ):
         self.flops, self.flops_from, self.peak = flops, flops_from, peak
         self.peak_total = peak.flops * world if peak else None
         self.why_not = why  # why MFU is not shown (None when it is)

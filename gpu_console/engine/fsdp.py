@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from . import torch_private
 from .precision import DTYPES
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 class FsdpSetupError(ValueError):
@@ -84,11 +87,12 @@ class Sharded:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """A non-final micro-batch: gradients accumulate unreduced (FSDP2's no_sync)."""
-        self.module.set_requires_gradient_sync(False)
+        module = cast("FSDPModule", self.module)  # fully_shard made its class one
+        module.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.module.set_requires_gradient_sync(True)
+            module.set_requires_gradient_sync(True)
 
     def settings(self) -> dict[str, Any]:
         """The start event's ``fsdp``: what was sharded and how."""

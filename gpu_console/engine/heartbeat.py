@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 from .. import strict_json
 from ..heartbeats import DIR, ENDED, PHASES  # noqa: F401 - the file's contract, one place
@@ -34,6 +35,16 @@ RECORD_BYTES = 512
 
 def path_for(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / DIR / f"rank-{rank:05d}.json"
+
+
+class Beat(Protocol):
+    """What the engine's parts tell a rank's heartbeat: a :class:`Heartbeat`, or loop.py's
+    stand-in where a rank has none."""
+
+    step: int
+    phase: str
+
+    def set(self, step: int, phase: str, detail: str = "") -> None: ...
 
 
 class Heartbeat:

@@ -29,13 +29,17 @@ what ``torch.load(weights_only=True)`` reads: tensors, numbers, strings, lists, 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .context import TaskContext
 from .data import Batches
 from .failure_checkpoint import naming
+
+if TYPE_CHECKING:
+    from ..tasks.base import TaskOutput
 
 
 def attach(task: Any, ctx: TaskContext) -> None:
@@ -64,7 +68,9 @@ class Hooks:
         self.ctx.batch_in_epoch = batches.batch_in_epoch()
         self._epochs = batches.epochs_done()
 
-    def step_end(self, step: int, batches: Batches, model, output) -> None:
+    def step_end(
+        self, step: int, batches: Batches, model: torch.nn.Module, output: TaskOutput
+    ) -> None:
         ctx = self.ctx
         ctx.step = step
         ctx.epoch = batches.position.epoch
@@ -81,17 +87,17 @@ class Hooks:
             ctx.epoch = batches.position.epoch
         self._epochs = done
 
-    def eval_start(self, model) -> None:
+    def eval_start(self, model: torch.nn.Module) -> None:
         if self._eval_start is not None:
             self._eval_start(model, self.ctx)
 
-    def eval_end(self, model, metrics: dict[str, float]) -> dict[str, float]:
+    def eval_end(self, model: torch.nn.Module, metrics: dict[str, float]) -> dict[str, float]:
         """The figures the hook adds to the eval's (none without the hook)."""
         if self._eval_end is None:
             return {}
         return added_figures(self._eval_end(model, dict(metrics), self.ctx), metrics)
 
-    def train_end(self, model, reason: str) -> None:
+    def train_end(self, model: torch.nn.Module, reason: str) -> None:
         if self._train_end is not None:
             self._train_end(model, self.ctx, reason)
 
@@ -103,7 +109,9 @@ class Hooks:
             return {}
         return {"task": _to_cpu(self._state_dict())}
 
-    def restore(self, saved: list[Any] | None, world_size: int, warn) -> None:
+    def restore(
+        self, saved: list[Any] | None, world_size: int, warn: Callable[[str], None]
+    ) -> None:
         """Give the task its saved state: rank r gets rank r's.
 
         ``saved``: each saving rank's state (None: the checkpoint holds no task state).

@@ -9,6 +9,7 @@ failed, naming the step.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,9 +18,25 @@ from . import checkpoint, fsdp
 from .data import DataPosition
 from .nonfinite import NonFiniteLoss, SkipStreak, Trip, rewind_schedule
 
+if TYPE_CHECKING:
+    from ..profile import CheckpointConfig
+    from .checkpointer import Checkpointer
+    from .distributed import Dist
+    from .optim_set import Optimizers
+    from .reporter import Reporter
+    from .train_state import TrainState
+
 
 class NanStop:
-    def __init__(self, out, d, ckpt_cfg, checkpointer, model, opts) -> None:
+    def __init__(
+        self,
+        out: Reporter,
+        d: Dist,
+        ckpt_cfg: CheckpointConfig,
+        checkpointer: Checkpointer,
+        model: torch.nn.Module,
+        opts: Optimizers,
+    ) -> None:
         self.out, self.d, self.cfg = out, d, ckpt_cfg
         self.checkpointer, self.model, self.opts = checkpointer, model, opts
 
@@ -49,7 +66,7 @@ class NanStop:
             kept = "; no checkpoint written (checkpoint.on_stop = false)" if step else ""
         raise NonFiniteLoss(where + kept)
 
-    def rewind(self, state, trip: Trip) -> None:
+    def rewind(self, state: TrainState, trip: Trip) -> None:
         """A deferred check found the first bad update: back to the last finite step (its
         step count, schedule and the data after the bad batches), then :meth:`stop`."""
         state.step -= trip.steps_back

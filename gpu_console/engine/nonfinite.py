@@ -30,10 +30,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import torch_private
+
+if TYPE_CHECKING:
+    from .data import DataPosition
 
 ENV = "GPU_CONSOLE_NONFINITE_CHECK"
 
@@ -94,7 +98,11 @@ class SkipStreak:
         )
 
 
-def deferrable(optimizer, scaler, device_type: str) -> bool:
+def deferrable(
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+    scaler: torch.amp.GradScaler | None,
+    device_type: str,
+) -> bool:
     """``optimizer``: one, or a list of them (every one must be fused)."""
     mode = os.environ.get(ENV, "auto")
     every = optimizer if isinstance(optimizer, list) else [optimizer]
@@ -107,7 +115,13 @@ def deferrable(optimizer, scaler, device_type: str) -> bool:
 
 
 class Guard:
-    def __init__(self, policy: str, optimizer, scaler, device: torch.device):
+    def __init__(
+        self,
+        policy: str,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+        scaler: torch.amp.GradScaler | None,
+        device: torch.device,
+    ):
         # With an fp16 GradScaler, a non-finite gradient is an overflow the scaler handles.
         self.stop = policy == "stop" and scaler is None
         self.skip = policy == "skip"
@@ -119,7 +133,9 @@ class Guard:
         self._losses: list[torch.Tensor] = []
         self._positions: list[tuple[int, int]] = []
 
-    def bad_now(self, grad_norm: torch.Tensor, last_loss: torch.Tensor, position) -> bool:
+    def bad_now(
+        self, grad_norm: torch.Tensor, last_loss: torch.Tensor, position: DataPosition
+    ) -> bool:
         """Before the update: True when the host knows now that it must not be made.
 
         Deferred, always False: the update is gated on the device and judged at
@@ -135,7 +151,8 @@ class Guard:
         if self.stop:
             bad = self._latch = torch.maximum(self._latch, bad)
         for optimizer in self.optimizers:
-            optimizer.found_inf = bad  # read by the fused kernel, never by the host
+            # read by the fused kernel, never by the host; torch's stubs do not declare it
+            optimizer.found_inf = bad  # type: ignore[attr-defined]
         self._norms.append(grad_norm)
         self._losses.append(last_loss)
         self._positions.append((position.epoch, position.samples))

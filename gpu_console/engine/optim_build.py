@@ -17,14 +17,17 @@ decaying them pulls scales and lookup rows towards zero without regularising any
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from . import torch_private
+
+if TYPE_CHECKING:
+    from ..profile import TrainConfig
 
 # Modules whose parameters never decay under "matrices", whatever their shape.
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
@@ -85,7 +88,9 @@ def default_groups(model: nn.Module, weight_decay: float, which: str) -> list[di
     ]
 
 
-def task_groups(task: Any, model: nn.Module, scale_lr) -> list[dict[str, Any]] | None:
+def task_groups(
+    task: object, model: nn.Module, scale_lr: Callable[[float], float]
+) -> list[dict[str, Any]] | None:
     """The task's own groups, checked; a group's ``lr`` is scaled like ``train.lr``."""
     hook = getattr(task, "param_groups", None)
     if hook is None:
@@ -142,7 +147,9 @@ class DecaySplit:
         }
 
 
-def groups(task: Any, model: nn.Module, train, scale_lr) -> tuple[list[dict], DecaySplit]:
+def groups(
+    task: object, model: nn.Module, train: TrainConfig, scale_lr: Callable[[float], float]
+) -> tuple[list[dict], DecaySplit]:
     """The optimizer's parameter groups: the task's own, else by ``train.weight_decay_params``."""
     own = task_groups(task, model, scale_lr)
     source = "task" if own is not None else train.weight_decay_params
@@ -171,7 +178,7 @@ def build(
     impl: str,
     device_type: str,
 ) -> torch.optim.AdamW:
-    kwargs = adamw_kwargs(resolve_impl(impl, device_type))
+    kwargs: dict[str, Any] = adamw_kwargs(resolve_impl(impl, device_type))
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **kwargs)
 
 

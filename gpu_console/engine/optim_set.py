@@ -111,7 +111,7 @@ class Optimizers:
         return cls([entry], "profile", decay)
 
     @classmethod
-    def from_task(cls, returned: Any, model) -> Optimizers:
+    def from_task(cls, returned: Any, model: torch.nn.Module) -> Optimizers:
         named = returned if isinstance(returned, dict) else {MAIN: returned}
         if not named:
             raise OptimizerSetupError("task.configure_optimizers: returned no optimizer")
@@ -125,7 +125,7 @@ class Optimizers:
         return cls(entries, "task", None)
 
     @classmethod
-    def single(cls, optimizer, scheduler) -> Optimizers:
+    def single(cls, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None) -> Optimizers:
         """One optimizer and its ``LambdaLR`` (tools and tests that build their own)."""
         params = [q for g in optimizer.param_groups for q in g["params"]]
         entry = Entry(MAIN, optimizer, scheduler, {"kind": "function"}, None, params, True)
@@ -136,7 +136,7 @@ class Optimizers:
     def first(self) -> torch.optim.Optimizer:
         return self.entries[0].optimizer
 
-    def unscale(self, scaler) -> None:
+    def unscale(self, scaler: torch.amp.GradScaler) -> None:
         for e in self.entries:
             scaler.unscale_(e.optimizer)
 
@@ -148,7 +148,7 @@ class Optimizers:
         total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms.values()]))
         return total, norms
 
-    def step(self, scaler) -> None:
+    def step(self, scaler: torch.amp.GradScaler | None) -> None:
         for e in self.entries:
             with self.watch.engine(e.optimizer):
                 if scaler is not None:
@@ -224,10 +224,9 @@ class Optimizers:
         """Per optimizer: name, class, kernel, param groups and schedule (start event, plan)."""
         out = []
         for e in self.entries:
-            base = getattr(e.scheduler, "base_lrs", None)
             groups = []
             for i, g in enumerate(e.optimizer.param_groups):
-                peak = base[i] if isinstance(e.scheduler, LambdaLR) else g["lr"]
+                peak = e.scheduler.base_lrs[i] if isinstance(e.scheduler, LambdaLR) else g["lr"]
                 groups.append(
                     {
                         "tensors": len(g["params"]),
@@ -266,6 +265,7 @@ def _entry(name: str, spec: Any) -> Entry:
         )
     opt, schedule = spec.optimizer, spec.schedule
     own = False
+    scheduler: LRScheduler | ReduceLROnPlateau | None
     if schedule is None:
         scheduler, kind = None, {"kind": "none"}
     elif isinstance(schedule, ReduceLROnPlateau):
@@ -301,7 +301,7 @@ def _factor(fn: Callable[[int], float]) -> Callable[[int], float]:
     return factor
 
 
-def _check_coverage(entries: list[Entry], model) -> None:
+def _check_coverage(entries: list[Entry], model: torch.nn.Module) -> None:
     """Every trainable parameter in exactly one optimizer: no update twice, none forgotten."""
     names = {id(q): n for n, q in model.named_parameters()}
     owner: dict[int, str] = {}

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,11 @@ from .schedule import decay_steps, floor_ratio, lr_factor, scaled_lr
 from .strategy import choose
 from .task_parts import TaskParts
 from .task_step import StepOptimizers
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from .context import TaskContext
 
 SOURCE = "the resolved profile"
 
@@ -154,7 +159,15 @@ def plan(
     return facts
 
 
-def rehearse(p: Profile, task, kind: str, model, opts, data, ctx) -> dict[str, Any]:
+def rehearse(
+    p: Profile,
+    task: Any,
+    kind: str,
+    model: torch.nn.Module,
+    opts: Optimizers,
+    data: tuple[Any, Any],
+    ctx: TaskContext,
+) -> dict[str, Any]:
     """One real training micro-batch and one batch of each eval split, on the CPU, through
     the task's collate and compute (or train_step), so that a bug there (an eval collate
     that breaks, a key missing) fails in seconds, naming where, before any launch."""
@@ -193,7 +206,7 @@ def _one_rank_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def _checkpointed_blocks(task, model, mode: str, kind: str) -> int:
+def _checkpointed_blocks(task: object, model: torch.nn.Module, mode: str, kind: str) -> int:
     """The blocks activation checkpointing would wrap (the task's blocks())."""
     if mode == "none":
         return 0
@@ -203,7 +216,7 @@ def _checkpointed_blocks(task, model, mode: str, kind: str) -> int:
         raise TaskBuildError(f"task {kind}: {e}") from None
 
 
-def _schedule(p: Profile, lr: float, start_step: int, scheduler) -> dict[str, Any]:
+def _schedule(p: Profile, lr: float, start_step: int, scheduler: LRScheduler) -> dict[str, Any]:
     """The profile's schedule, as the run would follow it."""
     # Until stopped (max_steps = 0): last_lr is the lr from the decay's end on.
     last = p.train.max_steps or max(1, p.train.warmup_steps + decay_steps(p.train))
@@ -283,7 +296,9 @@ def _counted(task, ctx, seed: int, kind: str, build) -> tuple[Any, Any]:
     raise AssertionError("unreachable")
 
 
-def _strategy(p: Profile, task, model, kind: str, device_type: str, world: int) -> dict:
+def _strategy(
+    p: Profile, task: object, model: torch.nn.Module, kind: str, device_type: str, world: int
+) -> dict:
     """The strategy the ranks will pick (strategy.choose, the ranks' own choice) and, under
     fsdp, what would be sharded (fsdp.py)."""
     d = p.distributed
@@ -342,6 +357,7 @@ def _main(doc: dict, tag: str | None) -> int:
         if not isinstance(go, dict) or not go.get("go"):
             return 0
         doc["profile"] = go["profile"]
+    answer: dict[str, Any]
     try:
         p = resolve(doc["profile"], SOURCE)
         world, start = int(doc["world_size"]), int(doc.get("start_step") or 0)

@@ -10,10 +10,10 @@ a resume accepts is decided before launch (gpu_console/resume_changes.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,20 +22,28 @@ from ..runs import list_checkpoints, resume_checkpoint
 from . import checkpoint, torch_private
 from .data import DataPosition
 
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from .checkpoint import Resumed
+    from .distributed import Dist
+    from .hooks import Hooks
+    from .reporter import Reporter
+
 
 @dataclass
 class Settings:
     """The settings of a freshly built optimizer and schedule, to outlive a state load."""
 
     groups: list[dict[str, Any]]
-    base_lrs: list[float]
+    base_lrs: list[float | torch.Tensor]
 
     @classmethod
-    def of(cls, optimizer: torch.optim.Optimizer, scheduler) -> Settings:
+    def of(cls, optimizer: torch.optim.Optimizer, scheduler: LambdaLR) -> Settings:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         return cls(groups, list(scheduler.base_lrs))
 
-    def restore(self, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    def restore(self, optimizer: torch.optim.Optimizer, scheduler: LambdaLR) -> None:
         """Put the settings back over loaded state; the lr is the schedule's at its step.
 
         With unchanged settings this writes the very values the state held (the same
@@ -64,8 +72,8 @@ class Settings:
 
 def _steps_to_device(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
     for q in params:
-        state = optimizer.state.get(q)
-        step = state.get("step") if state else None
+        state = optimizer.state.get(q) or {}
+        step = state.get("step")
         if isinstance(step, torch.Tensor) and step.device != q.device:
             state["step"] = step.to(device=q.device, dtype=torch.float32)
 
@@ -90,7 +98,9 @@ def position_of(data: dict, world: int, changes: list[dict], batch_size: int) ->
     return DataPosition.from_state(data, world, old_batch_size(changes, batch_size))
 
 
-def resume_point(run_dir: Path, requested: Path | None, restart: int, d, out) -> Path | None:
+def resume_point(
+    run_dir: Path, requested: Path | None, restart: int, d: Dist, out: Reporter
+) -> Path | None:
     """Where to start from, decided by rank 0 and shared with every rank.
 
     After a restart by torchrun, the run's own newest complete checkpoint (else what the run
@@ -121,7 +131,9 @@ def resume_point(run_dir: Path, requested: Path | None, restart: int, d, out) ->
     return loadable(path, d.world_size, lambda m: out.log("warning", m))
 
 
-def apply(back, point: Path, d, p, changes: list[dict], hooks, out) -> tuple:
+def apply(
+    back: Resumed, point: Path, d: Dist, p, changes: list[dict], hooks: Hooks, out: Reporter
+) -> tuple[int, int | None, DataPosition]:
     """A loaded checkpoint's step, newest eval and data position; its task state and RNG
     restored."""
     position = position_of(back.data, back.world_size, changes, p.data.batch_size)
@@ -161,7 +173,7 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
-def loadable(path: Path, world_size: int, log) -> Path:
+def loadable(path: Path, world_size: int, log: Callable[[str], None]) -> Path:
     """Collective: the checkpoint every rank can load, ``path`` first, else the complete ones
     before it, newest first (rank 0's list), each one skipped said in one warning line
     (``log``); ResumeFailed in one line when none loads. Every rank returns the same one."""

@@ -12,13 +12,29 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .exchange import Row
 from .metrics import memory_sample
 from .nonfinite import NonFiniteLoss
+
+if TYPE_CHECKING:
+    from ..profile import TrainConfig
+    from ..tasks.base import TaskOutput
+    from ..timings import Stopwatch
+    from .compile import Compiled
+    from .control import Control
+    from .data import DataPosition
+    from .distributed import Dist
+    from .exchange import Exchange
+    from .flops import MFU
+    from .heartbeat import Beat
+    from .optim_set import Optimizers
+    from .reporter import Reporter
+    from .train_metrics import TrainMetrics
+    from .update_step import Update
 
 
 @dataclass
@@ -37,17 +53,17 @@ class Window:
 class Parts:
     """What a step event is made of, besides the ranks' rows."""
 
-    out: Any  # reporter.Reporter
-    d: Any  # distributed.Dist
-    train: Any  # the profile's [train]
-    opts: Any  # optim_set.Optimizers
-    exchange: Any  # exchange.Exchange
-    control: Any  # control.Control (a log step's row carries its proposal)
-    mfu: Any  # flops.MFU
-    watch: Any  # timings.Stopwatch
-    metrics: Any  # train_metrics.TrainMetrics
-    compiled: Any  # compile.Compiled
-    beat: Any  # heartbeat.Heartbeat
+    out: Reporter
+    d: Dist
+    train: TrainConfig  # the profile's [train]
+    opts: Optimizers
+    exchange: Exchange
+    control: Control  # a log step's row carries its proposal
+    mfu: MFU
+    watch: Stopwatch
+    metrics: TrainMetrics
+    compiled: Compiled
+    beat: Beat
 
 
 class StepLogger:
@@ -71,7 +87,9 @@ class StepLogger:
         """Updates found skipped later than their step (a deferred verdict, nonfinite.py)."""
         self.window.skipped += n
 
-    def micro_batch(self, result, last_loss: torch.Tensor, fill_row: bool, step: int) -> None:
+    def micro_batch(
+        self, result: TaskOutput, last_loss: torch.Tensor, fill_row: bool, step: int
+    ) -> None:
         """A micro-batch's numbers; on a log step's last one (``fill_row``), this rank's row
         is filled before its backward (``step``: the steps completed)."""
         w, p = self.window, self.p
@@ -96,7 +114,7 @@ class StepLogger:
         total = self.window.loss_sum
         return total + (last_loss if isinstance(total, torch.Tensor) else float(last_loss))
 
-    def log(self, step: int, position, update) -> list[Row]:
+    def log(self, step: int, position: DataPosition, update: Update) -> list[Row]:
         """Collective: every rank's row, and rank 0's step event; a new window. Raises
         NonFiniteLoss when the loss is not finite under ``nan_policy = "stop"``."""
         self.p.beat.set(step, "sync")
@@ -107,7 +125,7 @@ class StepLogger:
         self.p.metrics.reset()
         return rows
 
-    def event(self, step: int, position, rows: list[Row], update) -> None:
+    def event(self, step: int, position: DataPosition, rows: list[Row], update: Update) -> None:
         """A step event from every rank's numbers, which came with the step's exchange."""
         p, w, world = self.p, self.window, self.p.d.world_size
         loss = sum(r.last_loss for r in rows) / world

@@ -20,12 +20,30 @@ A new strategy is a new class here, not branches in the trainer: see ARCHITECTUR
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from ..profile import DistributedConfig
+    from ..tasks.base import Task
+    from .checkpoint import Resumed
+    from .checkpoint_writer import Writer
+    from .distributed import Dist
+    from .exchange import Exchange
+    from .optim_set import Optimizers
+    from .shared_reduce import SharedReduce
+
+# What a checkpoint saves and loads of the GradScalers: one, one per optimizer (a task's
+# own step, by name), or None (update_step.py).
+Scalers: TypeAlias = torch.amp.GradScaler | dict[str, torch.amp.GradScaler] | None
 
 
 @dataclass
@@ -41,57 +59,18 @@ class SaveJob:
     requested: float  # perf_counter when the save was asked for
     waited: float  # seconds spent waiting for the write before it
     model: nn.Module
-    optimizers: Any
-    writer: Any  # checkpoint_writer.Writer
-    group: Any  # the checkpoint writes' process group
+    optimizers: Optimizers
+    writer: Writer
+    group: dist.ProcessGroup  # the checkpoint writes'
     keep_last: int
     is_main: bool
 
 
-class Strategy:
-    """The interface; each method's default is what a strategy that does nothing there does."""
+class TaskStepRules:
+    """How a task's own ``train_step`` (task_step.py) makes, averages and clips one
+    optimizer's gradients. These are one rank's rules (nothing to reduce): what a task's step
+    rehearsed alone gets (plan.py, auto_batch.py); every strategy refines them."""
 
-    name = ""
-    # What the trainer trains: called, train()/eval(), ``.module`` the bare model, no_sync().
-    wrapped: Any = None
-
-    def make_scaler(self, precision: str, device_type: str) -> Any:
-        """The GradScaler (fp16 on a GPU), or None."""
-        raise NotImplementedError
-
-    def load_before_wrap(self, point: Path, model, optimizers, scalers, d) -> Any:
-        """A checkpoint loaded into the bare model (a ``checkpoint.Resumed``), or None when
-        this strategy loads after wrapping."""
-        return None
-
-    def wrap(self, model: nn.Module, task, precision: str, optimizers, warn) -> None:
-        """Spread the model over the ranks; sets :attr:`wrapped`."""
-        raise NotImplementedError
-
-    def load_after_wrap(self, point: Path, model, optimizers, scalers, d) -> Any:
-        """A checkpoint loaded into the wrapped model, or None (loaded before, or not here)."""
-        return None
-
-    def autocast(self, autocast: contextlib.AbstractContextManager) -> Any:
-        """The autocast the step runs under, given the precision's."""
-        return autocast
-
-    @property
-    def compute_model(self) -> Any:
-        """What a task's ``compute`` is handed."""
-        return self.wrapped
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        """A micro-batch that is not the step's last: gradients accumulate, unreduced."""
-        return self.wrapped.no_sync()
-
-    def clip(self, optimizers, max_norm: float) -> tuple[Any, dict[str, Any]]:
-        """Clip every optimizer's gradients: the norm over all, and each one's."""
-        raise NotImplementedError
-
-    # -- a task's own train_step (task_step.py): the engine's step, one optimizer at a time --
-    # The defaults are one rank's (nothing to reduce): what a task's step rehearsed alone
-    # (plan.py, auto_batch.py) gets.
     def task_backward(self, loss: torch.Tensor, params: list, others: list) -> None:
         """The gradients of ``loss`` for ``params`` (one optimizer's) only; ``others``: the
         other optimizers' parameters, whose gradients must stay as they were."""
@@ -106,24 +85,96 @@ class Strategy:
         model (the same on every rank)."""
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
-    def gradient_reduce(self, d, cfg, run_dir: Path) -> tuple[Any, str]:
+
+class Strategy(TaskStepRules, ABC):
+    """The interface. The abstract methods are what every strategy provides; each other
+    method's default is what a strategy that does nothing there does."""
+
+    name = ""
+    # What the trainer trains: called, train()/eval(), ``.module`` the bare model, no_sync().
+    wrapped: Any = None
+
+    @abstractmethod
+    def make_scaler(self, precision: str, device_type: str) -> torch.amp.GradScaler | None:
+        """The GradScaler (fp16 on a GPU), or None."""
+        raise NotImplementedError
+
+    def load_before_wrap(
+        self, point: Path, model: nn.Module, optimizers: Optimizers, scalers: Scalers, d: Dist
+    ) -> Resumed | None:
+        """A checkpoint loaded into the bare model (a ``checkpoint.Resumed``), or None when
+        this strategy loads after wrapping."""
+        return None
+
+    @abstractmethod
+    def wrap(
+        self,
+        model: nn.Module,
+        task: Task,
+        precision: str,
+        optimizers: Optimizers,
+        warn: Callable[[str], None],
+    ) -> None:
+        """Spread the model over the ranks; sets :attr:`wrapped`."""
+        raise NotImplementedError
+
+    def load_after_wrap(
+        self, point: Path, model: nn.Module, optimizers: Optimizers, scalers: Scalers, d: Dist
+    ) -> Resumed | None:
+        """A checkpoint loaded into the wrapped model, or None (loaded before, or not here)."""
+        return None
+
+    def autocast(
+        self, autocast: contextlib.AbstractContextManager
+    ) -> contextlib.AbstractContextManager:
+        """The autocast the step runs under, given the precision's."""
+        return autocast
+
+    @property
+    def compute_model(self) -> Any:
+        """What a task's ``compute`` is handed."""
+        return self.wrapped
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """A micro-batch that is not the step's last: gradients accumulate, unreduced."""
+        return self.wrapped.no_sync()
+
+    @abstractmethod
+    def clip(
+        self, optimizers: Optimizers, max_norm: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Clip every optimizer's gradients: the norm over all, and each one's."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def gradient_reduce(
+        self, d: Dist, cfg: DistributedConfig, run_dir: Path
+    ) -> tuple[SharedReduce | None, str | None]:
         """How gradients are summed: a ``SharedReduce`` (or None), and why not one."""
         raise NotImplementedError
 
-    def carry_table(self, exchange) -> None:
+    def carry_table(self, exchange: Exchange) -> None:
         """Let a log step's table ride the gradient reduction; by default it does not (then
         ``Exchange.gather`` makes a collective of its own)."""
+        return None  # a default, not abstract: DDP's hook is the only one so far
 
+    @abstractmethod
     def save(self, job: SaveJob) -> dict[str, Any] | None:
         """Write a checkpoint: its outcome, or None while a background write is in flight."""
         raise NotImplementedError
 
+    @abstractmethod
     def start_fields(self) -> dict[str, Any]:
         """The start event's ``ddp`` and ``fsdp`` fields (the other one None)."""
         raise NotImplementedError
 
 
-def choose(cfg, world_size: int, task=None, model=None) -> tuple[str, list[str]]:
+def choose(
+    cfg: DistributedConfig,
+    world_size: int,
+    task: Task | object | None = None,
+    model: nn.Module | None = None,
+) -> tuple[str, list[str]]:
     """The one choice of a strategy (its class's ``name``) and the task's rank-local expert
     parameters: what ``distributed.strategy`` names (``ddp`` on one rank: ``single``); a task
     that names rank-local expert parameters on several ranks: ``expert``. The ranks
@@ -143,7 +194,9 @@ def choose(cfg, world_size: int, task=None, model=None) -> tuple[str, list[str]]
     return ("single" if world_size == 1 else "ddp"), []
 
 
-def for_profile(cfg, d, task=None, model=None) -> Strategy:
+def for_profile(
+    cfg: DistributedConfig, d: Dist, task: Task | None = None, model: nn.Module | None = None
+) -> Strategy:
     """The strategy :func:`choose` picks, made for rank ``d``."""
     name, experts = choose(cfg, d.world_size, task, model)
     if name == "expert":

@@ -46,7 +46,7 @@ class DdpStrategy(Strategy):
         # buckets of DDP's size.
         average(params, self.d.world_size, int(self.cfg.bucket_cap_mb * 1024 * 1024))
 
-    def gradient_reduce(self, d, cfg, run_dir: Path) -> tuple[Any, str]:
+    def gradient_reduce(self, d, cfg, run_dir: Path) -> tuple[SharedReduce | None, str | None]:
         if cfg.cpu_reduce == "shared-memory":
             return SharedReduce.create(d, cfg.collective_timeout_s, os.path.basename(run_dir))
         return None, "distributed.cpu_reduce = gloo"

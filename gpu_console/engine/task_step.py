@@ -39,7 +39,7 @@ import torch
 
 from .closure_step import mean_over_ranks, needs_closure
 from .optim_set import Optimizers, OptimizerSetupError
-from .strategy import Strategy
+from .strategy import TaskStepRules
 from .update_step import Update, UpdateStep
 
 
@@ -68,7 +68,7 @@ class StepOptimizers(Mapping):
         self.skipped = 0
         self.stopped = False  # stop: a non-finite norm this step; no update after it
         # How gradients are reduced and clipped (TaskStep.bind); until then one rank's.
-        self.strategy: Strategy = Strategy()
+        self.strategy: TaskStepRules = TaskStepRules()
 
     # -- the mapping: name → optimizer ----------------------------------------------------
     def __getitem__(self, name: str) -> torch.optim.Optimizer:

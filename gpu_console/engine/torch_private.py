@@ -61,7 +61,7 @@ def fused_kernel_devices() -> list[str]:
     return list(_get_fused_kernels_supported_devices())
 
 
-def set_last_lr(scheduler: Any, lrs: list[float]) -> None:
+def set_last_lr(scheduler: Any, lrs: list[float] | list[float | torch.Tensor]) -> None:
     """What ``get_last_lr()`` (the step events' lr) reads, set as the scheduler sets it.
 
     ``_last_lr`` is private: set all the same on a torch without it (harmless there);
@@ -144,7 +144,8 @@ def ddp_ignore(model: nn.Module, names: list[str]) -> None:
     if setter is not None:
         setter(model, names)
     else:
-        model._ddp_params_and_buffers_to_ignore = list(names)
+        # torch's stubs type a module's attributes as tensors or modules; DDP reads a list
+        model._ddp_params_and_buffers_to_ignore = list(names)  # type: ignore[assignment]
 
 
 # -- distributed.strategy = "fsdp" -----------------------------------------------------------

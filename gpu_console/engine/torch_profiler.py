@@ -127,6 +127,7 @@ class Profiler:
 
     def _end(self, step: int, reason: str) -> None:
         c, self.capture = self.capture, None
+        assert c is not None  # its callers end a capture in progress
         _failed_capture.clear()
         try:
             c.prof.stop()  # mid-record: writes the steps recorded so far (on_trace_ready)

@@ -22,6 +22,7 @@ left out, with one warning.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ class MetricReduceError(ValueError):
     """A task's ``metric_reduce`` names a reduction that does not exist."""
 
 
-def declared(task) -> dict[str, str]:
+def declared(task: object) -> dict[str, str]:
     """The task's ``metric_reduce``, checked (an attribute or a method; absent: ``{}``)."""
     spec = getattr(task, "metric_reduce", None)
     if callable(spec):
@@ -70,7 +71,14 @@ def _max(a: float, b: float) -> float:
 class TrainMetrics:
     """One rank's metrics over the current log window, and their reduction over the ranks."""
 
-    def __init__(self, task, rank: int, world_size: int, device: torch.device, warn=None):
+    def __init__(
+        self,
+        task: object,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        warn: Callable[[str], None] | None = None,
+    ):
         self.reduce = declared(task)
         self.rank, self.world_size, self.device = rank, world_size, device
         # On a GPU a metric stays there until the log step (reading it would sync the host);
@@ -141,7 +149,7 @@ class TrainMetrics:
             host_t = host_t.pin_memory().to(self.device, non_blocking=True)
         host_t = host_t.to(self.device)
         n = len(accs)
-        out: list[torch.Tensor] = []
+        out: list[torch.Tensor | float] = []
         for i, (name, a) in enumerate(zip(self.names, accs, strict=True)):
             num = host_t[n + i]
             if a.dev is not None:

@@ -43,6 +43,7 @@ class Trainer:
         end = end_step(p.train)
         while state.step < end:
             b.checkpointer.settle_finished()  # a background write that ended: its event
+            rows: list[Row] | None
             if state.paused:
                 rows = b.control.paused(state.step)
             else:
@@ -94,6 +95,7 @@ class Trainer:
         ``nan_policy = "stop"`` keeps the weights if they are still finite, then fails; too
         many skipped updates in a row (``nan_skip_limit``) fail the run."""
         b = self.b
+        assert b is not None  # run() built it before its first step
         try:
             rows = b.logger.log(b.state.step, b.state.batches.position, update)
         except NonFiniteLoss as e:
@@ -111,6 +113,7 @@ class Trainer:
     def stop(self, reason: str) -> None:
         """A stop command or a scheduler signal: every rank at the same step."""
         b, s = self.b, self.s
+        assert b is not None  # run() built it before its first step
         exchanges = b.exchange.counts()
         s.out.status("stopping", reason=reason)
         saved = b.checkpointer.save(reason if s.p.checkpoint.on_stop else None)
@@ -123,6 +126,7 @@ class Trainer:
     def end(self) -> None:
         """``max_steps`` reached: what the last step's boundaries did not do already."""
         b, s = self.b, self.s
+        assert b is not None  # run() built it before its first step
         step = b.state.step
         b.profiler.finish(step, "end")
         improved = False

@@ -17,12 +17,24 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .data import move
 from .nonfinite import Guard, Settled, SkipStreak
+
+if TYPE_CHECKING:
+    from ..profile import TrainConfig
+    from ..tasks.base import Task
+    from .context import TaskContext
+    from .data import Batches, DataPosition
+    from .distributed import Dist
+    from .heartbeat import Beat
+    from .optim_set import Optimizers
+    from .step_log import StepLogger
+    from .strategy import Scalers, Strategy
+    from .task_step import StepOptimizers
 
 
 @dataclass
@@ -37,11 +49,42 @@ class Update:
     stop: bool = False  # nan_policy = "stop" and the gradient is not finite: not made
 
 
+class Updater(Protocol):
+    """What the build and the trainer call on an update step, whichever one it is."""
+
+    owner: str
+    step_optimizers: StepOptimizers | None
+    scalers: Scalers
+    streak: SkipStreak
+
+    def bind(self, strategy: Strategy, autocast: contextlib.AbstractContextManager) -> None:
+        """After the strategy wrapped the model: what the micro-batches run with."""
+
+    def run(self, step: int, batches: Batches, logger: StepLogger, logging: bool) -> Update:
+        """Step ``step + 1``: every micro-batch, then the update (``logging``: a log step)."""
+        ...
+
+    def settle(self, boundary: bool, step: int) -> Settled:
+        """At a boundary (``step``): what the updates gated on the device did."""
+        ...
+
+
 class UpdateStep:
+    """The implementations' common part (an :class:`Updater`)."""
+
     owner = ""  # who runs backward and step: the start event's ``train_step``
     step_optimizers: Any = None  # a task's own step: what its train_step is handed
 
-    def __init__(self, task, opts, train, d, scalers, ctx, beat) -> None:
+    def __init__(
+        self,
+        task: Task,
+        opts: Optimizers,
+        train: TrainConfig,
+        d: Dist,
+        scalers: Scalers,
+        ctx: TaskContext,
+        beat: Beat,
+    ) -> None:
         self.task, self.opts, self.d, self.ctx, self.beat = task, opts, d, ctx, beat
         self.accum = train.grad_accum
         self.max_norm = train.clip_grad_norm if train.clip_grad_norm > 0 else math.inf
@@ -52,11 +95,11 @@ class UpdateStep:
         self.strategy: Any = None
         self.autocast: Any = contextlib.nullcontext()
 
-    def bind(self, strategy, autocast) -> None:
+    def bind(self, strategy: Strategy, autocast: contextlib.AbstractContextManager) -> None:
         """After the strategy wrapped the model: what the micro-batches run with."""
         self.strategy, self.autocast = strategy, autocast
 
-    def run(self, step: int, batches, logger, logging: bool) -> Update:
+    def run(self, step: int, batches: Batches, logger: StepLogger, logging: bool) -> Update:
         """Step ``step + 1``: every micro-batch, then the update (``logging``: a log step)."""
         last_loss = output = None
         for micro in range(self.accum):
@@ -72,6 +115,7 @@ class UpdateStep:
                 last_loss = part if last_loss is None else last_loss + part
                 logger.micro_batch(output, last_loss, final and logging, step)
                 self.backward(loss)
+        assert last_loss is not None  # train.grad_accum >= 1: a micro-batch ran
         self.beat.set(step + 1, "update")
         update = self.update(last_loss, output, batches.position, logging)
         self.record(step + 1, update)
@@ -92,13 +136,15 @@ class UpdateStep:
     def sync(self, final: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def forward(self, batch, final: bool, step: int) -> Any:
+    def forward(self, batch: Any, final: bool, step: int) -> Any:
         raise NotImplementedError
 
     def backward(self, loss: torch.Tensor) -> None:
         """After the forward (and after a log step's row is filled)."""
 
-    def update(self, last_loss, output, position, logging: bool) -> Update:
+    def update(
+        self, last_loss: torch.Tensor, output: Any, position: DataPosition, logging: bool
+    ) -> Update:
         raise NotImplementedError
 
 
@@ -107,8 +153,9 @@ class EngineStep(UpdateStep):
 
     owner = "engine"
 
-    def bind(self, strategy, autocast) -> None:
+    def bind(self, strategy: Strategy, autocast: contextlib.AbstractContextManager) -> None:
         super().bind(strategy, autocast)
+        assert not isinstance(self.scalers, dict)  # by name: a task's own step's alone
         self.scaler = self.scalers
         self.guard = Guard(
             self.nan_policy, [e.optimizer for e in self.opts.entries], self.scaler, self.d.device
@@ -121,13 +168,15 @@ class EngineStep(UpdateStep):
     def sync(self, final: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if final else self.strategy.no_sync()
 
-    def forward(self, batch, final: bool, step: int) -> Any:
+    def forward(self, batch: Any, final: bool, step: int) -> Any:
         return self.task.compute(self.strategy.compute_model, batch)
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def update(self, last_loss, output, position, logging: bool) -> Update:
+    def update(
+        self, last_loss: torch.Tensor, output: Any, position: DataPosition, logging: bool
+    ) -> Update:
         guard, scaler = self.guard, self.scaler
         if scaler is not None:
             self.opts.unscale(scaler)
@@ -162,7 +211,15 @@ class EngineStep(UpdateStep):
         return settled
 
 
-def for_task(task, opts, train, d, scaler, ctx, beat) -> UpdateStep:
+def for_task(
+    task: Task,
+    opts: Optimizers,
+    train: TrainConfig,
+    d: Dist,
+    scaler: Scalers,
+    ctx: TaskContext,
+    beat: Beat,
+) -> Updater:
     """The task's own step when it has ``train_step`` (task_step.py); else the engine's, or
     its closure form for an optimizer that steps with one (LBFGS, closure_step.py)."""
     own = getattr(task, "train_step", None) is not None

@@ -93,11 +93,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 if TYPE_CHECKING:
     import torch
     from torch.utils.data import Dataset
+
+    from ..engine.context import TaskContext
+    from ..engine.task_step import StepOptimizers
 
 
 @dataclass
@@ -120,7 +123,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(model, wrappers):
             model = model.module
         elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-            model = model._orig_mod  # torch.compile's wrapper (torch._dynamo.eval_frame)
+            # torch.compile's wrapper (torch._dynamo.eval_frame); stubs: a tensor or module
+            model = cast(torch.nn.Module, model._orig_mod)
         else:
             return model
 
@@ -141,6 +145,11 @@ def perplexity(metrics: dict[str, float]) -> float:
 
 
 class Task(Protocol):
+    """What every task provides (a task with ``train_step`` and no eval data may leave
+    ``compute`` out: the loader checks for one or the other). The engine assigns ``ctx``
+    before ``build_model``; a task that reads it declares ``ctx: TaskContext``. The optional
+    hooks are the protocols below: a task has any of them, or none."""
+
     Config: type
 
     def __init__(self, config: Any) -> None: ...
@@ -150,6 +159,83 @@ class Task(Protocol):
     def build_datasets(self) -> tuple[Dataset, Dataset | dict[str, Dataset] | None]: ...
 
     def compute(self, model: torch.nn.Module, batch: Any) -> TaskOutput: ...
+
+
+# -- the optional hooks, one protocol each: the engine looks each up on the task -------------
+
+
+class StepsItself(Protocol):
+    def train_step(
+        self, model: torch.nn.Module, batch: Any, optimizers: StepOptimizers, ctx: TaskContext
+    ) -> TaskOutput: ...
+
+
+class ConfiguresOptimizers(Protocol):
+    def configure_optimizers(self, model: torch.nn.Module, ctx: TaskContext) -> Optimizers: ...
+
+
+class ParamGroups(Protocol):
+    """The profile's optimizer over groups of the task's own: each a dict with ``params``."""
+
+    def param_groups(self, model: torch.nn.Module) -> list[dict[str, Any]]: ...
+
+
+class ExpertParameters(Protocol):
+    """Names of the parameters each rank holds alone (the ``expert`` strategy)."""
+
+    def expert_parameters(self, model: torch.nn.Module) -> list[str]: ...
+
+
+class CountsFlops(Protocol):
+    def flops_per_sample(self) -> float: ...
+
+
+class Closes(Protocol):
+    def close(self) -> None: ...
+
+
+class ExportsModules(Protocol):
+    def export_modules(self) -> dict[str, str]: ...
+
+
+class Collates(Protocol):
+    def collate(self, batch: Any) -> Any: ...
+
+
+class NamesBlocks(Protocol):
+    """Activation checkpointing and FSDP's units: the model's repeated blocks."""
+
+    def blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]: ...
+
+
+class HasState(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class OnStepEnd(Protocol):
+    def on_step_end(self, model: torch.nn.Module, output: TaskOutput, ctx: TaskContext) -> None: ...
+
+
+class OnEpochEnd(Protocol):
+    def on_epoch_end(self, model: torch.nn.Module, ctx: TaskContext) -> None: ...
+
+
+class OnEvalStart(Protocol):
+    def on_eval_start(self, model: torch.nn.Module, ctx: TaskContext) -> None: ...
+
+
+class OnEvalEnd(Protocol):
+    """It may return figures of its own, added to the eval event (engine/hooks.py)."""
+
+    def on_eval_end(
+        self, model: torch.nn.Module, metrics: dict[str, float], ctx: TaskContext
+    ) -> dict[str, float] | None: ...
+
+
+class OnTrainEnd(Protocol):
+    def on_train_end(self, model: torch.nn.Module, ctx: TaskContext, reason: str) -> None: ...
 
 
 # -- optimizers: the optional hook configure_optimizers(model, ctx) --------------------------
@@ -177,7 +263,10 @@ class OptimizerSpec:
 
 # What configure_optimizers may return: one optimizer (named "main"), one OptimizerSpec, or
 # a dict of them by name (the names checkpoints, the start event and step events use).
-Optimizers = Any  # torch.optim.Optimizer | OptimizerSpec | dict[str, Optimizer | OptimizerSpec]
+# A string: torch is imported for type checking only (this module stays torch-free).
+Optimizers: TypeAlias = (
+    "torch.optim.Optimizer | OptimizerSpec | dict[str, torch.optim.Optimizer | OptimizerSpec]"
+)
 
 
 class TensorSet:

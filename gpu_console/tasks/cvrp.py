@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,9 @@ from torch import nn
 
 from .base import TaskOutput, TensorSet, at_least_fp32, unwrap
 from .configs import CVRP_CAPACITY, CVRPConfig
+
+if TYPE_CHECKING:
+    from ..engine.context import TaskContext
 
 DEMAND_MAX = 9
 
@@ -274,6 +278,7 @@ class CVRPModel(nn.Module):
     ) -> torch.Tensor:
         """Log-probabilities (batch, nodes) of the next node; barred nodes get none."""
         if self.refresh is not None:
+            assert self.state_in is not None  # made with refresh (encoder = "dgt")
             h = fixed[0] + self.state_in(routes.state())
             fixed = self.fixed(self.refresh(h, dist))
         h, graph, glimpse_k, glimpse_v, pointer_k = fixed
@@ -329,6 +334,7 @@ def sample(log_p: torch.Tensor) -> torch.Tensor:
 
 class CVRPTask:
     Config = CVRPConfig
+    ctx: TaskContext  # the engine's, assigned before build_model (tasks/base.py)
 
     def __init__(self, config: CVRPConfig):
         self.cfg = config
@@ -392,6 +398,7 @@ class CVRPTask:
     def baseline_on(self, model: nn.Module) -> CVRPModel:
         """The frozen copy, on the policy's device and in its dtype."""
         param = next(unwrap(model).parameters())
+        assert self.baseline is not None  # build_model made it
         return self.baseline.to(device=param.device, dtype=param.dtype)
 
     @staticmethod
@@ -442,6 +449,7 @@ class CVRPTask:
         return {"gap_pct": 100.0 * (metrics["loss"] / metrics["nn"] - 1.0)}
 
     def state_dict(self) -> dict:
+        assert self.baseline is not None  # build_model made it
         state = {
             "epochs_done": self.epochs_done,
             "replacements": self.replacements,
@@ -456,5 +464,6 @@ class CVRPTask:
     def load_state_dict(self, state: dict) -> None:
         self.epochs_done = int(state["epochs_done"])
         self.replacements = int(state["replacements"])
+        assert self.baseline is not None  # build_model made it
         self.baseline.load_state_dict(state["baseline"])
         self.ema = state.get("ema")

@@ -19,6 +19,7 @@ Written against the public task contract (tasks/base.py), as a user's task would
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,9 @@ from .base import TaskOutput, TensorSet, at_least_fp32
 from .configs import BYTES, HFConfig
 from .lm import windows
 from .text_data import held_out, read_text
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class HFTask:
@@ -49,7 +53,7 @@ class HFTask:
         import transformers
 
         c = self.cfg
-        extra = {"num_labels": 2} if c.head == "sequence-classification" else {}
+        extra: dict[str, Any] = {"num_labels": 2} if c.head == "sequence-classification" else {}
         if c.model:
             where = Path(c.model).expanduser()
             if not where.is_dir():
@@ -126,5 +130,5 @@ def local_tokenizer(where: Path):
         return None
 
 
-def vocabulary(model: nn.Module) -> int:
-    return model.get_input_embeddings().num_embeddings
+def vocabulary(model: PreTrainedModel) -> int:
+    return cast(nn.Embedding, model.get_input_embeddings()).num_embeddings

@@ -19,6 +19,7 @@ block is the ``transformer`` task's, made causal.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +87,8 @@ def greedy(model: nn.Module, prompt: torch.Tensor, n: int) -> torch.Tensor:
     most the model's context."""
     out = prompt
     for _ in range(n):
-        logits = model(out[-model.seq_len :][None])[0, -1]
+        # a plain int attribute; nn.Module's stubs type every attribute a tensor or module
+        logits = model(out[-cast(int, model.seq_len) :][None])[0, -1]
         out = torch.cat([out, logits.argmax()[None]])
     return out[len(prompt) :]
 

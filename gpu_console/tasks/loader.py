@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from typing import TYPE_CHECKING
 
 from . import import_target
+
+if TYPE_CHECKING:
+    from .base import Task
 
 
 class TaskLoadError(Exception):
     """A task import path that cannot be imported or is not a task."""
 
 
-def load_task_class(kind: str) -> type:
+def load_task_class(kind: str) -> type[Task]:
     module_name, _, attr = import_target(kind).partition(":")
     try:
         module = importlib.import_module(module_name)

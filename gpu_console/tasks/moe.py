@@ -37,6 +37,7 @@ Written against the public task contract (tasks/base.py), as a user's task would
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -120,7 +121,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(d, c.num_experts, bias=False)
         self.spread = spread
         held = c.num_experts // spread.world if spread else None
-        first = spread.rank * held if spread else 0
+        first = spread.rank * held if spread and held is not None else 0
         self.experts = Experts(c.num_experts, d, c.ff_mult * d, first, held)
         self.stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -175,6 +176,7 @@ class MoE(nn.Module):
         """Expert parallelism: each kept assignment's row travels to the rank holding its
         expert, and its output back; the sizes are agreed first (host reads of the counts)."""
         sp, held = self.spread, self.experts.w1.shape[0]
+        assert sp is not None  # expert parallelism: the model was built spread
         order = kept.nonzero().squeeze(1)
         order = order[choice[order].argsort(stable=True)]  # by expert: by rank, then expert
         sent = torch.bincount(choice[order], minlength=sp.world * held)
@@ -225,7 +227,7 @@ class MoEGPT(nn.Module):
         x = self.tok(tokens) + self.pos[: tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
-        stats = [block.ff.stats for block in self.blocks]
+        stats = [cast(MoE, block.ff).stats for block in self.blocks]  # MoEBlock's
         aux, load, dropped = (torch.stack(s).mean(0) for s in zip(*stats, strict=True))
         return self.head(self.ln(x)), aux, load, dropped
 
