@@ -44,7 +44,7 @@ from .refusal import Refused
 from .schedule import scaled_lr
 from .step_log import Parts as LogParts
 from .step_log import StepLogger
-from .strategy import Strategy, for_profile
+from .strategy import Strategy, closure_refused, for_profile
 from .task_parts import TaskParts
 from .timeouts import PhaseTimeouts
 from .train_metrics import TrainMetrics
@@ -189,6 +189,8 @@ def _model(s: Setup, facts: Facts) -> _Model:
     opts = parts.optimizers(
         lambda m: Optimizers.build(task, m, p, d.world_size, d.device.type, ctx, fused_ok)
     )
+    if refused := closure_refused(strategy.name, opts):  # every rank the same verdict
+        raise Refused(*refused)
     ctx.optimizers = {e.name: e.optimizer for e in opts.entries}  # what the hooks may reach
     update = for_task(task, opts, p.train, d, scaler, ctx, s.beat)
     return _Model(ctx, hooks, model, opts, strategy, update, parts)

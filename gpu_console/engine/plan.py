@@ -43,7 +43,7 @@ from .evaluate import splits as eval_splits
 from .evaluate import without_compute
 from .optim_set import Optimizers
 from .schedule import decay_steps, floor_ratio, lr_factor, scaled_lr
-from .strategy import choose
+from .strategy import choose, closure_refused
 from .task_parts import TaskParts
 from .task_step import StepOptimizers
 
@@ -152,6 +152,8 @@ def plan(
         "versions": {"torch": torch.__version__},
         "strategy": _strategy(p, task, model, kind, device_type, world_size),
     }
+    if refused := closure_refused(facts["strategy"]["strategy"], opts):  # as the ranks would
+        raise TaskBuildError(": ".join(refused))
     # Last: the micro-batch's update must not change what the plan reports.
     facts["rehearsal"] = (
         rehearse(p, task, kind, model, opts, (train_set, eval_set), ctx) if step else None

@@ -91,6 +91,9 @@ class Strategy(TaskStepRules, ABC):
     method's default is what a strategy that does nothing there does."""
 
     name = ""
+    # Why a closure optimizer (LBFGS) cannot train under this strategy, as (key, one line),
+    # or None where it can (closure_step.py).
+    closure_refusal: tuple[str, str] | None = None
     # What the trainer trains: called, train()/eval(), ``.module`` the bare model, no_sync().
     wrapped: Any = None
 
@@ -194,6 +197,37 @@ def choose(
     return ("single" if world_size == 1 else "ddp"), []
 
 
+def class_of(name: str) -> type[Strategy]:
+    """The class of the strategy :func:`choose` names: what the console side asks about a
+    strategy (``--dry-run``, plan.py) without making one."""
+    if name == "expert":
+        from .strategy_expert import ExpertParallelStrategy
+
+        return ExpertParallelStrategy
+    if name == "fsdp":
+        from .strategy_fsdp import FsdpStrategy
+
+        return FsdpStrategy
+    if name == "single":
+        from .strategy_single import SingleStrategy
+
+        return SingleStrategy
+    from .strategy_ddp import DdpStrategy
+
+    return DdpStrategy
+
+
+def closure_refused(name: str, optimizers: Optimizers) -> tuple[str, str] | None:
+    """(key, why) when one of the optimizers steps with a closure (LBFGS) and the strategy
+    cannot train it (:attr:`Strategy.closure_refusal`); None otherwise."""
+    from .closure_step import needs_closure
+
+    why = class_of(name).closure_refusal
+    if why and any(needs_closure(e.optimizer) for e in optimizers.entries):
+        return why
+    return None
+
+
 def for_profile(
     cfg: DistributedConfig, d: Dist, task: Task | None = None, model: nn.Module | None = None
 ) -> Strategy:
@@ -202,15 +236,6 @@ def for_profile(
     if name == "expert":
         from .strategy_expert import ExpertParallelStrategy
 
+        assert model is not None  # expert parameters are named from it
         return ExpertParallelStrategy(cfg, d, model, experts)
-    if name == "fsdp":
-        from .strategy_fsdp import FsdpStrategy
-
-        return FsdpStrategy(cfg, d)
-    if name == "single":
-        from .strategy_single import SingleStrategy
-
-        return SingleStrategy(cfg, d)
-    from .strategy_ddp import DdpStrategy
-
-    return DdpStrategy(cfg, d)
+    return class_of(name)(cfg, d)  # type: ignore[call-arg]  # each takes (cfg, d)

@@ -58,6 +58,14 @@ def expert_names(task, model) -> list[str]:
 
 class ExpertParallelStrategy(DdpStrategy):
     name = "expert"
+    # Found by the parity matrix: each rank's LBFGS would decide on its own experts alone
+    # (two ranks differ from one from the second step).
+    closure_refusal = (
+        "task.expert_parallel",
+        "a closure optimizer (LBFGS) needs every parameter's gradient for its decisions (its "
+        "norms, directions and line search), and each rank holds its own experts: turn "
+        "task.expert_parallel off (got true)",
+    )
 
     def __init__(self, cfg, d, model, names: list[str]) -> None:
         super().__init__(cfg, d)

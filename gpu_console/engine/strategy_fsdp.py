@@ -18,6 +18,14 @@ from .strategy import SaveJob, Strategy
 
 class FsdpStrategy(Strategy):
     name = "fsdp"
+    # Found by the parity matrix: LBFGS's state does not survive FSDP's checkpoint (a
+    # KeyError in its state_dict, one rank too), and its decisions would be each shard's.
+    closure_refusal = (
+        "distributed.strategy",
+        "a closure optimizer (LBFGS) needs every parameter's gradient for its decisions (its "
+        "norms, directions and line search), and fsdp shards them over the ranks: use ddp "
+        '(got "fsdp")',
+    )
 
     def __init__(self, cfg, d) -> None:
         self.cfg, self.d = cfg, d
