@@ -391,7 +391,9 @@ def find_run(arg: str, runs_dir: Path) -> Path:
     if not is_path:
         # The name as given, then as its directory spells it (``--name 'my run'`` is the
         # directory ``my-run-…``): the name a user gave finds the run.
-        for name in dict.fromkeys((arg, _slug(arg))):
+        # Not for a name without a letter or digit: its spelling would be any unnamed "run".
+        spellings = (arg, _slug(arg)) if any(c.isalnum() for c in arg) else (arg,)
+        for name in dict.fromkeys(spellings):
             if (found := _by_name(name, arg, runs_dir)) is not None:
                 return found
     raise RunDirError(f"{arg}: {_why_not_a_run(path, is_path, runs_dir)}")

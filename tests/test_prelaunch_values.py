@@ -235,3 +235,18 @@ def test_a_relative_text_file_is_judged_in_the_runs_own_directory(tmp_path, monk
     assert cfg.train_size(str(tmp_path)) == 1000 // 65
     with pytest.raises(KeyProblem, match="task.text_file: no such file: /t.txt"):
         cfg.train_size(None)
+
+
+def test_hf_rotary_positions_do_not_limit_seq_len_but_a_learned_table_does():
+    # max_position_embeddings is a hard limit for a learned table (BERT's), a training length
+    # only for rotary positions (Llama's): a longer sequence runs there.
+    from gpu_console.schema import KeyProblem
+    from gpu_console.tasks.configs import HFConfig
+
+    llama = {"model_type": "llama", "max_position_embeddings": 16, "rope_theta": 10000.0,
+             "vocab_size": 256}  # fmt: skip
+    assert HFConfig(config=llama, seq_len=64).train_size() > 0
+    bert = {**llama, "model_type": "bert"}
+    del bert["rope_theta"]
+    with pytest.raises(KeyProblem, match="max_position_embeddings = 16"):
+        HFConfig(config=bert, seq_len=64).train_size()

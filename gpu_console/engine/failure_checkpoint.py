@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .checkpoint import step_dir_name
 from .control_handler import DiskFullStop
 from .nonfinite import NonFiniteLoss
+from .refusal import Refused
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -43,8 +44,9 @@ if TYPE_CHECKING:
 AGREE_S = 10.0
 
 # Decisions every rank made together, each with its own checkpoint policy (nan_stop.py, the
-# events' disk): never a failure of code outside the update.
-POLICY: tuple[type[BaseException], ...] = (NonFiniteLoss, DiskFullStop)
+# events' disk), and a user's input the ranks refuse (refusal.py, recorded as ``refused``
+# by the loop): never a failure of code outside the update.
+POLICY: tuple[type[BaseException], ...] = (NonFiniteLoss, DiskFullStop, Refused)
 
 
 class Failed(Exception):

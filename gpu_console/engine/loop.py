@@ -98,12 +98,16 @@ def train(
         # The user's input, judged where it could first be (every rank the same verdict):
         # reported as a launch check's refusal, one line and exit 2, and not restarted.
         out.status("refused", reason=str(e)[:500], key=e.key, step=_done_step(beat))
+        if trainer is not None:
+            trainer.land_write()  # an interval checkpoint still being written completes
     except (NonFiniteLoss, DiskFullStop, resuming.ResumeFailed) as e:
         # A policy decision every rank made at the same step, not a crash: a restart would
         # not help, so the ranks exit 0 and the status says failed (the supervisor records
         # the engine's reason as the failure).
         why = str(e) if isinstance(e, DiskFullStop) else f"{type(e).__name__}: {e}"
         out.status("failed", reason=why[:500], step=_done_step(beat))
+        if trainer is not None:
+            trainer.land_write()
     except BaseException as e:
         # With restarts left, torchrun starts the group again (from LATEST): not the end.
         again = restart < p.distributed.max_restarts
@@ -119,6 +123,8 @@ def train(
             trainer.land_write()  # the previous step's checkpoint, still being written
         raise
     finally:
+        if trainer is not None:
+            trainer.release()  # what is process-wide goes with the run (a harness's next)
         torch_profiler.after_failure()  # a capture a failure cut short writes what it has
         close_task(task, out, d.rank)
         out.close()

@@ -44,6 +44,7 @@ from .evaluate import without_compute
 from .optim_set import Optimizers
 from .schedule import decay_steps, floor_ratio, lr_factor, scaled_lr
 from .strategy import choose, closure_refused
+from .strategy_expert import ExpertParallelError
 from .task_parts import TaskParts
 from .task_step import StepOptimizers
 
@@ -304,7 +305,12 @@ def _strategy(
     """The strategy the ranks will pick (strategy.choose, the ranks' own choice) and, under
     fsdp, what would be sharded (fsdp.py)."""
     d = p.distributed
-    name, experts = _call(kind, "expert_parameters()", choose, d, world, task, model)
+    try:
+        name, experts = choose(d, world, task, model)
+    except ExpertParallelError as e:  # the profile's keys conflict: not the task's failure
+        raise TaskBuildError(str(e)) from None
+    except Exception as e:  # the task's expert_parameters() raised
+        raise TaskBuildError(f"task {kind}: expert_parameters() failed: {_last_line(e)}") from e
     if name != "fsdp":
         fields: dict[str, Any] = {"strategy": name}
         if experts:

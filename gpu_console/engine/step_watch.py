@@ -27,7 +27,9 @@ class StepWatch:
     """The optimizers the engine is stepping now, and the hook that refuses any other."""
 
     def __init__(self) -> None:
-        self._engine: set[int] = set()  # ids of the optimizers the engine steps right now
+        # Engine steps in progress: any optimizer step inside one is the engine's (a wrapper,
+        # ZeroRedundancyOptimizer or Lookahead, steps the optimizer it wraps).
+        self._depth = 0
         self._hook: Any = None
 
     def install(self, entries, world_size: int, key: str) -> None:
@@ -39,7 +41,7 @@ class StepWatch:
         names = {id(e.optimizer): e.name for e in entries}
 
         def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            if id(optimizer) in self._engine:
+            if self._depth:
                 return
             name = names.get(id(optimizer))
             if name is None and not _of_model(optimizer, entries):
@@ -55,12 +57,13 @@ class StepWatch:
 
     @contextlib.contextmanager
     def engine(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        """The engine's own step of ``optimizer`` (its averaged gradients)."""
-        self._engine.add(id(optimizer))
+        """The engine's own step of ``optimizer`` (its averaged gradients), and every step
+        it makes of other optimizers (those it wraps)."""
+        self._depth += 1
         try:
             yield
         finally:
-            self._engine.discard(id(optimizer))
+            self._depth -= 1
 
 
 def _of_model(optimizer: torch.optim.Optimizer, entries) -> bool:
@@ -77,7 +80,7 @@ def _problem(optimizer, name: str | None, world_size: int, key: str) -> str:
     cls = type(optimizer).__name__
     what = f"optimizer {name!r} ({cls})" if name else f"an optimizer ({cls}) of the model"
     if key.endswith("compute"):
-        instead = "return the loss from compute and let the engine step it"
+        instead = "return the loss from compute (or a train_step) and let the engine step it"
     else:
         use = name or "main"
         closure = ", closure=fn" if needs_closure(optimizer) else ""

@@ -100,7 +100,7 @@ def average(params: list, world_size: int, bucket_bytes: int) -> None:
         flat = bucket[0] if alone else torch.cat([g.reshape(-1) for g in bucket])
         flat.mul_(1.0 / world_size)  # as DDP: scaled as it is copied in, then summed
         pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
-        if len(pending) > IN_FLIGHT:
+        if len(pending) >= IN_FLIGHT:
             _land(*pending.popleft())
     while pending:
         _land(*pending.popleft())

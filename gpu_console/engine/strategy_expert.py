@@ -61,10 +61,11 @@ class ExpertParallelStrategy(DdpStrategy):
     # Found by the parity matrix: each rank's LBFGS would decide on its own experts alone
     # (two ranks differ from one from the second step).
     closure_refusal = (
-        "task.expert_parallel",
+        "task.expert_parameters",
         "a closure optimizer (LBFGS) needs every parameter's gradient for its decisions (its "
-        "norms, directions and line search), and each rank holds its own experts: turn "
-        "task.expert_parallel off (got true)",
+        "norms, directions and line search), and each rank holds its own experts: use an "
+        "optimizer without a closure, or keep every expert on every rank (moe: "
+        "task.expert_parallel = false)",
     )
 
     def __init__(self, cfg, d, model, names: list[str]) -> None:

@@ -110,6 +110,12 @@ class Trainer:
         if self.b is not None:
             self.b.checkpointer.writer.land()
 
+    def release(self) -> None:
+        """The run's process-wide hooks removed (the optimizer step watch, step_watch.py):
+        a process that runs another run after this one (the harness) starts clean."""
+        if self.b is not None:
+            self.b.opts.watch.remove()
+
     def stop(self, reason: str) -> None:
         """A stop command or a scheduler signal: every rank at the same step."""
         b, s = self.b, self.s

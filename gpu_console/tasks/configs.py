@@ -295,6 +295,8 @@ class HFConfig:
         if self.model:
             table, where = _saved_config(self.model, cwd), "task.model"
         for key in POSITION_KEYS:
+            if key == "max_position_embeddings" and _rotary(table):
+                continue  # rotary positions (Llama, Mistral, Qwen): a longer sequence runs
             limit = table.get(key)
             if isinstance(limit, int) and not isinstance(limit, bool) and self.seq_len > limit:
                 why = f"above the model's {key} = {limit} ({where}), the longest it can read"
@@ -311,8 +313,20 @@ class HFConfig:
         return text_data.train_windows(self, length, cwd)
 
 
-# A transformers config's maximum positions, under the names model types give it.
+# A transformers config's maximum positions, under the names model types give it: a hard
+# limit where positions are a learned table (GPT-2's n_positions, BERT's
+# max_position_embeddings), only a training length where they are rotary.
 POSITION_KEYS = ("n_positions", "max_position_embeddings", "n_ctx")
+
+
+def _rotary(table: dict) -> bool:
+    """Whether a config's positions are rotary (no table a longer sequence overruns)."""
+    kind = table.get("position_embedding_type")
+    return any(k in table for k in ("rope_theta", "rope_scaling", "rotary_dim")) or (
+        isinstance(kind, str) and "rotary" in kind
+    )
+
+
 BYTES = 256  # the vocabulary of a text read as bytes
 
 
