@@ -389,14 +389,39 @@ def find_run(arg: str, runs_dir: Path) -> Path:
         return path
     is_path = "/" in arg or arg in (".", "..") or arg.startswith("~")
     if not is_path:
-        # The name as given, then as its directory spells it (``--name 'my run'`` is the
-        # directory ``my-run-…``): the name a user gave finds the run.
-        # Not for a name without a letter or digit: its spelling would be any unnamed "run".
-        spellings = (arg, _slug(arg)) if any(c.isalnum() for c in arg) else (arg,)
-        for name in dict.fromkeys(spellings):
-            if (found := _by_name(name, arg, runs_dir)) is not None:
-                return found
+        if (found := _by_name(arg, arg, runs_dir)) is not None:
+            return found
+        if (found := _by_given_name(arg, runs_dir)) is not None:
+            return found
     raise RunDirError(f"{arg}: {_why_not_a_run(path, is_path, runs_dir)}")
+
+
+def _by_given_name(arg: str, runs_dir: Path) -> Path | None:
+    """The newest run launched with ``--name ARG`` where its directory spells the name
+    otherwise (``--name 'my run'`` is ``my-run-…``): the name a user gave finds the run.
+    Only a run whose own name (run.toml's ``profile.name``) is ARG itself: ``real[`` never
+    finds ``real-…``."""
+    slug = _slug(arg)
+    if slug == arg:
+        return None
+    try:
+        found = sorted(runs_dir.glob(f"{glob.escape(slug)}-*"), key=lambda p: p.name)
+    except (OSError, ValueError, NotImplementedError):
+        return None
+    named = [p for p in found if _launched_name(p.name) == slug and _is_run(p)]
+    return next((p for p in reversed(named) if _given_name(p) == arg), None)
+
+
+def _given_name(run: Path) -> str | None:
+    """The name the run was launched under (run.toml's ``profile.name``), if readable."""
+    from .toml_text import TOMLDecodeError, loads
+
+    try:
+        table = loads((run / "run.toml").read_text(encoding="utf-8")).get("profile")
+    except (OSError, UnicodeDecodeError, TOMLDecodeError):
+        return None
+    name = table.get("name") if isinstance(table, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _by_name(name: str, arg: str, runs_dir: Path) -> Path | None:

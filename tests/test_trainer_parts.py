@@ -191,6 +191,22 @@ class Plain(Strategy):
     def clip(self, optimizers, max_norm: float):
         return optimizers.clip(max_norm)
 
+    # The rest of the interface (Strategy is an ABC): never reached by these tests.
+    def make_scaler(self, precision: str, device_type: str):
+        return None
+
+    def wrap(self, model, task, precision, optimizers, warn):
+        raise NotImplementedError
+
+    def gradient_reduce(self, d, cfg, run_dir):
+        raise NotImplementedError
+
+    def save(self, job):
+        raise NotImplementedError
+
+    def start_fields(self):
+        raise NotImplementedError
+
 
 class Task:
     def compute(self, model, batch) -> TaskOutput:

@@ -152,10 +152,13 @@ def build(s: Setup) -> Built:
     m.strategy.wrap(m.model, s.task, facts.prec, m.opts, lambda msg: s.out.log("warning", msg))
     autocast = m.strategy.autocast(precision.autocast(facts.prec, s.d.device.type))
     m.update.bind(m.strategy, autocast)
-    if facts.resume is not None and (back := m.strategy.load_after_wrap(
-        facts.resume, m.model, m.opts, m.update.scalers, s.d
-    )) is not None:  # fmt: skip
-        start = _applied(s, m, facts, back)
+    if facts.resume is not None:
+        # A sharded load steps the optimizers once to make their state (torch's DCP
+        # _init_optim_state): the engine's step, not the task's (step_watch.py).
+        with m.opts.watch.engine():
+            back = m.strategy.load_after_wrap(facts.resume, m.model, m.opts, m.update.scalers, s.d)
+        if back is not None:
+            start = _applied(s, m, facts, back)
     return _loop_parts(s, m, facts, start, compiled, autocast)
 
 
@@ -248,7 +251,8 @@ def _fresh_or_resumed(s: Setup, m: _Model, facts: Facts, load) -> _Start:
     random.seed(p.train.seed + d.rank)
     torch.manual_seed(p.train.seed + 1_000_003 * (d.rank + 1))  # per-rank dropout streams
     if facts.resume is not None:
-        back = load(facts.resume, m.model, m.opts, m.update.scalers, d)
+        with m.opts.watch.engine():  # a load that steps to make state is the engine's
+            back = load(facts.resume, m.model, m.opts, m.update.scalers, d)
         if back is not None:
             return _applied(s, m, facts, back)
     return _Start()

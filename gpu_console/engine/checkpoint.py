@@ -328,10 +328,10 @@ def prune(ckpts: Path, keep_last: int) -> None:
     next checkpoint prunes instead."""
     if keep_last <= 0:
         return
-    try:
-        fd = os.open(ckpts / HOLD, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:  # made by a reader only (runs.hold_checkpoints): none, no reader has held them
+        fd = os.open(ckpts / HOLD, os.O_RDONLY)
     except OSError:
-        fd = None  # cannot be held by anyone either
+        fd = None
     if fd is not None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

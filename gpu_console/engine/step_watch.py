@@ -56,7 +56,7 @@ class StepWatch:
             self._hook = None
 
     @contextlib.contextmanager
-    def engine(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    def engine(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
         """The engine's own step of ``optimizer`` (its averaged gradients), and every step
         it makes of other optimizers (those it wraps)."""
         self._depth += 1
