@@ -1,6 +1,7 @@
 """``compute`` is optional for a task that trains through its own ``train_step`` and has no
 eval data (issue 26): nothing else calls it but the FLOPs count. Eval data without it is
-refused before launch, in one line naming ``task.kind``."""
+refused before launch, in one line naming ``task.kind`` (the CLI's refusal); the run itself
+is the engine's, in the harness (tests/harness.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import contextlib
 
 import pytest
 import torch
-from conftest import events_of, run_finished, write_profile
+from conftest import events_of, write_profile
+from harness import run_engine
 
 from gpu_console.engine import activation_checkpoint, flops
 from gpu_console.peaks import Peak
@@ -120,10 +122,11 @@ def test_without_compute_flops_and_held_bytes_say_why_they_are_not_measured(tmp_
         activation_checkpoint.held_bytes(task, model, next(iter(loader)), contextlib.nullcontext())
 
 
-def test_a_train_step_task_without_compute_trains_without_a_flops_count(procs, runs_dir, tmp_path):
+def test_a_train_step_task_without_compute_trains_without_a_flops_count(tmp_path):
     # measure_flops = true asks for the count that needs compute: the run goes on without it.
     profile = step_only_profile(tmp_path, extra="measure_flops = true")
-    run, _ = run_finished(procs, profile, runs_dir, tmp_path)
+    run = run_engine(tmp_path, profile)
+    assert events_of(run, "status")[-1]["state"] == "finished"
     [start] = events_of(run, "start")
     assert start["train_step"] == "task"
     assert (start["flops_per_sample"], start["flops_from"]) == (None, "unknown")

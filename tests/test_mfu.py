@@ -1,4 +1,5 @@
-"""MFU: the tasks' FLOP counts, the measurement, the peak table, and what a run reports."""
+"""MFU: the tasks' FLOP counts, the measurement, the peak table, and what a run reports (the
+engine on 2 CPU ranks in the harness, tests/harness.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,21 @@ import json
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, events_of, fast_profile, run_dirs
-from conftest import test_env as cli_env
+from conftest import REPO, events_of, fast_profile, read_events
+from harness import run_engine
 
+from gpu_console import runs
+from gpu_console.commands.runs import run_rows
 from gpu_console.engine import flops
+from gpu_console.fold import RunFold
 from gpu_console.peaks import Peak, UnknownPeak, matmul_precision, mfu, peak_for
+from gpu_console.state import RunState
+from gpu_console.summary import summary_lines
 from gpu_console.tasks.base import batch_collate
 from gpu_console.tasks.configs import MLPConfig, TransformerConfig
 from gpu_console.tasks.mlp import MLPTask
@@ -197,19 +205,29 @@ class Unhooked(MLPTask):
 """
 
 
-def _run(procs, runs_dir, profile, cwd, *sets):
-    result = procs.cli(
-        "run",
-        str(profile),
-        "--headless",
-        "--runs-dir",
-        str(runs_dir),
-        *sets,
-        cwd=cwd,
-        env=cli_env(COLUMNS="200"),  # the summary's rows unwrapped
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result, run_dirs(runs_dir)[-1]
+def _run(tmp_path, profile, name: str, *sets: str) -> Path:
+    run = run_engine(tmp_path, profile, *sets, ranks=2, runs_dir=tmp_path / name)
+    assert events_of(run, "status")[-1]["state"] == "finished"
+    return run
+
+
+def _summary(run: Path) -> str:
+    """The headless console's end summary (off a terminal) of the run's events."""
+    st = RunState()
+    for e in read_events(run):
+        st.apply(e)
+    return "\n".join(summary_lines(st, run))
+
+
+def _listed(run: Path) -> dict:
+    """``ls --json``'s row of the run, its status.json folded from the run's events as the
+    supervisor folds them (the harness has no supervisor)."""
+    fold = RunFold()
+    for e in read_events(run):
+        fold.apply(e)
+    runs.atomic_write_json(run / "status.json", {**fold.to_status(), "ended": time.time()})
+    (row,) = run_rows([run])
+    return row
 
 
 def _regularised(tmp_path, name: str, kind: str):
@@ -231,15 +249,14 @@ def _computes(run) -> list[int]:
 
 
 def test_a_cpu_run_measures_no_flops_unless_asked_says_why_no_mfu_and_measuring_changes_nothing(
-    procs, runs_dir, tmp_path
+    tmp_path,
 ):
     (tmp_path / "unhooked.py").write_text(UNHOOKED_TASK)
     hooked = _regularised(tmp_path, "hooked", "mlp")
     unhooked = _regularised(tmp_path, "unhooked", "unhooked:Unhooked")
-    out_hooked, run_hooked = _run(procs, runs_dir / "hooked", hooked, tmp_path)
-    out_auto, run_auto = _run(procs, runs_dir / "auto", unhooked, tmp_path)
-    out_asked, run_asked = _run(procs, runs_dir / "asked", unhooked, tmp_path,
-                                "--set", "train.measure_flops=true")  # fmt: skip
+    run_hooked = _run(tmp_path, hooked, "hooked")
+    run_auto = _run(tmp_path, unhooked, "auto")
+    run_asked = _run(tmp_path, unhooked, "asked", "train.measure_flops=true")
 
     (start_h,) = events_of(run_hooked, "start")
     (start_a,) = events_of(run_auto, "start")
@@ -266,11 +283,11 @@ def test_a_cpu_run_measures_no_flops_unless_asked_says_why_no_mfu_and_measuring_
     assert [s["loss"] for s in steps[1]] == [s["loss"] for s in steps[0]]
     assert all(len(s) == 8 and not any("mfu" in e for e in s) for s in steps)
     summary_row = r"^MFU: CPU run \(the peak table covers NVIDIA GPUs\): MFU not shown$"
-    for out in (out_auto, out_asked):
-        assert re.search(summary_row, out.stdout, re.M)
-    for where in ("hooked", "auto", "asked"):
-        listed = json.loads(procs.cli("ls", "--json", "--runs-dir", str(runs_dir / where)).stdout)
-        assert [(row["mfu"], row["mfu_not_shown"]) for row in listed] == [(None, CPU_WHY)]
+    for run in (run_auto, run_asked):
+        assert re.search(summary_row, _summary(run), re.M)
+    for run in (run_hooked, run_auto, run_asked):
+        row = _listed(run)
+        assert (row["mfu"], row["mfu_not_shown"]) == (None, CPU_WHY)
 
 
 @pytest.mark.parametrize(
@@ -314,7 +331,6 @@ def test_measure_flops_decides_whether_the_task_runs_once_more_before_training(
 
 def test_the_supervisor_keeps_the_newest_and_mean_mfu_in_status_json(tmp_path):
     """``ls --json`` reads status.json alone; the supervisor folds the step events' MFU there."""
-    from gpu_console import runs
     from gpu_console.supervisor import Supervisor
 
     (tmp_path / "logs").mkdir()

@@ -1,8 +1,9 @@
 """``nan_policy = "skip"`` says what it skipped, fails a run that learns nothing, and every
 JSON the project writes after a NaN stays strict JSON (no bare ``NaN``/``Infinity``).
 
-The runs are real (torchrun, 2 CPU ranks): rank 1's loss is NaN from step 5 on, so every
-update from step 5 is skipped on both ranks (the gradient norm is all-reduced).
+The runs are on 2 CPU ranks (the engine in the harness, tests/harness.py; real torchrun where
+the console reads the run): rank 1's loss is NaN from step 5 on, so every update from step 5
+is skipped on both ranks (the gradient norm is all-reduced).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import pytest
 from conftest import events_of, fast_profile, only_run, read_status, task_profile
 from conftest import test_env as cli_env
+from harness import run_engine
 
 from gpu_console import strict_json
 from gpu_console.engine.nonfinite import ENV, SkipStreak
@@ -46,33 +48,37 @@ def strict(text: str):
     return json.loads(text, parse_constant=_reject)
 
 
+def _nan_profile(tmp_path):
+    return task_profile(tmp_path, "always_nan", ALWAYS_NAN_TASK, "AlwaysNan", max_steps=30, ranks=2)
+
+
+SKIP = ["train.nan_policy=skip", "train.log_every=3"]
+
+
 def _nan_run(procs, tmp_path, check: str, *sets: str):
-    profile = task_profile(
-        tmp_path, "always_nan", ALWAYS_NAN_TASK, "AlwaysNan", max_steps=30, ranks=2
-    )
-    args = ["--set", "train.nan_policy=skip", "--set", "train.log_every=3"]
-    for s in sets:
+    args = []
+    for s in [*SKIP, *sets]:
         args += ["--set", s]
     runs = tmp_path / "runs"
     env = cli_env(**{ENV: check})
     result = procs.cli(
-        "run", str(profile), "--headless", "--runs-dir", str(runs), *args, cwd=tmp_path, env=env
-    )
+        "run", str(_nan_profile(tmp_path)), "--headless", "--runs-dir", str(runs), *args,
+        cwd=tmp_path, env=env,
+    )  # fmt: skip
     return result, only_run(runs), env
 
 
 @pytest.mark.parametrize("check", ["each-step", "deferred"])
-def test_a_run_whose_updates_are_all_skipped_fails_and_says_how_many(procs, tmp_path, check):
-    result, run, env = _nan_run(procs, tmp_path, check, "train.nan_skip_limit=6")
-    out = result.stdout + result.stderr
+def test_a_run_whose_updates_are_all_skipped_fails_and_says_how_many(tmp_path, check):
+    # The engine on 2 ranks (the harness, tests/harness.py); the console's view of such a
+    # run is the next test's.
+    run = run_engine(tmp_path, _nan_profile(tmp_path), *SKIP, "train.nan_skip_limit=6",
+                     ranks=2, env={ENV: check})  # fmt: skip
     # Steps 5.. are skipped; the streak is judged at log steps (3, 6, 9, 12): 8 ≥ 6 at 12.
-    assert result.returncode == 1, out
-    status = read_status(run)
-    assert status["state"] == "failed" and status["exit_code"] == 1
-    assert "the last 8 updates (steps 5-12) were all skipped" in status["reason"]
-    assert status["skipped_updates"] == 8
+    ended = events_of(run, "status")[-1]
+    assert ended["state"] == "failed"
+    assert "the last 8 updates (steps 5-12) were all skipped" in ended["reason"]
     assert [e["skipped"] for e in events_of(run, "step")] == [0, 2, 3, 3]
-    assert "skipped updates: 8 of 12" in out  # the headless end table
 
     # Every line of events.jsonl is strict JSON; the NaN loss is null plus its flag.
     raw = [strict(line) for line in (run / "events.jsonl").read_text().splitlines()]
@@ -80,6 +86,18 @@ def test_a_run_whose_updates_are_all_skipped_fails_and_says_how_many(procs, tmp_
     assert last["loss"] is None and last["loss_nonfinite"] == "nan"
     # ...and the project's own readers still see the NaN.
     assert math.isnan(events_of(run, "step")[-1]["loss"])
+    strict((run / "meta.json").read_text())
+
+
+def test_the_console_reports_a_run_whose_updates_are_all_skipped(procs, tmp_path):
+    result, run, env = _nan_run(procs, tmp_path, "each-step", "train.nan_skip_limit=6")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    status = read_status(run)
+    assert status["state"] == "failed" and status["exit_code"] == 1
+    assert "the last 8 updates (steps 5-12) were all skipped" in status["reason"]
+    assert status["skipped_updates"] == 8
+    assert "skipped updates: 8 of 12" in out  # the headless end table
     strict((run / "status.json").read_text())
     strict((run / "meta.json").read_text())
 

@@ -2,42 +2,35 @@
 
 On GPUs the engine gates each update on the device (the fused AdamW's ``found_inf``) and
 reads the verdicts at the next log or control step. ``GPU_CONSOLE_NONFINITE_CHECK=deferred``
-takes that path on CPU too, so the poisoned runs below go through it with real torchrun and
-are held against the per-step check they replace.
+takes that path on CPU too, so the poisoned runs below (the engine on 2 CPU ranks, in the
+harness: tests/harness.py) go through it and are held against the per-step check they
+replace.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import POISONED_TASK, events_of, only_run, read_status, task_profile
-from conftest import test_env as cli_env
+from conftest import POISONED_TASK, events_of, task_profile
+from harness import run_engine
 
 from gpu_console.engine.nonfinite import ENV, Guard, deferrable, rewind_schedule
 from gpu_console.engine.schedule import lr_factor
 from gpu_console.profile import TrainConfig
 
 
-def _poisoned_run(procs, tmp_path, name: str, policy: str, check: str):
-    runs = tmp_path / name
-    (tmp_path / name).mkdir()
-    profile = task_profile(
-        tmp_path / name, "poisoned", POISONED_TASK, "Poisoned", max_steps=12, ranks=2
-    )
-    result = procs.cli(
-        "run",
-        str(profile),
-        "--headless",
-        "--runs-dir",
-        str(runs / "runs"),
-        "--set",
+def _poisoned_run(tmp_path, name: str, policy: str, check: str):
+    where = tmp_path / name
+    where.mkdir()
+    profile = task_profile(where, "poisoned", POISONED_TASK, "Poisoned", max_steps=12, ranks=2)
+    return run_engine(
+        where,
+        profile,
         f"train.nan_policy={policy}",
-        "--set",
         "train.log_every=3",  # steps 5 and 6 are bad; the deferred check reads them at 6
-        cwd=runs,
-        env=cli_env(**{ENV: check}),
+        ranks=2,
+        env={ENV: check},
     )
-    return result, only_run(runs / "runs")
 
 
 def _checkpoint(run, step: int) -> dict:
@@ -55,17 +48,15 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def test_deferred_stop_fails_at_the_same_step_with_the_same_checkpoint(procs, tmp_path):
-    now, now_run = _poisoned_run(procs, tmp_path, "each", "stop", "each-step")
-    later, later_run = _poisoned_run(procs, tmp_path, "deferred", "stop", "deferred")
-    for result, run in ((now, now_run), (later, later_run)):
-        assert result.returncode == 1, result.stdout + result.stderr
-        status = read_status(run)
-        assert status["state"] == "failed"
-        assert "loss is nan in step 5 (train.nan_policy = 'stop')" in status["failure"]["summary"]
-        assert (
-            "checkpoint step-00000004 holds the last finite state" in status["failure"]["summary"]
-        )
+def test_deferred_stop_fails_at_the_same_step_with_the_same_checkpoint(tmp_path):
+    now_run = _poisoned_run(tmp_path, "each", "stop", "each-step")
+    later_run = _poisoned_run(tmp_path, "deferred", "stop", "deferred")
+    for run in (now_run, later_run):
+        # The engine failed the run (the supervisor takes its reason as the failure's summary).
+        ended = events_of(run, "status")[-1]
+        assert ended["state"] == "failed"
+        assert "loss is nan in step 5 (train.nan_policy = 'stop')" in ended["reason"]
+        assert "checkpoint step-00000004 holds the last finite state" in ended["reason"]
         assert max(e["step"] for e in events_of(run, "step")) == 3
         ckpt = events_of(run, "checkpoint")[-1]
         assert (ckpt["step"], ckpt["reason"]) == (4, "nan")
@@ -78,10 +69,11 @@ def test_deferred_stop_fails_at_the_same_step_with_the_same_checkpoint(procs, tm
     assert b["data"] == {"epoch": 0, "samples": 5 * 32 * 2} and b["scheduler"]["last_epoch"] == 4
 
 
-def test_deferred_skip_skips_the_same_updates(procs, tmp_path):
-    now, now_run = _poisoned_run(procs, tmp_path, "each", "skip", "each-step")
-    later, later_run = _poisoned_run(procs, tmp_path, "deferred", "skip", "deferred")
-    assert now.returncode == 0 and later.returncode == 0, later.stdout + later.stderr
+def test_deferred_skip_skips_the_same_updates(tmp_path):
+    now_run = _poisoned_run(tmp_path, "each", "skip", "each-step")
+    later_run = _poisoned_run(tmp_path, "deferred", "skip", "deferred")
+    for run in (now_run, later_run):
+        assert events_of(run, "status")[-1]["state"] == "finished"
     steps_now, steps_later = events_of(now_run, "step"), events_of(later_run, "step")
     assert [s["skipped"] for s in steps_now] == [0, 2, 0, 0]  # steps 3, 6, 9, 12
     assert [s["skipped"] for s in steps_later] == [0, 2, 0, 0]

@@ -1,11 +1,13 @@
 """Which parameters decay: the built-in models' groups, ``all``, and a task's own groups
-reaching the optimizer of a real run (its start event and its checkpoint)."""
+reaching the optimizer of a run (its start event and its checkpoint; the engine in the
+harness, tests/harness.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import events_of, fast_profile, only_run, task_profile
+from conftest import events_of, fast_profile, task_profile
+from harness import run_engine
 from torch import nn
 
 from gpu_console.engine import checkpoint
@@ -116,17 +118,13 @@ def _read(run):
     return start, checkpoint.load(run / "checkpoints" / latest)["optimizer"]["param_groups"]
 
 
-def _run(procs, runs_dir, profile, tmp_path, *extra: str):
-    result = procs.cli(
-        "run", str(profile), "--headless", "--runs-dir", str(runs_dir), *extra, cwd=tmp_path
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return _read(only_run(runs_dir))
+def _run(tmp_path, profile, name: str, *sets: str):
+    return _read(run_engine(tmp_path, profile, *sets, runs_dir=tmp_path / name))
 
 
-def test_a_tasks_own_groups_reach_the_optimizer(procs, runs_dir, tmp_path):
+def test_a_tasks_own_groups_reach_the_optimizer(tmp_path):
     profile = task_profile(tmp_path, "own_groups", OWN_GROUPS, "OwnGroups", max_steps=3)
-    start, groups = _run(procs, runs_dir, profile, tmp_path)
+    start, groups = _run(tmp_path, profile, "runs")
     assert start["weight_decay"] == {
         "source": "task",
         "decayed": {"tensors": 4, "params": 32 * 64 + 64 + 64 * 64 + 64},
@@ -140,17 +138,17 @@ def test_a_tasks_own_groups_reach_the_optimizer(procs, runs_dir, tmp_path):
     assert all(g["fused"] for g in groups)
 
 
-def test_default_groups_and_all_in_a_real_run(fast_run, procs, runs_dir, tmp_path):
-    start, groups = _read(fast_run.run)  # the fast profile's defaults, run once for the session
+def test_default_groups_and_all_in_a_real_run(tmp_path):
+    profile = fast_profile(tmp_path, max_steps=2)
+    start, groups = _run(tmp_path, profile, "default")  # the fast profile's defaults
     assert start["weight_decay"]["source"] == "matrices"
     assert start["weight_decay"]["decayed"] == {"tensors": 3, "params": 6784}
     assert start["weight_decay"]["not_decayed"] == {"tensors": 3, "params": 138}
     assert [(g["weight_decay"], len(g["params"])) for g in groups] == [(0.01, 3), (0.0, 3)]
     assert start["optimizer"] == "AdamW (fused)" and all(g["fused"] for g in groups)
 
-    everything = ("--set", "train.weight_decay_params=all", "--set", "train.weight_decay=0.2")
-    profile = fast_profile(tmp_path, max_steps=2)
-    start, groups = _run(procs, runs_dir / "all", profile, tmp_path, *everything)
+    everything = ("train.weight_decay_params=all", "train.weight_decay=0.2")
+    start, groups = _run(tmp_path, profile, "all", *everything)
     assert start["weight_decay"] == {
         "source": "all",
         "decayed": {"tensors": 6, "params": 6784 + 138},

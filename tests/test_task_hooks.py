@@ -1,4 +1,6 @@
-"""The task's context, hooks and state, through the real CLI and torchrun on 2 CPU ranks.
+"""The task's context, hooks and state on 2 CPU ranks: through the real CLI and torchrun where
+the console's output, its logs or a stop matter, else the engine in the harness
+(tests/harness.py).
 
 The task (tests/hooks_task.py) writes what it saw into ``ctx.task_dir``; these tests read it.
 """
@@ -19,10 +21,10 @@ from conftest import (
     read_events,
     read_status,
     run_dirs,
-    stopped_run,
     wait_for,
 )
 from conftest import test_env as cli_env
+from harness import run_engine
 
 from gpu_console.engine.context import TaskContext
 from gpu_console.engine.hooks import Hooks
@@ -33,10 +35,10 @@ from gpu_console.tui.feed import RunFeed
 KIND = "tests.hooks_task:HooksTask"
 
 
-def hooks_profile(tmp_path: Path, max_steps: int, name: str = "hooks") -> Path:
+def hooks_profile(tmp_path: Path, max_steps: int, name: str = "hooks", kind: str = KIND) -> Path:
     """640 samples over 2 ranks of 32: an epoch is 10 steps; an eval every 10 steps."""
     profile = fast_profile(tmp_path, name=name, max_steps=max_steps, ranks=2)
-    text = profile.read_text().replace('kind = "mlp"', f'kind = "{KIND}"')
+    text = profile.read_text().replace('kind = "mlp"', f'kind = "{kind}"')
     text = text.replace("train_samples = 8192", "train_samples = 640")
     profile.write_text(text.replace("log_every = 1", "log_every = 1\neval_every = 10"))
     return profile
@@ -140,30 +142,34 @@ def test_a_stop_ends_the_run_through_on_train_end_on_every_rank(
         assert [e[0] for e in hooks["evals"]] == list(range(10, stopped_at + 1, 10))
 
 
-def test_task_state_resumes_exactly_per_rank(procs, runs_dir, tmp_path):
-    """Stopped and resumed, a task whose loss depends on its carried state trains as an
-    uninterrupted run does, bit for bit (every step's loss, every eval)."""
-    whole_runs = tmp_path / "whole"
-    profile = hooks_profile(tmp_path, max_steps=60)
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(whole_runs), cwd=REPO)
-    assert result.returncode == 0, result.stdout + result.stderr
-    whole = only_run(whole_runs)
+def test_task_state_resumes_exactly_per_rank(tmp_path):
+    """Ended mid-epoch and resumed, a task whose loss depends on its carried state trains as
+    an uninterrupted run does, bit for bit (every step's loss, every eval). The engine on 2
+    ranks (the harness, tests/harness.py); how a stop ends the run is the test above's."""
+    (tmp_path / "hooks_task.py").write_text((Path(__file__).parent / "hooks_task.py").read_text())
+    profile = hooks_profile(tmp_path, max_steps=60, kind="hooks_task:HooksTask")
+    # The schedule's horizon is the whole run's, however many steps a session makes.
+    horizon = "train.lr_decay_steps=60"
+    whole = run_engine(tmp_path, profile, horizon, ranks=2, runs_dir=tmp_path / "whole")
 
-    # Paced: slow enough to be stopped well before the end.
-    run, stopped_at = stopped_run(procs, profile, runs_dir, REPO, 7, pace_s="0.05")
-    assert 7 <= stopped_at < 60, stopped_at
-
-    resumed = procs.cli("run", "--resume", str(run), "--headless", cwd=REPO)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert read_status(run)["state"] == "finished"
+    stopped_at = 13  # in epoch 1 (10 steps an epoch), between two evals
+    part = tmp_path / "part"
+    first = (horizon, f"train.max_steps={stopped_at}")
+    run = run_engine(tmp_path, profile, *first, ranks=2, runs_dir=part)
+    run_engine(tmp_path, None, "train.max_steps=60", ranks=2, resume=run, runs_dir=part)
+    assert events_of(run, "status")[-1]["state"] == "finished"
 
     def losses(r: Path) -> dict[int, float]:
         return {e["step"]: e["loss"] for e in events_of(r, "step")}
 
+    def evals(r: Path) -> list[dict]:
+        return [{k: v for k, v in e.items() if k != "t"} for e in events_of(r, "eval")]
+
     assert losses(run) == losses(whole)
-    assert [{k: v for k, v in e.items() if k != "t"} for e in events_of(run, "eval")] == [
-        {k: v for k, v in e.items() if k != "t"} for e in events_of(whole, "eval")
-    ]
+    # The first session's end had its own eval (a run's last step is evaluated): the rest
+    # are the uninterrupted run's.
+    assert [e["step"] for e in evals(run)] == [10, stopped_at, 20, 30, 40, 50, 60]
+    assert [e for e in evals(run) if e["step"] != stopped_at] == evals(whole)
     for rank in (0, 1):
         ctx = seen(run, "ctx", rank, stopped_at)
         assert (ctx["resumed"], ctx["start_step"], ctx["step"]) == (True, stopped_at, stopped_at)

@@ -1,7 +1,8 @@
 """Optimizers and schedules: a task's own (``configure_optimizers``) and the profile's
-(``train.optimizer``, betas, momentum, the decay horizon and floor), through real torchrun
-on 2 CPU ranks: what the start event says was built, what the checkpoint holds, and an
-exact resume with two optimizers and a ReduceLROnPlateau."""
+(``train.optimizer``, betas, momentum, the decay horizon and floor), run by the engine on 1
+or 2 CPU ranks (the harness, tests/harness.py): what the start event says was built (and the
+lines the headless console makes of it), what the checkpoint holds, and an exact resume with
+two optimizers and a ReduceLROnPlateau. The launch's refusals go through the CLI."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST_RUN_STEPS, events_of, fast_profile, only_run, task_profile
+from conftest import FAST_RUN_STEPS, events_of, fast_profile, task_profile
+from harness import run_engine
+from rich.console import Console
 from torch import nn
 
 from gpu_console.engine import checkpoint
 from gpu_console.engine.optim_set import Optimizers, OptimizerSetupError
 from gpu_console.engine.schedule import lr_factor
+from gpu_console.headless import _notable
 from gpu_console.profile import ProfileError, TrainConfig, resolve
 
 GAN = (Path(__file__).parent / "gan_task.py").read_text()
@@ -33,30 +37,31 @@ def gan_profile(tmp_path: Path, max_steps: int = 24) -> Path:
     return profile
 
 
-def run_cli(procs, tmp_path, *args: str):
-    result = procs.cli(*args, "--headless", cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result
+def finished(tmp_path: Path, profile: Path | None, name: str, *sets: str, **kw) -> Path:
+    """The profile run to its end on 2 ranks under ``tmp_path/name`` (or a resume)."""
+    done = run_engine(tmp_path, profile, *sets, ranks=2, runs_dir=tmp_path / name, **kw)
+    assert events_of(done, "status")[-1]["state"] == "finished"
+    return done
 
 
 def steps_of(run: Path) -> dict[int, tuple]:
     return {e["step"]: (e["loss"], e["lrs"]["g"], e["lrs"]["d"]) for e in events_of(run, "step")}
 
 
-def test_two_optimizers_are_built_checkpointed_and_resume_exactly(procs, runs_dir, tmp_path):
+def test_two_optimizers_are_built_checkpointed_and_resume_exactly(tmp_path):
     profile = gan_profile(tmp_path)
-    out = run_cli(procs, tmp_path, "run", str(profile), "--runs-dir", str(runs_dir / "ref"))
-    ref = only_run(runs_dir / "ref")
-    # The headless start lines say what was built.
-    assert "optimizer g: Adam (default), 1 group, lr 0.002, schedule function" in out.stdout
-    assert (
-        "optimizer d: SGD (default), 2 groups, lr 0.02, schedule ReduceLROnPlateau on eval loss"
-        in out.stdout
-    )
+    ref = finished(tmp_path, profile, "ref")
     expected = steps_of(ref)
     assert len(expected) == 24
 
     start = events_of(ref, "start")[0]
+    # The headless console's start lines say what was built.
+    shown = Console(record=True, width=200)
+    _notable(start, shown)
+    assert shown.export_text().splitlines()[1:] == [
+        "  optimizer g: Adam (default), 1 group, lr 0.002, schedule function",
+        "  optimizer d: SGD (default), 2 groups, lr 0.02, schedule ReduceLROnPlateau on eval loss",
+    ]
     assert start["optimizer"] == "g: Adam (default), d: SGD (default)"
     assert start["train_step"] == "engine"
     assert start["lr"] is None  # the profile's lr runs nothing here: each optimizer has its own
@@ -89,38 +94,33 @@ def test_two_optimizers_are_built_checkpointed_and_resume_exactly(procs, runs_di
     assert state["schedulers"]["d"]["num_bad_epochs"] is not None
 
     # Half the run, then a resume to the end: the same losses and lrs, bit for bit.
-    half = ["--set", "train.max_steps=12"]
-    run_cli(procs, tmp_path, "run", str(profile), "--runs-dir", str(runs_dir / "b"), *half)
-    run = only_run(runs_dir / "b")
-    assert max(steps_of(run)) == 12
-    run_cli(procs, tmp_path, "run", "--resume", str(run), "--set", "train.max_steps=24")
-    assert events_of(run, "start")[1]["start_step"] == 12
-    assert steps_of(run) == expected
-    assert [e["loss"] for e in events_of(run, "eval")] == [e["loss"] for e in evals]
+    half = finished(tmp_path, profile, "b", "train.max_steps=12")
+    assert max(steps_of(half)) == 12
+    finished(tmp_path, None, "b", "train.max_steps=24", resume=half)
+    assert events_of(half, "start")[1]["start_step"] == 12
+    assert steps_of(half) == expected
+    assert [e["loss"] for e in events_of(half, "eval")] == [e["loss"] for e in evals]
 
 
-def test_the_profile_chooses_sgd_or_adam_and_the_run_builds_it(procs, runs_dir, tmp_path):
+def test_the_profile_chooses_sgd_or_adam_and_the_run_builds_it(tmp_path):
     profile = fast_profile(tmp_path, max_steps=2)
-    sgd = ["--set", "train.optimizer=sgd", "--set", "train.momentum=0.8", "--set",
-           "train.nesterov=true", "--set", "train.weight_decay=0.05"]  # fmt: skip
-    run_cli(procs, tmp_path, "run", str(profile), "--runs-dir", str(runs_dir / "sgd"), *sgd)
-    run = only_run(runs_dir / "sgd")
-    start = events_of(run, "start")[0]
+    sgd = ["train.optimizer=sgd", "train.momentum=0.8", "train.nesterov=true",
+           "train.weight_decay=0.05"]  # fmt: skip
+    done = run_engine(tmp_path, profile, *sgd, runs_dir=tmp_path / "sgd")
+    start = events_of(done, "start")[0]
     assert start["optimizer"] == "SGD (fused)"
     (main,) = start["optimizers"]
     assert main["name"] == "main" and main["class"] == "SGD"
     assert main["schedule"]["kind"] == "cosine"
     assert [g["weight_decay"] for g in main["param_groups"]] == [0.05, 0.0]
-    groups = checkpoint.load(run / "checkpoints" / "step-00000002")["optimizers"]["main"]
+    groups = checkpoint.load(done / "checkpoints" / "step-00000002")["optimizers"]["main"]
     assert {(g["momentum"], g["nesterov"]) for g in groups["param_groups"]} == {(0.8, True)}
     assert all("momentum_buffer" in s for s in groups["state"].values())
 
-    adam = ["--set", "train.optimizer=adam", "--set", "train.betas=[0.8, 0.95]", "--set",
-            "train.eps=1e-6"]  # fmt: skip
-    run_cli(procs, tmp_path, "run", str(profile), "--runs-dir", str(runs_dir / "adam"), *adam)
-    run = only_run(runs_dir / "adam")
-    assert events_of(run, "start")[0]["optimizers"][0]["class"] == "Adam"
-    groups = checkpoint.load(run / "checkpoints" / "step-00000002")["optimizer"]["param_groups"]
+    adam = ["train.optimizer=adam", "train.betas=[0.8, 0.95]", "train.eps=1e-6"]
+    done = run_engine(tmp_path, profile, *adam, runs_dir=tmp_path / "adam")
+    assert events_of(done, "start")[0]["optimizers"][0]["class"] == "Adam"
+    groups = checkpoint.load(done / "checkpoints" / "step-00000002")["optimizer"]["param_groups"]
     assert {(tuple(g["betas"]), g["eps"]) for g in groups} == {((0.8, 0.95), 1e-6)}
 
 
@@ -187,13 +187,12 @@ def test_a_parameter_in_no_optimizer_or_in_two_is_refused():
         Optimizers.from_task({"a": first, "b": both}, model)
 
 
-def test_a_tasks_own_gan_step_is_averaged_and_resumes_exactly(procs, runs_dir, tmp_path):
+def test_a_tasks_own_gan_step_is_averaged_and_resumes_exactly(tmp_path):
     profile = gan_profile(tmp_path)
     text = profile.read_text().replace("GanTask", "GanStepTask")
     profile.write_text(text.replace("max_steps = 24", "max_steps = 24\ngrad_accum = 2"))
     # Every step the task checks that the ranks hold the same weights (see gan_task.py).
-    run_cli(procs, tmp_path, "run", str(profile), "--runs-dir", str(runs_dir / "ref"))
-    ref = only_run(runs_dir / "ref")
+    ref = finished(tmp_path, profile, "ref")
     expected = steps_of(ref)
     assert len(expected) == 24
     # StepLR halves d's lr every 5 steps; g warms up over 4.
@@ -205,11 +204,9 @@ def test_a_tasks_own_gan_step_is_averaged_and_resumes_exactly(procs, runs_dir, t
     state = checkpoint.load(ref / "checkpoints" / "step-00000024")
     assert state["schedulers"]["d"]["last_epoch"] == 24
 
-    half = ["--set", "train.max_steps=12"]
-    run_cli(procs, tmp_path, "run", str(profile), "--runs-dir", str(runs_dir / "b"), *half)
-    run = only_run(runs_dir / "b")
-    run_cli(procs, tmp_path, "run", "--resume", str(run), "--set", "train.max_steps=24")
-    assert steps_of(run) == expected
+    half = finished(tmp_path, profile, "b", "train.max_steps=12")
+    finished(tmp_path, None, "b", "train.max_steps=24", resume=half)
+    assert steps_of(half) == expected
 
 
 def test_a_resume_cannot_change_the_optimizer(fast_run, procs, tmp_path):

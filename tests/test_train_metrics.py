@@ -1,18 +1,22 @@
 """Train-time metrics: what a task returns in ``TaskOutput.metrics`` at training steps goes
 into the step events, reduced over the log window and the ranks as the task declares
-(``metric_reduce``), through real torchrun on 2 CPU ranks; the headless summary shows the
-last value of each."""
+(``metric_reduce``), run by the engine on 2 CPU ranks (the harness, tests/harness.py); the
+headless summary made from the run's events shows the last value of each."""
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import events_of, only_run, task_profile
+from conftest import events_of, only_run, read_events, task_profile
+from harness import run_engine
 
 from gpu_console.engine.train_metrics import MetricReduceError, TrainMetrics, declared
+from gpu_console.state import RunState
+from gpu_console.summary import summary_lines
 from gpu_console.tasks.base import TaskOutput
 
 # Values depend on the rank and on the step's parity (every log window holds two steps, one
@@ -59,18 +63,27 @@ class Ranked(MLPTask):
 EXPECTED = {"rank_max": 1.5, "rank_first": 0.5, "count": 4.0, "rank_mean": 0.5, "per_token": 0.75}
 
 
-def test_metrics_are_reduced_over_the_window_and_ranks_as_declared(procs, runs_dir, tmp_path):
+def summary_of(run: Path) -> str:
+    """The headless console's end summary (off a terminal) of the run's events."""
+    st = RunState()
+    for e in read_events(run):
+        st.apply(e)
+    return "\n".join(summary_lines(st, run))
+
+
+def test_metrics_are_reduced_over_the_window_and_ranks_as_declared(tmp_path):
     profile = task_profile(tmp_path, "ranked", RANKED, "Ranked", max_steps=6, ranks=2)
     profile.write_text(profile.read_text().replace("log_every = 1", "log_every = 2"))
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    steps = events_of(only_run(runs_dir), "step")
+    run = run_engine(tmp_path, profile, ranks=2)
+    assert events_of(run, "status")[-1]["state"] == "finished"
+    steps = events_of(run, "step")
     assert [e["step"] for e in steps] == [2, 4, 6]
     for e in steps:
         assert e["metrics"] == pytest.approx(EXPECTED)
     # The headless summary: the last value of each.
+    summary = summary_of(run)
     for name, value in EXPECTED.items():
-        assert f"train {name}: {value:g}" in result.stdout
+        assert f"train {name}: {value:g}" in summary
 
 
 GAN_METRICS = """
@@ -88,19 +101,20 @@ class GanMetrics(GanStepTask):
 """
 
 
-def test_a_task_owned_step_reports_its_metrics(procs, runs_dir, tmp_path):
+def test_a_task_owned_step_reports_its_metrics(tmp_path):
     (tmp_path / "gan_task.py").write_text((Path(__file__).parent / "gan_task.py").read_text())
     profile = task_profile(tmp_path, "gan_metrics", GAN_METRICS, "GanMetrics", max_steps=4, ranks=2)
     text = profile.read_text().replace("train_samples = 8192\neval_samples = 512\n", "")
     profile.write_text(text.replace("hidden_dim = 64\n", ""))
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    steps = events_of(only_run(runs_dir), "step")
+    run = run_engine(tmp_path, profile, ranks=2)
+    assert events_of(run, "status")[-1]["state"] == "finished"
+    steps = events_of(run, "step")
     assert len(steps) == 4
     for e in steps:
         assert e["metrics"] == pytest.approx({"Loss_D": 1.5, "D(x)": 0.25})
-    assert "train Loss_D: 1.5" in result.stdout
-    assert "train D(x): 0.25" in result.stdout
+    summary = summary_of(run)
+    assert "train Loss_D: 1.5" in summary
+    assert "train D(x): 0.25" in summary
 
 
 def test_an_unknown_reduction_is_named():
@@ -112,13 +126,17 @@ def test_an_unknown_reduction_is_named():
     assert declared(type("T", (), {"metric_reduce": lambda self: {"n": "sum"}})()) == {"n": "sum"}
 
 
-def test_a_run_whose_task_declares_an_unknown_reduction_fails_naming_it(procs, runs_dir, tmp_path):
+def test_a_run_whose_task_declares_an_unknown_reduction_fails_naming_it(tmp_path):
     source = "from gpu_console.tasks.mlp import MLPTask\n\n\nclass Bad(MLPTask):\n"
     source += '    metric_reduce = {"accuracy": "median"}\n'
     profile = task_profile(tmp_path, "bad_reduce", source, "Bad", max_steps=2)
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
-    assert result.returncode != 0
-    assert "task.metric_reduce['accuracy'] = 'median': expected one of" in result.stdout
+    said = "task.metric_reduce['accuracy'] = 'median': expected one of"
+    with pytest.raises(MetricReduceError, match=re.escape(said)):
+        run_engine(tmp_path, profile)
+    # The run's end, as the console shows it: failed, naming the key.
+    ended = events_of(only_run(tmp_path / "runs"), "status")[-1]
+    assert ended["state"] == "failed" and said in ended["reason"]
+    assert not events_of(only_run(tmp_path / "runs"), "step")
 
 
 def _out(samples: int, **metrics) -> TaskOutput:

@@ -1,4 +1,5 @@
-"""The paths that trained silently wrong on two ranks (issue 39), through real torchrun.
+"""The paths that trained silently wrong on two ranks (issue 39), run by the engine on 1 or 2
+CPU ranks (the harness, tests/harness.py).
 
 - A task that steps its optimizer itself in ``train_step`` (a plain LBFGS script's loop,
   ported as it is): on one rank it trains as the script does; on two, nothing would average
@@ -14,14 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import events_of, only_run, read_status, task_profile, write_profile
+from conftest import events_of, task_profile, write_profile
+from harness import run_engine
 
 from gpu_console.engine.optim_set import Optimizers
 from gpu_console.engine.refusal import Refused
-
-# The loop and the supervisor record a Refused as state "refused", exit 2 (engine/refusal.py).
-REFUSED_STATES = ("refused",)
-REFUSED_CODES = (2,)
 
 SCRIPT_STEP_TASK = """
 import torch
@@ -49,27 +47,24 @@ class ScriptStep(MLPTask):
 """
 
 
-def _run(procs, tmp_path, profile, name: str, *args: str):
-    runs = tmp_path / name
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs), *args,
-                       cwd=tmp_path)  # fmt: skip
-    return result, only_run(runs)
+def _run(tmp_path, profile, name: str, *sets: str, ranks: int = 1):
+    """The run to its end; (how it ended: its last status event, the run)."""
+    run = run_engine(tmp_path, profile, *sets, ranks=ranks, runs_dir=tmp_path / name)
+    return events_of(run, "status")[-1], run
 
 
-def test_a_task_stepping_its_own_optimizer_is_refused_on_two_ranks(procs, tmp_path):
+def test_a_task_stepping_its_own_optimizer_is_refused_on_two_ranks(tmp_path):
     profile = task_profile(tmp_path, "script_step", SCRIPT_STEP_TASK, "ScriptStep", max_steps=4)
-    one, run = _run(procs, tmp_path, profile, "one", "--devices", "cpu:1")
-    assert one.returncode == 0, one.stdout + one.stderr  # one rank: what the script does
+    one, run = _run(tmp_path, profile, "one")
+    assert one["state"] == "finished", one  # one rank: what the script does
     losses = [e["loss"] for e in events_of(run, "step")]
     assert len(losses) == 4 and losses[-1] < losses[0]
 
-    two, run = _run(procs, tmp_path, profile, "two", "--devices", "cpu:2")
-    assert two.returncode in REFUSED_CODES, two.stdout + two.stderr
-    status = read_status(run)
-    assert status["state"] in REFUSED_STATES
-    assert status["exit_code"] in REFUSED_CODES
-    line = status["reason"]
-    assert f"state: refused {line}" in two.stdout + two.stderr  # said in the headless output
+    # The ranks' refusal is recorded by the loop as state "refused" (the supervisor makes it
+    # exit 2, and the headless console says "state: refused" and the line: engine/refusal.py).
+    two, run = _run(tmp_path, profile, "two", ranks=2)
+    assert two["state"] == "refused", two
+    line = two["reason"]
     assert (
         "task.train_step: optimizer 'main' (LBFGS) was stepped by the task itself on 2 ranks"
         in line
@@ -152,13 +147,13 @@ devices = "cpu:2"
 """
 
 
-def test_expert_parameters_with_a_train_step_equal_the_engines_step(procs, tmp_path):
+def test_expert_parameters_with_a_train_step_equal_the_engines_step(tmp_path):
     (tmp_path / "own_moe.py").write_text(OWN_STEP_MOE)
     steps = {}
     for name, kind in (("engine", "moe"), ("task", "own_moe:OwnStepMoE")):
         profile = write_profile(tmp_path / f"{name}.toml", MOE_PROFILE.format(name=name, kind=kind))
-        result, run = _run(procs, tmp_path, profile, name)
-        assert result.returncode == 0, result.stdout + result.stderr
+        ended, run = _run(tmp_path, profile, name, ranks=2)
+        assert ended["state"] == "finished", ended
         (start,) = events_of(run, "start")
         assert start["strategy"] == "expert"
         assert start["train_step"] == name
@@ -198,15 +193,14 @@ class OwnStep(Poisoned):
 """
 
 
-def test_nan_stop_under_a_tasks_own_step_stops_as_the_engines(procs, tmp_path):
+def test_nan_stop_under_a_tasks_own_step_stops_as_the_engines(tmp_path):
     saved = {}
     for cls in ("Poisoned", "OwnStep"):
         profile = task_profile(tmp_path, "poisoned_step", POISONED, cls, max_steps=8)
-        result, run = _run(procs, tmp_path, profile, cls, "--set", "train.nan_policy=stop")
-        assert result.returncode == 1, result.stdout + result.stderr
-        status = read_status(run)
-        assert status["state"] == "failed"
-        summary = status["failure"]["summary"]
+        ended, run = _run(tmp_path, profile, cls, "train.nan_policy=stop")
+        # The engine failed the run (the supervisor takes its reason as the failure's summary).
+        assert ended["state"] == "failed", ended
+        summary = ended["reason"]
         assert "loss is nan in step 5 (train.nan_policy = 'stop')" in summary
         assert "checkpoint step-00000004 holds the last finite state" in summary
         assert max(e["step"] for e in events_of(run, "step")) == 4
