@@ -12,6 +12,7 @@ import sys
 import pytest
 from conftest import events_of, only_run, read_status, run_dirs, write_profile
 from conftest import test_env as cli_env
+from harness import run_engine
 
 from gpu_console.engine import auto_batch
 from gpu_console.engine.auto_batch import OK, OOM, Trial, search
@@ -59,6 +60,17 @@ def run(procs, runs_dir, path, *args: str, fake: str | None = None):
     result = procs.cli("run", str(path), "--headless", "--runs-dir", str(runs_dir), *args, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
+
+
+def trained(tmp_path, runs_dir, path, *sets: str, fake: str | None = None):
+    """``path`` run to its end on the engine harness (tests/harness.py): its run directory."""
+    env = {auto_batch.FAKE_OOM_ENV: fake} if fake else {}
+    return run_engine(tmp_path, path, *sets, ranks=2, runs_dir=runs_dir, env=env)
+
+
+def last_state(run_dir) -> str:
+    """How the run ended, as its last status event says (no supervisor folds status.json)."""
+    return events_of(run_dir, "status")[-1]["state"]
 
 
 def losses(run_dir) -> list[tuple[int, float]]:
@@ -127,19 +139,17 @@ def test_run_toml_gets_the_number_in_data_only(tmp_path):
     )
 
 
-# -- 2 CPU ranks, real torchrun -------------------------------------------------------------
+# -- 2 CPU ranks: the engine harness (tests/harness.py), or real torchrun for the CLI's words --
 
 
-def test_out_of_memory_search_agrees_and_trains_as_the_size_given(procs, runs_dir, tmp_path):
+def test_out_of_memory_search_agrees_and_trains_as_the_size_given(runs_dir, tmp_path):
     # Every rank's limit 24; then rank 1's only: one rank's out-of-memory is every rank's,
     # so rank 0 (which could go on) takes 24 too. Both then train exactly as a run
     # launched with 24.
-    run(procs, runs_dir / "given", profile(tmp_path, "given", 24))
-    given = only_run(runs_dir / "given")
+    given = trained(tmp_path, runs_dir / "given", profile(tmp_path, "given", 24))
     assert events_of(given, "start")[0]["auto_batch"] is None
     for fake in ("24", "rank1:24"):
-        run(procs, runs_dir / fake, profile(tmp_path, "auto", '"auto"'), fake=fake)
-        auto = only_run(runs_dir / fake)
+        auto = trained(tmp_path, runs_dir / fake, profile(tmp_path, "auto", '"auto"'), fake=fake)
 
         start = events_of(auto, "start")[0]
         ab = start["auto_batch"]
@@ -157,13 +167,12 @@ def test_out_of_memory_search_agrees_and_trains_as_the_size_given(procs, runs_di
 
         assert len(losses(auto)) == 6
         assert losses(auto) == losses(given), fake  # bit-identical: state and RNG put back
-        assert read_status(auto)["state"] == "finished"
+        assert last_state(auto) == "finished"
 
 
 def test_a_resumed_auto_run_keeps_its_size_without_searching(procs, runs_dir, tmp_path):
     path = profile(tmp_path, "auto", '"auto"')
-    run(procs, runs_dir, path, fake="20")
-    first = only_run(runs_dir)
+    first = trained(tmp_path, runs_dir, path, fake="20")
     assert events_of(first, "start")[0]["auto_batch"]["chosen"] == 20
     # The same profile (still "auto"), no seam: the run's 20 stands, no search.
     result = run(procs, runs_dir, path, "--resume", str(first), "--set", "train.max_steps=8")
@@ -176,9 +185,9 @@ def test_a_resumed_auto_run_keeps_its_size_without_searching(procs, runs_dir, tm
     assert tomllib.loads((first / "run.toml").read_text())["data"]["batch_size"] == 20
 
 
-def test_on_cpu_the_search_stops_where_samples_per_s_stop_growing(procs, runs_dir, tmp_path):
-    run(procs, runs_dir, profile(tmp_path, "auto", '"auto"'), "--set", "train.max_steps=2")
-    ab = events_of(only_run(runs_dir), "start")[0]["auto_batch"]
+def test_on_cpu_the_search_stops_where_samples_per_s_stop_growing(runs_dir, tmp_path):
+    run_dir = trained(tmp_path, runs_dir, profile(tmp_path, "auto", '"auto"'), "train.max_steps=2")
+    ab = events_of(run_dir, "start")[0]["auto_batch"]
     assert ab["rule"] == "throughput" and ab["headroom"] is None
     tried = ab["tried"]
     chosen = next(t for t in tried if t["size"] == ab["chosen"])
@@ -245,7 +254,7 @@ def test_gpu_search_fits_under_the_headroom(procs, runs_dir, tmp_path):
     assert tomllib.loads((run_dir / "run.toml").read_text())["data"]["batch_size"] == ab["chosen"]
 
 
-def test_a_task_owned_step_is_searched_and_trains_as_the_size_given(procs, runs_dir, tmp_path):
+def test_a_task_owned_step_is_searched_and_trains_as_the_size_given(runs_dir, tmp_path):
     # The GAN of tests/gan_task.py: train_step, two optimizers, their schedules (one on an
     # eval metric), each put back after the search.
     from test_task_optimizers import gan_profile, steps_of
@@ -253,10 +262,9 @@ def test_a_task_owned_step_is_searched_and_trains_as_the_size_given(procs, runs_
     path = gan_profile(tmp_path, max_steps=6)
     given = path.read_text()
     path.write_text(given.replace("batch_size = 32", 'batch_size = "auto"'))
-    run(procs, runs_dir / "auto", path, fake="12")
+    auto = trained(tmp_path, runs_dir / "auto", path, fake="12")
     path.write_text(given.replace("batch_size = 32", "batch_size = 12"))
-    run(procs, runs_dir / "given", path)
-    auto = only_run(runs_dir / "auto")
+    given_run = trained(tmp_path, runs_dir / "given", path)
     assert events_of(auto, "start")[0]["auto_batch"]["chosen"] == 12
-    assert steps_of(auto) == steps_of(only_run(runs_dir / "given"))
+    assert steps_of(auto) == steps_of(given_run)
     assert len(steps_of(auto)) == 6

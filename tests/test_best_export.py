@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import events_of, only_run, task_profile, write_profile
+from harness import run_engine
 
 from gpu_console.engine import checkpoint
 from gpu_console.engine.export import ExportInputError, plain_keys, split
@@ -189,10 +190,9 @@ def test_the_best_survives_pruning_and_resume_and_exports_load_plainly(procs, ru
 
 
 def test_export_of_named_submodules_and_of_a_run_without_best(procs, runs_dir, tmp_path):
+    # The run on the engine harness (tests/harness.py), its export through the CLI.
     profile = task_profile(tmp_path, "wobbly", WOBBLY, "Parts", max_steps=5)
-    done = _run(procs, runs_dir, "run", str(profile), "--headless")
-    assert done.returncode == 0, done.stdout + done.stderr
-    run = only_run(runs_dir)
+    run = run_engine(tmp_path, profile, runs_dir=runs_dir)
     assert not (run / "checkpoints" / "BEST").exists()
     assert not any(e.get("best") for e in events_of(run, "checkpoint"))
 

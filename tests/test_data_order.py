@@ -1,12 +1,13 @@
-"""data.order: each training order's layout, and a stop + resume on 2 ranks that reads, batch
-for batch, what the uninterrupted run read; a task's own collate."""
+"""data.order: each training order's layout, and a stop + resume on 2 ranks (the engine
+harness, tests/harness.py) that reads, batch for batch, what the uninterrupted run read; a
+task's own collate."""
 
 from __future__ import annotations
 
-import conftest
 import pytest
 import torch
 from conftest import events_of, only_run, task_profile
+from harness import run_engine
 
 from gpu_console.engine.data import Batches, DataPosition, ShardSampler, make_loader
 from gpu_console.profile import DataConfig
@@ -122,14 +123,14 @@ class Reading(MLPTask):
 """
 
 
-def run_reading(procs, runs_dir, tmp_path, draws_dir, order, *args: str):
+def run_reading(tmp_path, runs_dir, draws_dir, order, profile, *sets: str, resume=None):
+    """A 2-rank run of the reading task (or a resume of ``resume``): what each rank read."""
     draws_dir.mkdir(exist_ok=True)
-    result = procs.cli(
-        "run", *args, "--headless", "--runs-dir", str(runs_dir), "--set", f"data.order={order}",
-        "--set", "task.train_samples=256", "--set", "train.lr_decay_steps=10", cwd=tmp_path,
-        env=conftest.test_env(DRAWS_DIR=str(draws_dir)),
+    run_engine(
+        tmp_path, profile, f"data.order={order}", "task.train_samples=256",
+        "train.lr_decay_steps=10", *sets, ranks=2, resume=resume, runs_dir=runs_dir,
+        env={"DRAWS_DIR": str(draws_dir)},
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
     return [(draws_dir / f"rank{r}.txt").read_text().splitlines() for r in (0, 1)]
 
 
@@ -138,22 +139,20 @@ def losses(run):
 
 
 @pytest.mark.parametrize("order", ["shuffle", "sequential", "contiguous", "random"])
-def test_two_ranks_stopped_and_resumed_read_what_an_uninterrupted_run_reads(
-    procs, runs_dir, tmp_path, order
-):
+def test_two_ranks_stopped_and_resumed_read_what_an_uninterrupted_run_reads(tmp_path, order):
     # 256 samples, 2 ranks, batch 32: 4 batches a rank per epoch; 10 steps are 2.5 epochs.
     profile = task_profile(tmp_path, "reading", INDEXED_TASK, "Reading", max_steps=10, ranks=2)
+    runs_dir = tmp_path / "runs"
     ref_dir = runs_dir / "ref"
-    reference = run_reading(procs, ref_dir, tmp_path, tmp_path / "ref", order, str(profile))
+    reference = run_reading(tmp_path, ref_dir, tmp_path / "ref", order, profile)
     assert [len(lines) for lines in reference] == [10, 10]
     assert reference[0] != reference[1]
 
     draws_dir = tmp_path / "resumed"
-    run_reading(procs, runs_dir / "split", tmp_path, draws_dir, order, str(profile),
-                "--set", "train.max_steps=5")  # fmt: skip
-    run = only_run(runs_dir / "split")
-    both = run_reading(procs, runs_dir / "split", tmp_path, draws_dir, order, "--resume",
-                       str(run), "--set", "train.max_steps=10")  # fmt: skip
+    split = runs_dir / "split"
+    run_reading(tmp_path, split, draws_dir, order, profile, "train.max_steps=5")
+    run = only_run(split)
+    both = run_reading(tmp_path, split, draws_dir, order, None, "train.max_steps=10", resume=run)
     assert events_of(run, "start")[1]["start_step"] == 5
     assert both == reference  # batch for batch, on both ranks
     assert losses(run)[-5:] == losses(only_run(ref_dir))[-5:]  # and bit for bit

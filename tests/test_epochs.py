@@ -6,7 +6,8 @@ given last wins (``--set`` over the file); both in one place is refused."""
 from __future__ import annotations
 
 import pytest
-from conftest import events_of, only_run, task_profile, write_profile
+from conftest import events_of, set_args, task_profile, write_profile
+from harness import run_engine
 
 from gpu_console import launch
 from gpu_console.profile import ProfileError, load_profile, parse_toml
@@ -71,25 +72,20 @@ def test_epochs_need_a_batch_size_known_before_launch(tmp_path):
 
 
 def test_a_user_task_in_epochs_trains_them_and_evaluates_at_each_epochs_end(procs, tmp_path):
-    # A user task's size is found by the launch's data check (a subprocess): 70 samples over
-    # 2 ranks, 8 per batch: 4 steps per epoch.
+    # A user task's size is found by the launch's data check: 70 samples over 2 ranks, 8 per
+    # batch: 4 steps per epoch. The plan (the console's) says so; the run (the harness's
+    # launch and ranks) trains and evaluates so.
     source = "from gpu_console.tasks.mlp import MLPTask\n\n\nclass Mine(MLPTask):\n    pass\n"
     profile = task_profile(tmp_path, "mine", source, "Mine", ranks=2)
-    sets = ["--set", "task.train_samples=70", "--set", "data.batch_size=8", "--set",
-            "train.max_epochs=2", "--set", "train.eval_every_epochs=1", "--set",
-            "train.warmup_steps=0"]  # fmt: skip
-    plan = procs.cli("run", str(profile), "--dry-run", *sets, cwd=tmp_path)
+    sets = ["task.train_samples=70", "data.batch_size=8", "train.max_epochs=2",
+            "train.eval_every_epochs=1", "train.warmup_steps=0"]  # fmt: skip
+    plan = procs.cli("run", str(profile), "--dry-run", *set_args(*sets), cwd=tmp_path)
     assert plan.returncode == 0, plan.stdout + plan.stderr
     rows = {line[:12].strip(): line[12:] for line in plan.stdout.splitlines()}
     assert rows["steps"] == "8 (2 epochs)", plan.stdout
     assert rows["eval"] == "every 4 steps and at the end", plan.stdout
     assert "train.max_epochs = 2: 8 steps; 4 steps per epoch" in plan.stderr, plan.stderr
-    runs = tmp_path / "runs"
-    result = procs.cli("run", str(profile), "--headless", *sets, "--runs-dir", str(runs),
-                       cwd=tmp_path)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "train.max_epochs = 2: 8 steps; 4 steps per epoch" in result.stderr
-    run = only_run(runs)
+    run = run_engine(tmp_path, profile, *sets, ranks=2)
     assert [e["step"] for e in events_of(run, "step")][-1] == 8
     assert [e["step"] for e in events_of(run, "eval")] == [4, 8]
     train = parse_toml(run / "run.toml")["train"]

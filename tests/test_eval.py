@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import events_of, only_run, read_status, stopped_run, task_profile
+from conftest import events_of, only_run, read_status, set_args, stopped_run, task_profile
 from conftest import test_env as cli_env
 from harness import run_engine
 
@@ -78,32 +78,25 @@ def test_eval_at_start_its_batch_size_and_a_mean_over_samples(tmp_path):
         assert e["perplexity"] == pytest.approx(math.exp(4.5))  # of the mean loss
 
 
-def test_eval_at_adds_explicit_eval_points_step_1_included(procs, runs_dir, tmp_path):
+def test_eval_at_adds_explicit_eval_points_step_1_included(procs, tmp_path):
     profile = eval_profile(tmp_path, max_steps=5, extra="")
-    sets = ["--set", "train.eval_every=0", "--set", "train.eval_at=[3, 1, 99]"]
-    plan = procs.cli("run", str(profile), "--dry-run", *sets, cwd=tmp_path)
+    sets = ["train.eval_every=0", "train.eval_at=[3, 1, 99]"]
+    plan = procs.cli("run", str(profile), "--dry-run", *set_args(*sets), cwd=tmp_path)
     assert plan.returncode == 0, plan.stdout + plan.stderr
     assert "after steps 1, 3; at the end" in plan.stdout  # 99: past max_steps, never reached
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), *sets,
-                       cwd=tmp_path)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert [e["step"] for e in events_of(only_run(runs_dir), "eval")] == [0, 1, 3, 5]
+    run = run_engine(tmp_path, profile, *sets)
+    assert [e["step"] for e in events_of(run, "eval")] == [0, 1, 3, 5]
     bad = procs.cli("run", str(profile), "--dry-run", "--set", "train.eval_at=[0]", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "gpu-console: --set: train.eval_at: expected step numbers >= 1 (e.g. [1, 500]) (got [0])"
     ], bad.stderr
 
 
-def test_a_resume_does_not_evaluate_again_at_its_start(procs, runs_dir, tmp_path):
+def test_a_resume_does_not_evaluate_again_at_its_start(tmp_path):
     profile = eval_profile(tmp_path, max_steps=3, extra="")
-    first = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-                      cwd=tmp_path)  # fmt: skip
-    assert first.returncode == 0, first.stdout + first.stderr
-    run = only_run(runs_dir)
+    run = run_engine(tmp_path, profile)
     assert [e["step"] for e in events_of(run, "eval")] == [0, 2, 3]  # 3: the end's
-    more = procs.cli("run", "--resume", str(run), "--headless", "--set", "train.max_steps=5",
-                     cwd=tmp_path)  # fmt: skip
-    assert more.returncode == 0, more.stdout + more.stderr
+    run_engine(tmp_path, None, "train.max_steps=5", resume=run)
     assert [e["step"] for e in events_of(run, "eval")] == [0, 2, 3, 4, 5]  # no second at 3
 
 
@@ -149,11 +142,8 @@ def test_a_stopped_run_resumed_with_eval_at_start_trains_as_an_uninterrupted_one
     profile.write_text(
         profile.read_text().replace("log_every = 1", "log_every = 1\neval_at_start = true")
     )
-    whole_runs = tmp_path / "whole"
-    whole = procs.cli("run", str(profile), "--headless", "--runs-dir", str(whole_runs),
-                      cwd=tmp_path)  # fmt: skip
-    assert whole.returncode == 0, whole.stdout + whole.stderr
-    whole_run = only_run(whole_runs)
+    # The uninterrupted run on the engine harness; the stop needs a live run, through the CLI.
+    whole_run = run_engine(tmp_path, profile, runs_dir=tmp_path / "whole")
 
     run, stopped_at = stopped_run(procs, profile, runs_dir, tmp_path, 3, pace_s="0.1")
     assert 3 <= stopped_at < 12, stopped_at

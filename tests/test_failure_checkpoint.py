@@ -1,6 +1,7 @@
 """A run is never lost to code outside the update (issue 26): an eval that raises after an
 update leaves a ``failure`` checkpoint of that step, a resume after the fix goes on exactly,
-and ``--dry-run`` finds the bug in seconds, writing nothing. Real torchrun, 2 CPU ranks.
+and ``--dry-run`` finds the bug in seconds, writing nothing. Real torchrun, 2 CPU ranks (a
+failure inside the update: the engine harness, tests/harness.py).
 """
 
 from __future__ import annotations
@@ -8,8 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from conftest import events_of, only_run, read_status, task_profile
 from conftest import test_env as cli_env
+from harness import run_engine
 
 # The eval breaks while the file ``broken`` lies beside the task (the test "fixes" the task by
 # removing it): on every rank, or with BREAK_RANK=r on rank r only. BREAK_TRAIN_AT=n breaks
@@ -88,20 +91,20 @@ def test_an_eval_failure_keeps_the_step_and_a_resume_goes_on_exactly(procs, runs
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert read_status(run)["state"] == "finished"
 
-    whole_dir = tmp_path / "whole"
-    whole = run_headless(procs, profile, whole_dir, tmp_path)
-    assert whole.returncode == 0, whole.stdout + whole.stderr
-    expected = losses(only_run(whole_dir))
+    # The uninterrupted run, on the engine harness.
+    expected = losses(run_engine(tmp_path, profile, ranks=2, runs_dir=tmp_path / "whole"))
     assert sorted(expected) == list(range(1, 9))
     assert losses(run) == expected  # bit for bit: the same floats
 
 
-def test_a_failure_inside_the_update_writes_no_checkpoint(procs, runs_dir, tmp_path):
+def test_a_failure_inside_the_update_writes_no_checkpoint(runs_dir, tmp_path):
+    # The engine harness (tests/harness.py): the rank's exception reaches the test as itself.
     profile = broken_profile(tmp_path)
-    failed = run_headless(procs, profile, runs_dir, tmp_path, BREAK_TRAIN_AT="5")
-    assert failed.returncode == 1, failed.stdout + failed.stderr
+    with pytest.raises(RuntimeError, match="the update broke"):
+        run_engine(tmp_path, profile, runs_dir=runs_dir, env={"BREAK_TRAIN_AT": "5"})
     run = only_run(runs_dir)
-    assert "the update broke" in read_status(run)["reason"]
+    ended = events_of(run, "status")[-1]
+    assert ended["state"] == "failed" and "the update broke" in ended["reason"], ended
     # Step 4's interval checkpoint only: the state of step 5's update may be half made. The
     # interval one, written in the background while step 5 ran, is complete all the same.
     assert sorted(losses(run)) == [1, 2, 3, 4]

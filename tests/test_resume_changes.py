@@ -1,8 +1,9 @@
 """Resume says what it does with changes, and does it (gpu_console/resume_changes.py).
 
-Through the real CLI and torchrun: a changed lr is the lr the optimizer uses, a model-shape
-change is refused before anything is written, and a change of world size and batch size
-continues at the next sample of the epoch's order (neither skipping nor repeating one).
+Runs on the engine harness (tests/harness.py), through the CLI where what it says is checked:
+a changed lr is the lr the optimizer uses, a model-shape change is refused before anything is
+written, and a change of world size and batch size continues at the next sample of the
+epoch's order (neither skipping nor repeating one).
 The table and the engine's restore are also checked in process.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from conftest import events_of, fast_profile, only_run, task_profile
+from harness import run_engine
 
 from gpu_console.engine.data import DataPosition
 from gpu_console.engine.resume import Settings, data_position
@@ -114,22 +116,18 @@ def test_an_old_checkpoints_position_in_micro_batches_becomes_samples():
     assert data_position({"data": {"epoch": 0, "samples": 96}}, batch_change, 32).samples == 96
 
 
-# -- through the CLI -------------------------------------------------------------------------
+# -- runs: the engine harness (tests/harness.py), and the CLI for what it says ---------------
 
 
-def _finished_run(procs, tmp_path, *sets: str, max_steps: int = 10, ranks: int = 1):
+def _finished_run(tmp_path, *sets: str, max_steps: int = 10, ranks: int = 1):
+    """A fast profile's run to its end on the engine harness: (its runs directory, the run)."""
     runs = tmp_path / "runs"
     profile = fast_profile(tmp_path, max_steps=max_steps, ranks=ranks)
-    args = ["run", str(profile), "--headless", "--runs-dir", str(runs)]
-    for s in sets:
-        args += ["--set", s]
-    result = procs.cli(*args, cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return runs, only_run(runs)
+    return runs, run_engine(tmp_path, profile, *sets, ranks=ranks, runs_dir=runs)
 
 
 def test_a_changed_lr_is_the_lr_the_resumed_run_trains_at(procs, tmp_path):
-    runs, run = _finished_run(procs, tmp_path, "train.schedule=constant")
+    runs, run = _finished_run(tmp_path, "train.schedule=constant")
     before = _state(run, 10)
     assert before["optimizer"]["param_groups"][0]["lr"] == 3e-3
     result = procs.cli(
@@ -161,7 +159,7 @@ def test_a_changed_lr_is_the_lr_the_resumed_run_trains_at(procs, tmp_path):
 
 
 def test_a_model_shape_change_is_refused_before_anything_is_written(procs, tmp_path):
-    runs, run = _finished_run(procs, tmp_path, max_steps=2)
+    runs, run = _finished_run(tmp_path, max_steps=2)
     files = _files(run)
     result = procs.cli(
         "run", "--resume", str(run), "--headless", "--runs-dir", str(runs),
@@ -204,31 +202,23 @@ class Recording(MLPTask):
 """
 
 
-def test_fewer_ranks_and_a_larger_batch_continue_at_the_next_sample(procs, tmp_path):
+def test_fewer_ranks_and_a_larger_batch_continue_at_the_next_sample(tmp_path):
     seen = tmp_path / "seen"
     seen.mkdir()
     task = RECORDING_TASK.format(seen=str(seen))
     profile = task_profile(tmp_path, "recording", task, "Recording", max_steps=10, ranks=2)
-    runs = tmp_path / "runs"
-    first = procs.cli(
-        "run", str(profile), "--headless", "--runs-dir", str(runs),
-        "--set", "data.batch_size=16", cwd=tmp_path,
-    )  # fmt: skip
-    assert first.returncode == 0, first.stdout + first.stderr
-    run = only_run(runs)
+    run = run_engine(tmp_path, profile, "data.batch_size=16", ranks=2)
     assert _state(run, 10)["data"] == {"epoch": 0, "samples": 10 * 16 * 2}
 
-    resumed = procs.cli(
-        "run", "--resume", str(run), "--headless", "--runs-dir", str(runs),
-        "--devices", "cpu:1", "--set", "data.batch_size=32", "--set", "train.max_steps=15",
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "data.batch_size 16 → 32 (warning: " in resumed.stdout
-    assert "world_size 2 → 1 (warning: " in resumed.stdout
+    # One rank, in this process: RANK as torchrun would set it, for the task's file name.
+    run_engine(tmp_path, None, "data.batch_size=32", "train.max_steps=15", resume=run,
+               env={"RANK": "0"})  # fmt: skip
     start = events_of(run, "start")[-1]
     assert start["world_size"] == 1
-    assert _change(start, "world_size")["class"] == WARNING
+    for key, old, new in (("data.batch_size", 16, 32), ("world_size", 2, 1)):
+        change = _change(start, key)
+        assert (change["old"], change["new"], change["class"]) == (old, new, WARNING), change
+        assert change["why"] == rule(key)[1]
 
     # 10 steps of 2 × 16, then 5 of 1 × 32: 480 samples, the first 480 of epoch 0's order,
     # each once.
@@ -239,16 +229,12 @@ def test_fewer_ranks_and_a_larger_batch_continue_at_the_next_sample(procs, tmp_p
     assert sorted(indices) == sorted(order[:480])
 
 
-def test_a_checkpoint_with_the_old_position_format_still_resumes(procs, tmp_path):
-    runs, run = _finished_run(procs, tmp_path, max_steps=4, ranks=2)
+def test_a_checkpoint_with_the_old_position_format_still_resumes(tmp_path):
+    runs, run = _finished_run(tmp_path, max_steps=4, ranks=2)
     path = run / "checkpoints" / "step-00000004" / "state.pt"
     state = torch.load(path, weights_only=True)
     assert state["data"] == {"epoch": 0, "samples": 4 * 32 * 2}
     state["data"] = {"epoch": 0, "batch": 4}  # as gpu-console wrote it before: per rank
     torch.save(state, path)
-    result = procs.cli(
-        "run", "--resume", str(run), "--headless", "--runs-dir", str(runs),
-        "--set", "train.max_steps=6", cwd=tmp_path,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_engine(tmp_path, None, "train.max_steps=6", ranks=2, resume=run, runs_dir=runs)
     assert _state(run, 6)["data"] == {"epoch": 0, "samples": 6 * 32 * 2}

@@ -1,4 +1,5 @@
-"""A new user's short run and resume, through the real CLI (2 CPU ranks under torchrun).
+"""A new user's short run and resume, through the real CLI (2 CPU ranks under torchrun; what
+the engine writes, on the engine harness: tests/harness.py).
 
 ``--set train.max_steps=N`` shortens a built-in profile: its warmup gives way, said in one
 line. A resume that cannot go on (a finished run, another task or model) is refused in one
@@ -14,7 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Procs, events_of, only_run, read_status
+from conftest import Procs, events_of, only_run, read_status, set_args
+from harness import run_engine
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,6 +28,8 @@ NOTE = (
     f"--set train.max_steps={MAX_STEPS}: train.warmup_steps 20 → {MAX_STEPS} (the profile's "
     "warmup is longer than this run; the lr rises to its peak over the whole run)"
 )
+# quickstart shortened, an interval every 5 steps (so one falls on the last step).
+SHORT = (f"train.max_steps={MAX_STEPS}", "checkpoint.every_steps=5")
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +39,8 @@ def short_run(tmp_path_factory):
     runs = tmp_path_factory.mktemp("short") / "runs"
     procs = Procs(runs)
     try:
-        result = procs.cli(
-            "run", "quickstart", "--headless", "--devices", "cpu:2", "--runs-dir", str(runs),
-            "--set", f"train.max_steps={MAX_STEPS}", "--set", "checkpoint.every_steps=5",
-        )  # fmt: skip
+        result = procs.cli("run", "quickstart", "--headless", "--devices", "cpu:2",
+                           "--runs-dir", str(runs), *set_args(*SHORT))  # fmt: skip
         yield result, only_run(runs)
     finally:
         procs.cleanup()
@@ -63,9 +65,9 @@ def test_a_short_quickstart_run_clamps_the_warmup_and_says_so(short_run):
     assert status["state"] == "finished" and status["step"] == MAX_STEPS
 
 
-def test_the_last_checkpoint_is_the_end_one_written_once(short_run):
+def test_the_last_checkpoint_is_the_end_one_written_once(tmp_path):
     # every_steps = 5 falls on the last step: that step is the end checkpoint's, written once.
-    _, run = short_run
+    run = run_engine(tmp_path, "quickstart", *SHORT, ranks=2)
     written = [(c["step"], c["reason"]) for c in events_of(run, "checkpoint")]
     assert written == [(5, "interval"), (MAX_STEPS, "end")]
     assert (run / "checkpoints" / "LATEST").read_text().strip() == f"step-{MAX_STEPS:08d}"
@@ -139,15 +141,11 @@ def test_a_resumed_run_says_first_where_it_continues_from(short_run, procs, runs
     assert read_status(run)["step"] == 12
 
 
-def test_the_transformer_profile_ends_with_an_end_checkpoint(procs, runs_dir):
+def test_the_transformer_profile_ends_with_an_end_checkpoint(tmp_path):
     # Its every_steps divides its max_steps (as 2 divides 4 here): the last one says end.
     small = ["task.d_model=16", "task.n_heads=2", "task.n_layers=1", "task.seq_len=8",
              "task.train_samples=256", "task.eval_samples=32", "data.batch_size=8",
              "train.max_steps=4", "checkpoint.every_steps=2"]  # fmt: skip
-    sets = [arg for key in small for arg in ("--set", key)]
-    result = procs.cli("run", "transformer", "--headless", "--devices", "cpu:2",
-                       "--runs-dir", str(runs_dir), *sets)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(runs_dir)
+    run = run_engine(tmp_path, "transformer", *small, ranks=2)
     written = [(c["step"], c["reason"]) for c in events_of(run, "checkpoint")]
     assert written == [(2, "interval"), (4, "end")]
