@@ -1,4 +1,5 @@
-"""``train.activation_checkpointing`` on the built-in transformer, 2 CPU ranks through torchrun.
+"""``train.activation_checkpointing`` on the built-in transformer, 2 CPU ranks (the harness,
+tests/harness.py; the launch's refusal through the CLI).
 
 Recomputing activations changes what is kept, not the maths: the losses of ``blocks`` and
 ``selective`` are bit-identical to a run without (dropout included: the recomputation
@@ -9,6 +10,8 @@ without and with, measured; a task that does not name its blocks is refused at l
 from __future__ import annotations
 
 from conftest import events_of, fast_profile, run_dirs, task_profile, write_profile
+from harness import run_engine
+from headless_text import headless_text
 
 TINY = """
 [profile]
@@ -34,19 +37,16 @@ devices = "cpu:2"
 """
 
 
-def _run(procs, runs_dir, tmp_path, mode: str):
+def _run(tmp_path, mode: str):
+    """(the run, what the headless console prints for it)."""
     profile = write_profile(tmp_path / "tiny.toml", TINY)
-    done = procs.cli(
-        "run", str(profile), "--headless", "--runs-dir", str(runs_dir), "--name", mode,
-        "--set", f"train.activation_checkpointing={mode!r}", cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    (run,) = [r for r in run_dirs(runs_dir) if r.name.startswith(mode + "-")]
-    return run, done.stdout
+    run = run_engine(tmp_path, profile, f"train.activation_checkpointing={mode!r}", ranks=2,
+                     name=mode)  # fmt: skip
+    return run, headless_text(run)
 
 
-def test_blocks_and_selective_train_the_same_losses_on_less_memory(procs, runs_dir, tmp_path):
-    runs = {mode: _run(procs, runs_dir, tmp_path, mode) for mode in ("none", "blocks", "selective")}
+def test_blocks_and_selective_train_the_same_losses_on_less_memory(tmp_path):
+    runs = {mode: _run(tmp_path, mode) for mode in ("none", "blocks", "selective")}
     losses = {m: [e["loss"] for e in events_of(run, "step")] for m, (run, _) in runs.items()}
     assert len(losses["none"]) == 5
     assert losses["blocks"] == losses["none"]  # bit-identical
@@ -87,16 +87,13 @@ def test_a_task_without_blocks_is_refused_at_launch(procs, runs_dir, tmp_path):
     assert run_dirs(runs_dir) == []  # nothing written
 
 
-def test_an_auto_batch_size_is_searched_on_the_checkpointed_model(procs, runs_dir, tmp_path):
+def test_an_auto_batch_size_is_searched_on_the_checkpointed_model(tmp_path):
     # The search must measure the model as it will train: its blocks checkpointed first.
     profile = write_profile(tmp_path / "tiny.toml", TINY)
-    done = procs.cli(
-        "run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-        "--set", "train.activation_checkpointing='blocks'", "--set", "data.batch_size='auto'",
-        cwd=tmp_path, env={"GPU_CONSOLE_FAKE_OOM_ABOVE": "24"},
+    run = run_engine(
+        tmp_path, profile, "train.activation_checkpointing='blocks'", "data.batch_size='auto'",
+        ranks=2, env={"GPU_CONSOLE_FAKE_OOM_ABOVE": "24"},
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    (run,) = run_dirs(runs_dir)
     start = events_of(run, "start")[0]
     assert start["batch_size"] == 24 and start["auto_batch"]["chosen"] == 24
     held = start["activation_checkpointing"]

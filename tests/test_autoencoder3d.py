@@ -1,7 +1,7 @@
 """The built-in ``autoencoder3d`` (issue 22): a denoising 3D conv autoencoder on synthetic
-volumes. Its pieces alone, then the profile through real torchrun on 2 CPU ranks: the loss
-falls, each eval writes its slice PNG, a Ctrl-C and a resume continue bit for bit, and
-``export`` gives weights its model class loads with plain torch."""
+volumes. Its pieces alone, then the profile on 2 CPU ranks (the harness, tests/harness.py):
+the loss falls, each eval writes its slice PNG, ``export`` gives weights its model class loads
+with plain torch; through real torchrun, a Ctrl-C and a resume continue bit for bit."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import zlib
 
 import pytest
 import torch
-from conftest import ctrl_c_then_resume, events_of, only_run
+from conftest import ctrl_c_then_resume, events_of, set_args
+from harness import run_engine
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpu_console.profile import ProfileError, load_profile
@@ -82,16 +83,13 @@ def test_a_size_that_is_not_a_multiple_of_4_is_refused_in_one_line():
     assert "--set: task.size: must be a multiple of 4 (got 18)" in str(info.value)
 
 
-SHORT = ["--devices", "cpu:2", "--set", "train.max_steps=40", "--set", "train.eval_every=20",
-         "--set", "task.eval_samples=32", "--set", "train.log_every=1"]  # fmt: skip
+SHORT = ["train.max_steps=40", "train.eval_every=20", "task.eval_samples=32",
+         "train.log_every=1"]  # fmt: skip
 
 
 def test_the_profile_trains_writes_slices_resumes_exactly_and_exports(procs, tmp_path):
     whole_dir = tmp_path / "whole"
-    result = procs.cli("run", "autoencoder3d", "--headless", *SHORT, "--runs-dir",
-                       str(whole_dir))  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(whole_dir)
+    run = run_engine(tmp_path, "autoencoder3d", *SHORT, ranks=2, runs_dir=whole_dir)
     losses = [e["loss"] for e in events_of(run, "step")]
     assert len(losses) == 40 and max(losses[-5:]) < 0.5 * losses[0], losses
     evals = events_of(run, "eval")
@@ -102,7 +100,8 @@ def test_the_profile_trains_writes_slices_resumes_exactly_and_exports(procs, tmp
         assert image.shape == (128, 388) and image.float().std() > 0
 
     # Ctrl-C once a few steps are done, then --resume: the same losses from there on.
-    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "autoencoder3d", *SHORT)
+    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "autoencoder3d", "--devices",
+                                   "cpu:2", *set_args(*SHORT))  # fmt: skip
     after = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stop}
     assert after == {i + 1: loss for i, loss in enumerate(losses) if i + 1 > stop}
 

@@ -1,8 +1,9 @@
 """The built-in ``cvrp`` (issue 22): the attention model for vehicle routing with a greedy
-rollout baseline. Its pieces alone (tours, the heuristic, the t-test), then through real
-torchrun on 2 CPU ranks: the loss falls, each epoch's baseline test is logged, the eval holds
-the heuristic's length and the gap, a Ctrl-C and a resume continue bit for bit, ``export``
-loads into its model class with plain torch, and each encoder trains."""
+rollout baseline. Its pieces alone (tours, the heuristic, the t-test), then on 2 CPU ranks
+(the harness, tests/harness.py): the loss falls, each epoch's baseline test is logged, the
+eval holds the heuristic's length and the gap, ``export`` loads into its model class with
+plain torch, and each encoder trains; through real torchrun, a Ctrl-C and a resume continue
+bit for bit."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import math
 
 import pytest
 import torch
-from conftest import ctrl_c_then_resume, events_of, only_run, set_args
+from conftest import ctrl_c_then_resume, events_of, set_args
+from harness import run_engine
+from headless_text import headless_text
 
 from gpu_console.profile import load_profile
 from gpu_console.tasks.cvrp import (
@@ -117,8 +120,8 @@ def test_the_one_sided_paired_t_test():
 
 # A small policy on 10 customers: 32 instances per rank, an epoch of 10 steps (so the baseline
 # is tested at steps 10, 20, 30 and 40), 40 steps.
-def small(*extra: str) -> list[str]:
-    sets = [
+def small_sets(*extra: str) -> list[str]:
+    return [
         "task.num_customers=10",
         "task.embed_dim=32",
         "task.n_heads=4",
@@ -134,14 +137,16 @@ def small(*extra: str) -> list[str]:
         "checkpoint.every_steps=20",
         *extra,
     ]
-    return ["--devices", "cpu:2", *set_args(*sets)]
+
+
+def small(*extra: str) -> list[str]:
+    """The command line of :func:`small_sets`."""
+    return ["--devices", "cpu:2", *set_args(*small_sets(*extra))]
 
 
 def test_cvrp_learns_tests_its_baseline_resumes_exactly_and_exports(procs, tmp_path):
     whole_dir = tmp_path / "whole"
-    result = procs.cli("run", "cvrp20", "--headless", *small(), "--runs-dir", str(whole_dir))
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(whole_dir)
+    run = run_engine(tmp_path, "cvrp20", *small_sets(), ranks=2, runs_dir=whole_dir)
     losses = {e["step"]: e["loss"] for e in events_of(run, "step")}
     first, last = [losses[s] for s in range(1, 6)], [losses[s] for s in range(36, 41)]
     assert sum(last) < 0.9 * sum(first), (first, last)  # mean sampled tour length falls
@@ -150,7 +155,7 @@ def test_cvrp_learns_tests_its_baseline_resumes_exactly_and_exports(procs, tmp_p
     assert len(tests) == 4, tests  # one per epoch's end
     assert "(the moving average ends; rollouts begin)" in tests[0]
     assert "rollout baseline replaced after epoch 0" in tests[0]  # better than a random policy
-    assert "rollout baseline replaced after epoch 0" in result.stdout
+    assert "rollout baseline replaced after epoch 0" in headless_text(run)
     step_metrics = [e["metrics"]["baseline"] for e in events_of(run, "step")]
     assert all(math.isfinite(b) and b > 0 for b in step_metrics)
 
@@ -168,18 +173,15 @@ def test_cvrp_learns_tests_its_baseline_resumes_exactly_and_exports(procs, tmp_p
     out = tmp_path / "weights.pt"
     exported = procs.cli("export", str(run), "--out", str(out), "--runs-dir", str(whole_dir))
     assert exported.returncode == 0, exported.stdout + exported.stderr
-    cfg = load_profile("cvrp20", [s for s in small()[1::2] if s.startswith("task.")]).task
+    cfg = load_profile("cvrp20", [s for s in small_sets() if s.startswith("task.")]).task
     model = CVRPModel(cfg)
     model.load_state_dict(torch.load(out, weights_only=True))  # plain torch, nothing else
 
 
 @pytest.mark.parametrize("encoder", ["gt", "dgt"])
-def test_the_graph_transformer_encoders_train(procs, tmp_path, encoder):
-    runs = tmp_path / "runs"
-    args = small(f"task.encoder={encoder}", "train.max_steps=12", "train.eval_every=12")
-    result = procs.cli("run", "cvrp20", "--headless", *args, "--runs-dir", str(runs))
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(runs)
+def test_the_graph_transformer_encoders_train(tmp_path, encoder):
+    sets = small_sets(f"task.encoder={encoder}", "train.max_steps=12", "train.eval_every=12")
+    run = run_engine(tmp_path, "cvrp20", *sets, ranks=2)
     losses = [e["loss"] for e in events_of(run, "step")]
     assert len(losses) == 12 and all(math.isfinite(v) for v in losses)
     assert sum(losses[-3:]) < sum(losses[:3]), losses

@@ -1,4 +1,5 @@
-"""``train.deterministic``: the profile rule, and what reaches every rank (CPU, real torchrun).
+"""``train.deterministic``: the profile rule, and what reaches every rank (2 CPU ranks, the
+harness: tests/harness.py).
 
 The GPU half (identical runs, bit-exact resume on a GPU) is tests/test_gpu_determinism.py.
 """
@@ -8,8 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import events_of, only_run, task_profile, write_profile
-from conftest import test_env as cli_env
+from conftest import events_of, task_profile, write_profile
+from harness import run_engine
 
 from gpu_console.profile import NOT_DETERMINISTIC, ProfileError, load_profile
 
@@ -87,6 +88,8 @@ from gpu_console.tasks.mlp import MLPTask
 
 class Probe(MLPTask):
     def build_model(self):
+        if "RANK" not in os.environ:  # the launch's data count, not a rank
+            return super().build_model()
         Path(os.environ["PROBE_DIR"], f"rank-{os.environ['RANK']}.json").write_text(
             json.dumps(
                 {
@@ -100,18 +103,14 @@ class Probe(MLPTask):
 """
 
 
-def test_every_rank_runs_deterministic_and_the_start_event_says_so(procs, runs_dir, tmp_path):
+def test_every_rank_runs_deterministic_and_the_start_event_says_so(tmp_path, monkeypatch):
     profile = task_profile(tmp_path, "probe", PROBE, "Probe", max_steps=3, ranks=2)
     probes = tmp_path / "probes"
     probes.mkdir()
-    env = cli_env(PROBE_DIR=str(probes))
-    env.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    result = procs.cli(
-        "run", str(profile), "--headless", "--runs-dir", str(runs_dir / "a"),
-        "--set", "train.deterministic=true", cwd=tmp_path, env=env,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(runs_dir / "a")
+    env = {"PROBE_DIR": str(probes)}
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # the engine's to set
+    run = run_engine(tmp_path, profile, "train.deterministic=true", ranks=2,
+                     runs_dir=tmp_path / "a", env=env)  # fmt: skip
     start = events_of(run, "start")[0]
     assert start["world_size"] == 2
     assert start["deterministic"] == IN_EFFECT
@@ -121,12 +120,7 @@ def test_every_rank_runs_deterministic_and_the_start_event_says_so(procs, runs_d
         for r in (0, 1)
     }
     # Two deterministic runs on CPU: the same losses (as without it, on CPU).
-    again = procs.cli(
-        "run", str(run / "run.toml"), "--headless", "--runs-dir", str(runs_dir / "b"),
-        cwd=tmp_path, env=env,
-    )  # fmt: skip
-    assert again.returncode == 0, again.stdout + again.stderr
-    other = only_run(runs_dir / "b")
+    other = run_engine(tmp_path, run / "run.toml", ranks=2, runs_dir=tmp_path / "b", env=env)
     losses = [[e["loss"] for e in events_of(r, "step")] for r in (run, other)]
     assert len(losses[0]) == 3 and losses[0] == losses[1]
     assert events_of(other, "start")[0]["deterministic"] == IN_EFFECT

@@ -1,5 +1,5 @@
 """The three complete examples under examples/: each imports only the documented task API,
-and each, trained on 2 CPU ranks through real torchrun, stopped half-way and resumed, goes
+and each, trained on 2 CPU ranks (the harness, tests/harness.py), stopped half-way and resumed, goes
 on exactly as an uninterrupted run (the same losses, lrs and metrics at every step, bit for
 bit: the same fp32 kernels on the same data in the same order, with every optimizer,
 schedule, RNG stream and task state restored), its optimizers' and schedules' states in the
@@ -8,12 +8,15 @@ end checkpoint equal to the uninterrupted run's."""
 from __future__ import annotations
 
 import ast
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, events_of, only_run
+from conftest import REPO, events_of
+from harness import run_engine
+from headless_text import headless_text
 
 from gpu_console.engine import checkpoint
 from gpu_console.profile import load_profile
@@ -62,24 +65,24 @@ def test_an_example_uses_only_the_public_task_api(name):
 # -- each example: uninterrupted, and stopped half-way then resumed -----------------------------
 
 
-def run(procs, runs: Path, *args: str) -> str:
-    result = procs.cli("run", *args, "--headless", "--runs-dir", str(runs), cwd=REPO)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
-
-
-def uninterrupted_and_resumed(procs, runs_dir, name: str, steps: int, *sets: str):
-    """(the uninterrupted run, its output, the resumed run, the resume's output)."""
-    every = ["--devices", "cpu:2", "--set", "train.log_every=1", *sets]
-    profile = f"examples/{name}.toml"
-    ref_out = run(procs, runs_dir / "ref", profile, *every, "--set", f"train.max_steps={steps}")
-    half = ["--set", f"train.max_steps={steps // 2}"]
-    run(procs, runs_dir / "cut", profile, *every, *half)
-    cut = only_run(runs_dir / "cut")
-    out = run(procs, runs_dir / "cut", "--resume", str(cut), "--set", f"train.max_steps={steps}")
+def uninterrupted_and_resumed(tmp_path: Path, name: str, steps: int, *sets: str):
+    """(the uninterrupted run, the run stopped half-way and resumed), run where a user runs
+    them: a directory holding the examples package (a copy of the repository's)."""
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    for ext in ("py", "toml"):
+        shutil.copy(REPO / "examples" / f"{name}.{ext}", examples)
+    profile = examples / f"{name}.toml"
+    every = ("train.log_every=1", *sets)
+    ref = run_engine(tmp_path, profile, *every, f"train.max_steps={steps}", ranks=2,
+                     runs_dir=tmp_path / "ref")  # fmt: skip
+    cut = run_engine(tmp_path, profile, *every, f"train.max_steps={steps // 2}", ranks=2,
+                     runs_dir=tmp_path / "cut")  # fmt: skip
+    run_engine(tmp_path, None, f"train.max_steps={steps}", ranks=2, resume=cut,
+               runs_dir=tmp_path / "cut")  # fmt: skip
     starts = events_of(cut, "start")
     assert [s["start_step"] for s in starts] == [0, steps // 2]
-    return only_run(runs_dir / "ref"), ref_out, cut, out
+    return ref, cut
 
 
 def steps_of(run_dir: Path) -> dict[int, tuple]:
@@ -121,13 +124,13 @@ def assert_optimizers_came_back(ref: Path, cut: Path, steps: int) -> dict:
     return mine
 
 
-def test_char_lstm_resumes_its_hidden_state_and_plateau_exactly(procs, runs_dir):
+def test_char_lstm_resumes_its_hidden_state_and_plateau_exactly(tmp_path):
     # Every eval after the first counts as a plateau (a 50% improvement is asked for): the
     # lr is cut at each, which a resume that forgot the scheduler's best would not do.
     # An epoch is 17 steps (2 ranks × 16 streams); the cut at step 12 is mid-epoch, with a
     # hidden state carried into step 13 only by the task's state_dict.
-    sets = ["--set", "train.eval_every=4", "--set", "task.plateau_threshold=0.5"]
-    ref, _, cut, _ = uninterrupted_and_resumed(procs, runs_dir, "char_lstm", 24, *sets)
+    sets = ["train.eval_every=4", "task.plateau_threshold=0.5"]
+    ref, cut = uninterrupted_and_resumed(tmp_path, "char_lstm", 24, *sets)
     expected = steps_of(ref)
     assert len(expected) == 24
     assert steps_of(cut) == expected
@@ -144,16 +147,16 @@ def test_char_lstm_resumes_its_hidden_state_and_plateau_exactly(procs, runs_dir)
     assert (cut / "checkpoints" / "BEST").is_file()
 
 
-def test_gan_resumes_both_optimizers_and_writes_the_same_samples(procs, runs_dir):
+def test_gan_resumes_both_optimizers_and_writes_the_same_samples(tmp_path):
     # 512 points, 64 a rank, 2 ranks: an epoch is 4 steps.
-    sets = ["--set", "task.samples=512"]
-    ref, ref_out, cut, _ = uninterrupted_and_resumed(procs, runs_dir, "gan", 16, *sets)
+    ref, cut = uninterrupted_and_resumed(tmp_path, "gan", 16, "task.samples=512")
     expected = steps_of(ref)
     assert len(expected) == 16
     assert steps_of(cut) == expected
     names = {"Loss_D", "Loss_G", "D(x)", "D(G(z))"}
     assert all(set(expected[s][3]) == names for s in expected)
     assert set(expected[16][2]) == {"D", "G"}
+    ref_out = headless_text(ref)
     assert "train D(x): " in ref_out and "train Loss_G: " in ref_out  # the summary
     state = assert_optimizers_came_back(ref, cut, 16)
     for name in ("D", "G"):
@@ -166,10 +169,9 @@ def test_gan_resumes_both_optimizers_and_writes_the_same_samples(procs, runs_dir
         assert (cut / "task" / sample).read_text() == (ref / "task" / sample).read_text()
 
 
-def test_gpt_char_resumes_its_schedule_exactly_and_exports(procs, runs_dir, tmp_path):
-    sets = ["--set", "train.eval_every=8", "--set", "task.warmup=4",
-            "--set", "task.decay_steps=8"]  # fmt: skip
-    ref, _, cut, _ = uninterrupted_and_resumed(procs, runs_dir, "gpt_char", 16, *sets)
+def test_gpt_char_resumes_its_schedule_exactly_and_exports(procs, tmp_path):
+    sets = ["train.eval_every=8", "task.warmup=4", "task.decay_steps=8"]
+    ref, cut = uninterrupted_and_resumed(tmp_path, "gpt_char", 16, *sets)
     expected = steps_of(ref)
     assert len(expected) == 16
     assert steps_of(cut) == expected
@@ -193,7 +195,7 @@ def test_gpt_char_resumes_its_schedule_exactly_and_exports(procs, runs_dir, tmp_
     assert start["optimizers"][0]["schedule"] == {"kind": "LambdaLR"}
 
     out = tmp_path / "gpt.pt"
-    result = procs.cli("export", str(cut), "--best", "--out", str(out), cwd=REPO)
+    result = procs.cli("export", str(cut), "--best", "--out", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     sys.path.insert(0, str(REPO))  # the examples package, as a user's script imports it
     try:

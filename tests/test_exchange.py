@@ -2,8 +2,9 @@
 
 Checked three ways: the table's encoding survives the sum exactly; under real torchrun
 (3 ranks, so the world size is not a power of two), the hook's gradients are bit for bit
-plain DDP's and every rank's row arrives; and in real runs, log steps make no collective of
-their own while control checks between sparse log steps still answer.
+plain DDP's and every rank's row arrives; and in runs, log steps make no collective of their
+own (the harness, tests/harness.py) while control checks between sparse log steps of a live
+run still answer (real torchrun).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from conftest import (
     the_run,
     wait_for,
 )
+from harness import run_engine
 
 from gpu_console.engine.exchange import WIDTH, Row, decode, encode_ints
 from gpu_console.events import append_control
@@ -119,11 +121,8 @@ def test_hook_matches_plain_ddp_and_gathers_every_rank(tmp_path):
         assert f64["counts"] == {"carried": 0, "separate": 1}
 
 
-def test_log_steps_make_no_collective_of_their_own(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=30, ranks=2)
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = the_run(runs_dir)
+def test_log_steps_make_no_collective_of_their_own(tmp_path):
+    run = run_engine(tmp_path, fast_profile(tmp_path, max_steps=30, ranks=2), ranks=2)
     steps = events_of(run, "step")
     assert [e["step"] for e in steps] == list(range(1, 31))  # log_every = 1
     finished = events_of(run, "status")[-1]

@@ -1,4 +1,6 @@
-"""``distributed.strategy = "fsdp"``: FSDP2 on 2 CPU ranks (gloo) under the real torchrun.
+"""``distributed.strategy = "fsdp"``: FSDP2 on 2 CPU ranks (gloo), the engine's runs in the
+harness (tests/harness.py), a stop sent to a live run, a failed run's status and the launch's
+refusals under the real torchrun.
 
 The installed torch runs ``fully_shard`` and ``torch.distributed.checkpoint`` on CPU with
 gloo, so these tests run the real thing: the transformer sharded per block and at the root,
@@ -23,16 +25,19 @@ from conftest import (
     Procs,
     events_of,
     only_run,
+    pinned_env,
     read_status,
     task_profile,
     the_run,
     wait_for,
 )
 from conftest import test_env as cli_env
+from harness import run_engine
+from headless_text import headless_text
 
 from gpu_console.engine.nonfinite import ENV
 from gpu_console.events import append_control
-from gpu_console.runs import list_checkpoints
+from gpu_console.runs import HOLD, list_checkpoints
 
 # fp32 on both: FSDP reduce-scatters where DDP all-reduces, so sums may round differently in
 # the last bits; over a few steps the losses agree to this relative tolerance (measured: equal
@@ -87,24 +92,19 @@ def close(a: dict[int, float], b: dict[int, float]) -> bool:
 
 @pytest.fixture(scope="module")
 def transformer_runs(tmp_path_factory):
-    """The transformer and the MLP for 6 steps under fsdp and under ddp: by "transformer-fsdp"
-    and so on, (run directory, headless output)."""
+    """The transformer and the MLP for 6 steps under fsdp and under ddp (the harness, 2
+    ranks): by "transformer-fsdp" and so on, (run directory, what the headless console
+    prints for it)."""
     tmp = tmp_path_factory.mktemp("fsdp")
-    procs = Procs(tmp / "runs")
-    try:
-        runs = {}
-        for kind in ("transformer", "mlp"):
-            for strategy in ("fsdp", "ddp"):
-                name = f"{kind}-{strategy}"
-                result = procs.cli(
-                    "run", str(profile(tmp, strategy, kind=kind)), "--headless", "--runs-dir",
-                    str(tmp / name), cwd=tmp,
-                )  # fmt: skip
-                assert result.returncode == 0, result.stdout + result.stderr
-                runs[name] = (only_run(tmp / name), result.stdout)
-        yield runs
-    finally:
-        procs.cleanup()
+    runs = {}
+    for kind in ("transformer", "mlp"):
+        for strategy in ("fsdp", "ddp"):
+            name = f"{kind}-{strategy}"
+            # pinned_env: a module's fixture starts before no_gpu_machine pins the hardware
+            run = run_engine(tmp, profile(tmp, strategy, kind=kind), ranks=2,
+                             runs_dir=tmp / name, env=pinned_env())  # fmt: skip
+            runs[name] = (run, headless_text(run))
+    return runs
 
 
 def test_fsdp_shards_the_transformers_blocks_and_trains_as_ddp_does(transformer_runs):
@@ -223,11 +223,9 @@ def test_fsdp_stop_and_resume_continue_bit_for_bit_and_resume_on_one_rank(procs,
         .replace('kind = "transformer"', 'kind = "paced_tf:Paced"')
         .replace(f"eval_every = {steps}", "eval_every = 1")  # evals draw no random numbers
     )
-    whole = procs.cli("run", str(prof), "--headless", "--runs-dir", str(tmp_path / "w"),
-                      cwd=tmp_path)  # fmt: skip
-    assert whole.returncode == 0, whole.stdout + whole.stderr
-    expected = losses(only_run(tmp_path / "w"))
-    evals = {e["step"]: e["loss"] for e in events_of(only_run(tmp_path / "w"), "eval")}
+    whole = run_engine(tmp_path, prof, ranks=2, runs_dir=tmp_path / "w")
+    expected = losses(whole)
+    evals = {e["step"]: e["loss"] for e in events_of(whole, "eval")}
     assert len(expected) == steps and len(evals) == steps
 
     runs = tmp_path / "s"
@@ -292,7 +290,7 @@ class ShardedGan(GanStepTask):
 """
 
 
-def test_a_tasks_own_gan_step_runs_on_the_sharded_model(procs, tmp_path):
+def test_a_tasks_own_gan_step_runs_on_the_sharded_model(tmp_path):
     # train_step calls the generator and the discriminator directly, not the root's forward.
     (tmp_path / "gan_task.py").write_text((Path(__file__).parent / "gan_task.py").read_text())
     (tmp_path / "sharded_gan.py").write_text(SHARDED_GAN)
@@ -303,10 +301,7 @@ def test_a_tasks_own_gan_step_runs_on_the_sharded_model(procs, tmp_path):
         .replace(TRANSFORMER, "")
         .replace("max_steps = 4", "max_steps = 4\ngrad_accum = 2")
     )
-    result = procs.cli("run", str(prof), "--headless", "--runs-dir", str(tmp_path / "r"),
-                       cwd=tmp_path)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(tmp_path / "r")
+    run = run_engine(tmp_path, prof, ranks=2)
     assert events_of(run, "start")[0]["train_step"] == "task"
     steps = events_of(run, "step")
     assert len(steps) == 4 and set(steps[-1]["grad_norms"]) == {"d", "g"}
@@ -367,25 +362,26 @@ class FullShardDisk(MLPTask):
 """
 
 
-def test_one_ranks_failed_shard_write_leaves_latest_on_the_complete_checkpoint(procs, tmp_path):
+def test_one_ranks_failed_shard_write_leaves_latest_on_the_complete_checkpoint(tmp_path):
     prof = task_profile(
         tmp_path, "fullshard", FULL_SHARD_DISK, "FullShardDisk", max_steps=12, ranks=2
     )
     prof.write_text(
         prof.read_text() + '[checkpoint]\nevery_steps = 5\n[distributed]\nstrategy = "fsdp"\n'
     )
-    result = procs.cli("run", str(prof), "--headless", "--runs-dir", str(tmp_path / "r"),
-                       cwd=tmp_path)  # fmt: skip
-    run = only_run(tmp_path / "r")
+    run = run_engine(tmp_path, prof, ranks=2)
+    assert events_of(run, "status")[-1]["state"] == "finished"
     failed = [e["checkpoint_failed"] for e in events_of(run, "log") if e.get("checkpoint_failed")]
     assert [(f["step"], f["latest"]) for f in failed] == [
         (10, "step-00000005"),
         (12, "step-00000005"),
-    ], result.stdout + result.stderr
+    ]
     assert "no space left on " in failed[0]["error"]
     ckpts = run / "checkpoints"
     assert (ckpts / "LATEST").read_text().strip() == "step-00000005"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["LATEST", "step-00000005"]  # no debris
+    # No debris: the readers' hold file (runs.HOLD, made by the pruning) is no checkpoint's.
+    left = sorted(p.name for p in ckpts.iterdir() if p.name != HOLD)
+    assert left == ["LATEST", "step-00000005"]
 
 
 def test_bad_fsdp_values_are_one_line_exit_2(procs, tmp_path):

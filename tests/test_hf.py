@@ -1,16 +1,17 @@
 """The built-in ``hf`` (issue 22): a Hugging Face transformers model from a tiny config,
-offline. Its pieces alone, then through real torchrun on 2 CPU ranks: it trains and its loss
-falls, a Ctrl-C and a resume continue bit for bit, ``export`` loads into the transformers
-class with plain torch, the classifier learns, a saved model directory with its own tokenizer
-trains, and without transformers the profile fails before launch in one line that says what
-to install."""
+offline. Its pieces alone, then on 2 CPU ranks (the harness, tests/harness.py): it trains
+and its loss falls, ``export`` loads into the transformers class with plain torch, the
+classifier learns, a saved model directory with its own tokenizer trains; through real
+torchrun, a Ctrl-C and a resume continue bit for bit; and without transformers the profile
+fails before launch in one line that says what to install."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ctrl_c_then_resume, events_of, only_run, run_dirs, set_args
+from conftest import ctrl_c_then_resume, events_of, run_dirs, set_args
 from conftest import test_env as cli_env
+from harness import run_engine
 
 from gpu_console.profile import ProfileError, load_profile
 from gpu_console.tasks.hf import HFTask
@@ -60,55 +61,48 @@ def test_the_classifier_tells_the_text_from_the_text_shifted_by_one():
     assert out.loss.ndim == 0 and 0 <= float(out.metrics["accuracy"]) <= 1
 
 
-def short() -> list[str]:
-    sets = [
-        *TINY,
-        "train.max_steps=30",
-        "train.eval_every=15",
-        "train.log_every=1",
-        "train.warmup_steps=3",
-        "task.seq_len=32",
-        "task.config.n_positions=32",
-        "checkpoint.every_steps=15",
-    ]
-    return ["--devices", "cpu:2", *set_args(*sets)]
+SHORT = [
+    *TINY,
+    "train.max_steps=30",
+    "train.eval_every=15",
+    "train.log_every=1",
+    "train.warmup_steps=3",
+    "task.seq_len=32",
+    "task.config.n_positions=32",
+    "checkpoint.every_steps=15",
+]
 
 
 def test_hf_trains_a_tiny_config_offline_resumes_exactly_and_exports(procs, tmp_path):
     whole_dir = tmp_path / "whole"
-    result = procs.cli("run", "hf", "--headless", *short(), "--runs-dir", str(whole_dir))
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(whole_dir)
+    run = run_engine(tmp_path, "hf", *SHORT, ranks=2, runs_dir=whole_dir)
     losses = {e["step"]: e["loss"] for e in events_of(run, "step")}
     assert sum(losses[s] for s in range(26, 31)) < sum(losses[s] for s in range(1, 6))
     assert [e["step"] for e in events_of(run, "eval")] == [15, 30]
 
-    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "hf", *short())
+    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "hf", "--devices", "cpu:2",
+                                   *set_args(*SHORT))  # fmt: skip
     resumed = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stop}
     assert resumed == {s: loss for s, loss in losses.items() if s > stop}
 
     out = tmp_path / "weights.pt"
     exported = procs.cli("export", str(run), "--out", str(out), "--runs-dir", str(whole_dir))
     assert exported.returncode == 0, exported.stdout + exported.stderr
-    config = load_profile("hf", [s for s in short()[1::2] if s.startswith("task.")]).task.config
+    config = load_profile("hf", [s for s in SHORT if s.startswith("task.")]).task.config
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**config)
     )
     model.load_state_dict(torch.load(out, weights_only=True))  # plain torch, nothing else
 
 
-def test_the_classifier_learns_through_torchrun(procs, tmp_path):
-    runs = tmp_path / "runs"
+def test_the_classifier_learns_on_two_ranks(tmp_path):
     sets = [*TINY, "task.head=sequence-classification", "train.max_steps=20",
             "train.eval_every=20", "task.seq_len=32", "task.config.n_positions=32"]  # fmt: skip
-    args = ["--devices", "cpu:2", *set_args(*sets)]
-    result = procs.cli("run", "hf", "--headless", *args, "--runs-dir", str(runs))
-    assert result.returncode == 0, result.stdout + result.stderr
-    (final,) = events_of(only_run(runs), "eval")
+    (final,) = events_of(run_engine(tmp_path, "hf", *sets, ranks=2), "eval")
     assert final["accuracy"] > 0.9 and final["loss"] < 0.3, final
 
 
-def test_a_saved_model_directory_trains_through_its_own_tokenizer(procs, tmp_path):
+def test_a_saved_model_directory_trains_through_its_own_tokenizer(tmp_path):
     """A model and a word-level tokenizer saved to a directory, as a user's download would
     be: the run loads both with nothing fetched, and the sequences are the tokenizer's."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -124,13 +118,9 @@ def test_a_saved_model_directory_trains_through_its_own_tokenizer(procs, tmp_pat
                                      n_head=2, bos_token_id=0, eos_token_id=0)  # fmt: skip
     transformers.GPT2LMHeadModel(config).save_pretrained(saved)
 
-    runs = tmp_path / "runs"
     sets = [f"task.model={saved}", f"task.text_file={text}", "task.seq_len=8",
             "train.max_steps=20", "train.eval_every=20", "train.log_every=1"]  # fmt: skip
-    args = ["--devices", "cpu:2", *set_args(*sets)]
-    result = procs.cli("run", "hf", "--headless", *args, "--runs-dir", str(runs))
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(runs)
+    run = run_engine(tmp_path, "hf", *sets, ranks=2)
     start = events_of(run, "start")[0]
     assert start["params"] == sum(
         p.numel() for p in transformers.GPT2LMHeadModel(config).parameters()

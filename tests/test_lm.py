@@ -1,14 +1,16 @@
 """The built-in ``lm`` (issue 22): a GPT-style causal language model on a text's bytes. Its
-pieces alone, then through real torchrun on 2 CPU ranks: a text file given on the command
-line, the perplexity falls, the samples are shown, a Ctrl-C and a resume continue bit for
-bit, ``export`` loads into its model class with plain torch; FSDP with activation
-checkpointing trains it too."""
+pieces alone, then on 2 CPU ranks (the harness, tests/harness.py): a text file given as a
+setting, the perplexity falls, the samples are shown, ``export`` loads into its model class
+with plain torch; FSDP with activation checkpointing trains it too; through real torchrun, a
+Ctrl-C and a resume continue bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ctrl_c_then_resume, events_of, only_run
+from conftest import ctrl_c_then_resume, events_of, set_args
+from harness import run_engine
+from headless_text import headless_text
 
 from gpu_console.profile import load_profile
 from gpu_console.tasks.lm import GPT, LMTask, greedy, read_text, windows
@@ -47,29 +49,26 @@ TEXT = "the cat sat on the mat. the dog ate the log. a bird in the hand.\n" * 40
 
 
 def short(text_file) -> list[str]:
-    return ["--devices", "cpu:2", "--set", "train.max_steps=40", "--set",
-            "train.eval_every=20", "--set", "train.warmup_steps=5", "--set",
-            f"task.text_file={text_file}", "--set", "task.sample_bytes=24", "--set",
-            "train.log_every=1"]  # fmt: skip
+    return ["train.max_steps=40", "train.eval_every=20", "train.warmup_steps=5",
+            f"task.text_file={text_file}", "task.sample_bytes=24", "train.log_every=1"]  # fmt: skip
 
 
 def test_lm_on_a_text_file_learns_samples_resumes_exactly_and_exports(procs, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
     whole_dir = tmp_path / "whole"
-    result = procs.cli("run", "lm", "--headless", *short(text), "--runs-dir", str(whole_dir))
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(whole_dir)
+    run = run_engine(tmp_path, "lm", *short(text), ranks=2, runs_dir=whole_dir)
     evals = events_of(run, "eval")
     assert [e["step"] for e in evals] == [20, 40]
     assert evals[1]["ppl"] < evals[0]["ppl"] < 256, evals  # below a uniform guess, and falling
     assert evals[0]["ppl"] == pytest.approx(torch.tensor(evals[0]["loss"]).exp().item())
     samples = [e["message"] for e in events_of(run, "log") if "sample @ step" in e["message"]]
     assert [s.split(":")[0] for s in samples] == ["sample @ step 20", "sample @ step 40"]
-    assert "sample @ step 40: " in result.stdout
+    assert "sample @ step 40: " in headless_text(run)
     losses = {e["step"]: e["loss"] for e in events_of(run, "step")}
 
-    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "lm", *short(text))
+    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "lm", "--devices", "cpu:2",
+                                   *set_args(*short(text)))  # fmt: skip
     resumed = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stop}
     assert resumed == {s: loss for s, loss in losses.items() if s > stop}
 
@@ -80,14 +79,11 @@ def test_lm_on_a_text_file_learns_samples_resumes_exactly_and_exports(procs, tmp
     model.load_state_dict(torch.load(out, weights_only=True))  # plain torch, nothing else
 
 
-def test_lm_trains_under_fsdp_with_activation_checkpointing(procs, tmp_path):
+def test_lm_trains_under_fsdp_with_activation_checkpointing(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
-    runs = tmp_path / "runs"
-    fsdp = ["--set", "distributed.strategy=fsdp", "--set", "train.activation_checkpointing=blocks"]
-    result = procs.cli("run", "lm", "--headless", *short(text), *fsdp, "--runs-dir", str(runs))
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(runs)
+    fsdp = ["distributed.strategy=fsdp", "train.activation_checkpointing=blocks"]
+    run = run_engine(tmp_path, "lm", *short(text), *fsdp, ranks=2)
     start = events_of(run, "start")[0]
     assert start["strategy"] == "fsdp"
     losses = [e["loss"] for e in events_of(run, "step")]

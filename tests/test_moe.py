@@ -1,11 +1,12 @@
 """The built-in ``moe`` (issue 22): a mixture-of-experts language model. Its routing alone
 against a token-by-token mixture (top-1 and top-2, capacity and none), the drops past
-capacity, the balancing loss, the config's one-line refusals; then through real torchrun on
-2 CPU ranks: it trains, every step event carries each expert's share, and the reported loss
-is the cross-entropy plus the weighted balancing loss. With ``task.expert_parallel`` (the
-engine's ``expert`` strategy): the replicated run's losses, checkpoints of the whole model
-that ``export`` writes out, an exact resume after a Ctrl-C, a resume on one rank, and the
-launch's refusals of a world the experts do not divide over."""
+capacity, the balancing loss, the config's one-line refusals; then on 2 CPU ranks (the
+harness, tests/harness.py): it trains, every step event carries each expert's share, and the
+reported loss is the cross-entropy plus the weighted balancing loss. With
+``task.expert_parallel`` (the engine's ``expert`` strategy): the replicated run's losses,
+checkpoints of the whole model that ``export`` writes out, a resume on one rank; through real
+torchrun, an exact resume after a Ctrl-C, and the launch's refusals of a world the experts do
+not divide over."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import math
 
 import pytest
 import torch
-from conftest import ctrl_c_then_resume, events_of, only_run, run_dirs, set_args
+from conftest import ctrl_c_then_resume, events_of, run_dirs, set_args
+from harness import run_engine
 
 from gpu_console.profile import ProfileError, load_profile
 from gpu_console.tasks.configs import MoEConfig
@@ -107,11 +109,8 @@ SMALL = ("task.d_model=32", "task.n_heads=2", "task.num_experts=4", "task.seq_le
          "train.log_every=5", "train.eval_every=20", "checkpoint.every_steps=0")  # fmt: skip
 
 
-def test_it_trains_on_two_ranks_and_reports_each_experts_share(procs, runs_dir):
-    result = procs.cli("run", "moe", "--headless", "--devices", "cpu:2", "--runs-dir",
-                       str(runs_dir), *set_args(*SMALL))  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(runs_dir)
+def test_it_trains_on_two_ranks_and_reports_each_experts_share(tmp_path):
+    run = run_engine(tmp_path, "moe", *SMALL, ranks=2)
     steps = events_of(run, "step")
     assert [s["step"] for s in steps] == list(range(5, 41, 5))
     for s in steps:
@@ -130,11 +129,8 @@ def test_it_trains_on_two_ranks_and_reports_each_experts_share(procs, runs_dir):
         assert not any(k.startswith("expert_load") for k in e)
 
 
-def moe_run(procs, runs, *sets: str, devices: str = "cpu:2"):
-    result = procs.cli("run", "moe", "--headless", "--devices", devices, "--runs-dir",
-                       str(runs), *set_args(*sets))  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    return only_run(runs)
+def moe_run(tmp_path, runs, *sets: str):
+    return run_engine(tmp_path, "moe", *sets, ranks=2, runs_dir=runs)
 
 
 def whole_state(run, step: int) -> dict:
@@ -143,8 +139,8 @@ def whole_state(run, step: int) -> dict:
 
 def test_expert_parallel_trains_the_replicated_model_and_checkpoints_it_whole(procs, tmp_path):
     sets = (*SMALL, "checkpoint.every_steps=20")
-    rep = moe_run(procs, tmp_path / "rep", *sets)
-    ep = moe_run(procs, tmp_path / "ep", *sets, "task.expert_parallel=true")
+    rep = moe_run(tmp_path, tmp_path / "rep", *sets)
+    ep = moe_run(tmp_path, tmp_path / "ep", *sets, "task.expert_parallel=true")
     (start,) = events_of(ep, "start")
     assert start["strategy"] == "expert"
     assert start["expert_parallel"]["parameters"] == 2 * 4  # two blocks' w1, b1, w2, b2
@@ -182,7 +178,7 @@ LONG = ("task.d_model=32", "task.n_heads=2", "task.num_experts=4", "task.seq_len
 
 
 def test_expert_parallel_resumes_exactly_after_ctrl_c_and_on_one_rank(procs, tmp_path):
-    whole = moe_run(procs, tmp_path / "whole", *LONG)
+    whole = moe_run(tmp_path, tmp_path / "whole", *LONG)
     losses = {e["step"]: e["loss"] for e in events_of(whole, "step")}
     cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "moe", "--devices", "cpu:2",
                                    *set_args(*LONG))  # fmt: skip
@@ -190,9 +186,7 @@ def test_expert_parallel_resumes_exactly_after_ctrl_c_and_on_one_rank(procs, tmp
     resumed = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stop}
     assert resumed == {s: loss for s, loss in losses.items() if s > stop}
     # The whole model on one rank: the checkpoint's experts need no slicing there.
-    again = procs.cli("run", "--resume", str(whole), "--headless", "--devices", "cpu:1",
-                      *set_args("train.max_steps=70"))  # fmt: skip
-    assert again.returncode == 0, again.stdout + again.stderr
+    run_engine(tmp_path, None, "train.max_steps=70", resume=whole, runs_dir=tmp_path / "whole")
     assert events_of(whole, "start")[-1]["strategy"] == "single"
     after = [e for e in events_of(whole, "step") if e["step"] > 60]
     assert [e["step"] for e in after] == list(range(61, 71))

@@ -4,8 +4,8 @@ Checked under real torchrun, at 2 ranks (gloo's own bits) and 3 (a world size th
 power of two), with chunks small enough that a tensor takes several rounds: sums agree with
 gloo's and are the same bits on every rank; DDP's gradients through the hook are plain
 DDP's; a rank that never arrives is named after the timeout; nothing is left in /dev/shm.
-Then whole runs: the default reduces through shared memory and learns bit for bit what
-``cpu_reduce = "gloo"`` learns.
+Then whole runs (the harness, tests/harness.py): the default reduces through shared memory
+and learns bit for bit what ``cpu_reduce = "gloo"`` learns.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DDP_STEP, events_of, fast_profile, repo_pythonpath, the_run
+from conftest import DDP_STEP, events_of, fast_profile, repo_pythonpath
+from harness import run_engine
 
 from gpu_console.engine import shared_reduce
 from gpu_console.engine.shared_reduce import SharedReduce, unavailable
@@ -213,15 +214,11 @@ def _losses(run: Path) -> list[tuple[float, float]]:
     return [(e["loss"], e["grad_norm"]) for e in events_of(run, "step")]
 
 
-def test_a_run_reduces_through_shared_memory_and_learns_what_gloo_learns(procs, tmp_path):
+def test_a_run_reduces_through_shared_memory_and_learns_what_gloo_learns(tmp_path):
     profile = fast_profile(tmp_path, max_steps=30, ranks=2)
     runs = {}
-    for name, sets in (("default", []), ("gloo", ["--set", "distributed.cpu_reduce=gloo"])):
-        runs_dir = tmp_path / f"runs-{name}"
-        argv = ["run", str(profile), "--headless", "--runs-dir", str(runs_dir), *sets]
-        result = procs.cli(*argv)
-        assert result.returncode == 0, result.stdout + result.stderr
-        runs[name] = the_run(runs_dir)
+    for name, sets in (("default", []), ("gloo", ["distributed.cpu_reduce=gloo"])):
+        runs[name] = run_engine(tmp_path, profile, *sets, ranks=2, runs_dir=tmp_path / name)
     shm, gloo = runs["default"], runs["gloo"]
     assert events_of(shm, "start")[0]["reduce"] == "shared memory"
     assert events_of(gloo, "start")[0]["reduce"] == "gloo (distributed.cpu_reduce = gloo)"
