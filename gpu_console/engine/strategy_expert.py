@@ -65,7 +65,7 @@ class ExpertParallelStrategy(DdpStrategy):
         "a closure optimizer (LBFGS) needs every parameter's gradient for its decisions (its "
         "norms, directions and line search), and each rank holds its own experts: use an "
         "optimizer without a closure, or keep every expert on every rank (moe: "
-        "task.expert_parallel = false)",
+        "set task.expert_parallel to false)",
     )
 
     def __init__(self, cfg, d, model, names: list[str]) -> None:
