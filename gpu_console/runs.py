@@ -389,7 +389,7 @@ def find_run(arg: str, runs_dir: Path) -> Path:
         return path
     is_path = "/" in arg or arg in (".", "..") or arg.startswith("~")
     if not is_path:
-        if (found := _by_name(arg, arg, runs_dir)) is not None:
+        if (found := _by_name(arg, runs_dir)) is not None:
             return found
         if (found := _by_given_name(arg, runs_dir)) is not None:
             return found
@@ -424,7 +424,7 @@ def _given_name(run: Path) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def _by_name(name: str, arg: str, runs_dir: Path) -> Path | None:
+def _by_name(name: str, runs_dir: Path) -> Path | None:
     """The run ``name`` finds under ``runs_dir`` (see :func:`find_run`), or None."""
     candidate = runs_dir / name
     if _is_run(candidate):
@@ -441,7 +441,7 @@ def _by_name(name: str, arg: str, runs_dir: Path) -> Path | None:
     if names:
         shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
         raise RunDirError(
-            f"{arg}: could be the runs of {len(names)} names ({shown}) under {runs_dir}; "
+            f"{name}: could be the runs of {len(names)} names ({shown}) under {runs_dir}; "
             f"give more of the name"
         )
     return None

@@ -287,16 +287,17 @@ def _counted(task, ctx, seed: int, kind: str, build) -> tuple[Any, Any]:
     """The data sets, after the model and its optimizers made on the meta device; a task
     whose build_model, optimizers or data sets need real weights (a weight loaded, a value
     read) is made again on the CPU, from its seed."""
-    for device in ("meta", None):
-        parts = TaskParts(task, ctx, seed, _caller(kind))
-        try:
-            parts.model(device=device)
-            parts.optimizers(build)
-            return parts.datasets()
-        except TaskBuildError:
-            if device is None:
-                raise
-    raise AssertionError("unreachable")
+    try:
+        return _made(TaskParts(task, ctx, seed, _caller(kind)), build, "meta")
+    except TaskBuildError:
+        return _made(TaskParts(task, ctx, seed, _caller(kind)), build, None)
+
+
+def _made(parts: TaskParts, build, device: str | None) -> tuple[Any, Any]:
+    """The data sets, after the model (on ``device``) and its optimizers."""
+    parts.model(device=device)
+    parts.optimizers(build)
+    return parts.datasets()
 
 
 def _strategy(
