@@ -69,22 +69,28 @@ def default_runs_dir() -> Path:
     return Path(os.environ.get("GPU_CONSOLE_RUNS") or "runs")
 
 
-def atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write to a temporary file beside ``path``, fsync, rename: all or nothing."""
+def atomic_write_text(path: Path, text: str, mode: int = 0o644, durable: bool = True) -> None:
+    """Write to a temporary file beside ``path``, fsync, rename: all or nothing.
+
+    ``durable=False``: no fsync, for a file rewritten several times a second whose next
+    version comes anyway (a running run's status.json): a reader still never sees half of
+    it, only a power loss may take the last few versions."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:
@@ -95,8 +101,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, strict_json.dumps(obj, indent=2, sort_keys=True) + "\n")
+def atomic_write_json(path: Path, obj: Any, durable: bool = True) -> None:
+    text = strict_json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    atomic_write_text(path, text, durable=durable)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -182,8 +189,9 @@ def read_status(run_dir: Path) -> dict[str, Any]:
     return status if isinstance(status, dict) else {}
 
 
-def write_status(run_dir: Path, status: dict[str, Any]) -> None:
-    atomic_write_json(Path(run_dir) / STATUS, status)
+def write_status(run_dir: Path, status: dict[str, Any], durable: bool = True) -> None:
+    """``durable=False``: progress only (the state unchanged), not worth an fsync."""
+    atomic_write_json(Path(run_dir) / STATUS, status, durable)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -44,7 +44,7 @@ from typing import Any
 
 import psutil
 
-from . import diskfull, runs, session_lock, slurm, timings, toml_text
+from . import diskfull, proc_tree, runs, session_lock, slurm, timings, toml_text
 from .events import JsonlTail
 from .exit_watch import ExitWatch
 from .fold import RunFold
@@ -100,6 +100,7 @@ class Supervisor:
             "last_step_t": None,
         }
         self._written: str = ""
+        self._written_state: Any = None  # the state of the last status.json written
         self.graceful_deadline: float | None = None
         self.graceful_since: float | None = None
         self.terminate_at: float | None = None
@@ -109,6 +110,7 @@ class Supervisor:
         self.proc: subprocess.Popen | None = None
         self.asked: set[int] = set()  # workers already sent the graceful SIGUSR1
         self.known: dict[int, psutil.Process] = {}  # the workers seen at the last tick
+        self._torchrun: psutil.Process | None = None
         self.reap_at: float | None = None
         self.reap: set[int] = set()  # peers of a crashed rank, killed at reap_at
         self.fold = RunFold()
@@ -165,17 +167,21 @@ class Supervisor:
         """The ranks: torchrun's own children running the engine.
 
         Only direct children: a rank's DataLoader workers are forks with the same command line.
+        Asked every tick: the kernel's list of torchrun's children (proc_tree.py), a rank
+        already known not asked for its command line again.
         """
         if self.proc is None:
             return []
         try:
-            children = psutil.Process(self.proc.pid).children()
+            if self._torchrun is None or self._torchrun.pid != self.proc.pid:
+                self._torchrun = psutil.Process(self.proc.pid)
+            children = proc_tree.children(self._torchrun, known=self.known)
         except psutil.Error:
             return []
         out = []
         for p in children:
             try:
-                if is_engine_cmdline(p.cmdline()):
+                if self.known.get(p.pid) is p or is_engine_cmdline(p.cmdline()):
                     out.append(p)
             except psutil.Error:
                 continue
@@ -196,6 +202,11 @@ class Supervisor:
     def _watch_workers(self, now: float) -> None:
         """Record the ranks' pids; a rank gone without ending cleanly dooms its peers."""
         current = {p.pid: p for p in self._workers()}
+        for pid in set(self.known) - set(current):  # the kernel's list may miss one: confirmed
+            with contextlib.suppress(psutil.Error):
+                p = self.known[pid]
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    current[pid] = p
         gone = set(self.known) - set(current)
         if gone and self.reap_at is None:
             beats = {b.get("pid"): b for b in read_heartbeats(self.run_dir)}
@@ -273,9 +284,12 @@ class Supervisor:
         text = json.dumps(self.status, sort_keys=True)
         if not force and text == self._written:
             return True
-        if not write_status_on_full_disk(self.run_dir, self.status, last):
+        # Synced to disk when the state changes (and at the end); a tick that only moves the
+        # progress is renamed into place without an fsync: five a second cost the run CPU.
+        durable = force or last or self.status.get("state") != self._written_state
+        if not write_status_on_full_disk(self.run_dir, self.status, last, durable):
             return False
-        self._written = text
+        self._written, self._written_state = text, self.status.get("state")
         return True
 
     def fold_events(self) -> None:
@@ -887,7 +901,9 @@ def record_crash(run_dir: Path, supervisor: Supervisor | None, e: BaseException)
     return 1
 
 
-def write_status_on_full_disk(run_dir: Path, status: dict[str, Any], last: bool = False) -> bool:
+def write_status_on_full_disk(
+    run_dir: Path, status: dict[str, Any], last: bool = False, durable: bool = True
+) -> bool:
     """status.json written, or False when a full disk (ENOSPC, EDQUOT) kept it out; the
     reason then rides in ``status["disk_full"]`` (one line, with the free space) for the
     next write that lands. Another error raises.
@@ -897,7 +913,7 @@ def write_status_on_full_disk(run_dir: Path, status: dict[str, Any], last: bool 
     final one lost leaves the run ``running`` forever."""
     for attempt in range(2):
         try:
-            runs.write_status(run_dir, status)
+            runs.write_status(run_dir, status, durable)
             return True
         except OSError as e:
             full = diskfull.classify(e, run_dir)

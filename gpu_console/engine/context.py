@@ -8,11 +8,10 @@ instead of reading ``sys.argv`` or ``RANK``.
 
 from __future__ import annotations
 
-import atexit
-import shutil
+import contextlib
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -104,21 +103,23 @@ def make(d: Any, run_dir: Path, profile: Profile, resumed: bool, start_step: int
     return ctx
 
 
+@contextlib.contextmanager
 def planning(
     profile: Profile, world_size: int, device_type: str, scratch: str | None = None
-) -> TaskContext:
-    """Rank 0's context for ``run --dry-run`` and a launch's data check (plan.py): its run
-    directory is ``scratch``, a temporary one the console made and removes (a planning
-    process it kills runs no exit handler), else one of its own, removed at its exit. Its
-    log lines go nowhere."""
+) -> Iterator[TaskContext]:
+    """Rank 0's context for ``run --dry-run``, a launch's data check (plan.py) and a
+    resume's model check (model_match.py): its run directory is ``scratch``, a temporary one
+    the console made and removes (a planning process it kills runs no exit handler), else
+    one of its own, removed when the block ends (a harness rank or the pytest worker that
+    plans runs no exit handler either). Its log lines go nowhere."""
     import torch
 
-    if scratch is not None:
-        run_dir = Path(scratch)
-    else:
-        run_dir = Path(tempfile.mkdtemp(prefix="gpu-console-plan-"))
-        atexit.register(shutil.rmtree, run_dir, True)
-    ctx = TaskContext(0, world_size, 0, torch.device(device_type), run_dir, profile)
-    ctx._emit = lambda level, text: None
-    ctx.task_dir.mkdir()
-    return ctx
+    with contextlib.ExitStack() as stack:
+        if scratch is None:
+            scratch = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="gpu-console-plan-", ignore_cleanup_errors=True)
+            )
+        ctx = TaskContext(0, world_size, 0, torch.device(device_type), Path(scratch), profile)
+        ctx._emit = lambda level, text: None
+        ctx.task_dir.mkdir()
+        yield ctx

@@ -70,13 +70,13 @@ def model_shapes(p: Profile, start_step: int) -> dict[str, list[int]]:
     the task allows it, else on the CPU."""
     kind = p.task_kind
     p, task = _task(p)
-    ctx = planning(p, 1, "cpu")
-    ctx.resumed, ctx.start_step, ctx.step = True, start_step, start_step
-    try:
-        model = TaskParts(task, ctx, p.train.seed).model(device="meta")
-    except Exception:  # a task that needs real tensors (a value read, a weight loaded)
-        model = TaskParts(task, ctx, p.train.seed, _caller(kind)).model()
-    return shapes(model.state_dict())
+    with planning(p, 1, "cpu") as ctx:
+        ctx.resumed, ctx.start_step, ctx.step = True, start_step, start_step
+        try:
+            model = TaskParts(task, ctx, p.train.seed).model(device="meta")
+        except Exception:  # a task that needs real tensors (a value read, a weight loaded)
+            model = TaskParts(task, ctx, p.train.seed, _caller(kind)).model()
+        return shapes(model.state_dict())
 
 
 def shapes(state: dict[str, Any]) -> dict[str, list[int]]:

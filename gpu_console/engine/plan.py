@@ -102,64 +102,66 @@ def plan(
     ``step``: then one real micro-batch and one batch of each eval split (:func:`rehearse`)."""
     kind = p.task_kind
     p, task = _task(p)
-    ctx = planning(p, world_size, device_type, scratch)
-    ctx.resumed, ctx.start_step, ctx.step = bool(start_step), start_step, start_step
-    parts = TaskParts(task, ctx, p.train.seed, _caller(kind))  # the ranks' order (build.py)
-    reduce = _call(kind, "metric_reduce", train_metrics.declared, task)  # checked at start too
-    prec = precision.resolve(p.train.precision, device_type, capability(device_type))
+    with planning(p, world_size, device_type, scratch) as ctx:
+        ctx.resumed, ctx.start_step, ctx.step = bool(start_step), start_step, start_step
+        parts = TaskParts(task, ctx, p.train.seed, _caller(kind))  # the ranks' order (build.py)
+        reduce = _call(kind, "metric_reduce", train_metrics.declared, task)  # checked at start too
+        prec = precision.resolve(p.train.precision, device_type, capability(device_type))
 
-    model = parts.model()
-    lr = scaled_lr(p.train.lr, world_size, p.distributed.lr_scaling)
-    # The optimizers are built for the run's device type (their kernel choice), over CPU
-    # tensors: every implementation a run can pick takes them. A task's hook sees rank 0.
-    opts = parts.optimizers(_optimizers(p, task, ctx, prec, device_type, world_size))
-    scheduler = opts.entries[0].scheduler
+        model = parts.model()
+        lr = scaled_lr(p.train.lr, world_size, p.distributed.lr_scaling)
+        # The optimizers are built for the run's device type (their kernel choice), over CPU
+        # tensors: every implementation a run can pick takes them. A task's hook sees rank 0.
+        opts = parts.optimizers(_optimizers(p, task, ctx, prec, device_type, world_size))
+        scheduler = opts.entries[0].scheduler
 
-    mode = p.train.activation_checkpointing
-    blocks = _checkpointed_blocks(task, model, mode, kind)
-    train_set, eval_set = datasets(p, parts, kind, world_size)
-    if any(getattr(p.train, k) for k in IN_EPOCHS):  # a user task's --dry-run: known only here
-        epochs_to_steps(p, len(train_set), world_size, _refusal)
-    # Rank 0's loader: every rank's has the same number of batches (ShardSampler). With
-    # data.batch_size = "auto" the size is searched at the run's start: not known here.
-    auto = p.data.batch_size == "auto"
-    cuda = device_type == "cuda"
-    loader = None if auto else make_loader(train_set, p.data, 0, world_size, True, cuda)
-    per_epoch = len(loader) if loader is not None else None
-    micro_steps = p.train.max_steps * p.train.grad_accum
-    facts = {
-        "task": kind,
-        "task_class": f"{type(task).__module__}:{type(task).__qualname__}",
-        "precision": prec,
-        "capability": list(capability(device_type) or []) or None,
-        "params": sum(q.numel() for q in model.parameters()),
-        "trainable": sum(q.numel() for q in model.parameters() if q.requires_grad),
-        "train_samples": len(train_set),
-        "eval_samples": sum(len(s) for s in eval_splits(eval_set).values()) if eval_set else None,
-        "batches_per_epoch": per_epoch,
-        "epochs": micro_steps / per_epoch if per_epoch and micro_steps else None,
-        "global_batch": None if auto else p.data.batch_size * p.train.grad_accum * world_size,
-        "lr": lr,
-        "optimizer": opts.summary(),
-        "optimizers": opts.describe(),  # as the start event has them
-        "metric_reduce": reduce,  # the task's train-time metrics' declared reductions
-        "weight_decay": opts.decay.fields() if opts.decay else None,
-        # The first optimizer's groups; each one's lr is the peak.
-        "param_groups": opts.describe()[0]["param_groups"],
-        # The profile's schedule; a task's own are in "optimizers".
-        "schedule": None if opts.source == "task" else _schedule(p, lr, start_step, scheduler),
-        "compile": mode_of(p.train.compile) or False,
-        "activation_checkpointing": {"mode": mode, "blocks": blocks},
-        "versions": {"torch": torch.__version__},
-        "strategy": _strategy(p, task, model, kind, device_type, world_size),
-    }
-    if refused := closure_refused(facts["strategy"]["strategy"], opts):  # as the ranks would
-        raise TaskBuildError(": ".join(refused))
-    # Last: the micro-batch's update must not change what the plan reports.
-    facts["rehearsal"] = (
-        rehearse(p, task, kind, model, opts, (train_set, eval_set), ctx) if step else None
-    )
-    return facts
+        mode = p.train.activation_checkpointing
+        blocks = _checkpointed_blocks(task, model, mode, kind)
+        train_set, eval_set = datasets(p, parts, kind, world_size)
+        if any(getattr(p.train, k) for k in IN_EPOCHS):  # a user task's --dry-run: known only here
+            epochs_to_steps(p, len(train_set), world_size, _refusal)
+        # Rank 0's loader: every rank's has the same number of batches (ShardSampler). With
+        # data.batch_size = "auto" the size is searched at the run's start: not known here.
+        auto = p.data.batch_size == "auto"
+        cuda = device_type == "cuda"
+        loader = None if auto else make_loader(train_set, p.data, 0, world_size, True, cuda)
+        per_epoch = len(loader) if loader is not None else None
+        micro_steps = p.train.max_steps * p.train.grad_accum
+        facts = {
+            "task": kind,
+            "task_class": f"{type(task).__module__}:{type(task).__qualname__}",
+            "precision": prec,
+            "capability": list(capability(device_type) or []) or None,
+            "params": sum(q.numel() for q in model.parameters()),
+            "trainable": sum(q.numel() for q in model.parameters() if q.requires_grad),
+            "train_samples": len(train_set),
+            "eval_samples": sum(len(s) for s in eval_splits(eval_set).values())
+            if eval_set
+            else None,
+            "batches_per_epoch": per_epoch,
+            "epochs": micro_steps / per_epoch if per_epoch and micro_steps else None,
+            "global_batch": None if auto else p.data.batch_size * p.train.grad_accum * world_size,
+            "lr": lr,
+            "optimizer": opts.summary(),
+            "optimizers": opts.describe(),  # as the start event has them
+            "metric_reduce": reduce,  # the task's train-time metrics' declared reductions
+            "weight_decay": opts.decay.fields() if opts.decay else None,
+            # The first optimizer's groups; each one's lr is the peak.
+            "param_groups": opts.describe()[0]["param_groups"],
+            # The profile's schedule; a task's own are in "optimizers".
+            "schedule": None if opts.source == "task" else _schedule(p, lr, start_step, scheduler),
+            "compile": mode_of(p.train.compile) or False,
+            "activation_checkpointing": {"mode": mode, "blocks": blocks},
+            "versions": {"torch": torch.__version__},
+            "strategy": _strategy(p, task, model, kind, device_type, world_size),
+        }
+        if refused := closure_refused(facts["strategy"]["strategy"], opts):  # as the ranks would
+            raise TaskBuildError(": ".join(refused))
+        # Last: the micro-batch's update must not change what the plan reports.
+        facts["rehearsal"] = (
+            rehearse(p, task, kind, model, opts, (train_set, eval_set), ctx) if step else None
+        )
+        return facts
 
 
 def rehearse(
@@ -274,13 +276,13 @@ def data_size(
     it (no weights allocated for a check), else on the CPU, as a resume's model check does."""
     kind = p.task_kind
     p, task = _task(p)
-    ctx = planning(p, world_size, device_type, scratch)
-    prec = precision.resolve(p.train.precision, device_type, capability(device_type))
-    build = _optimizers(p, task, ctx, prec, device_type, world_size)
-    train_set, eval_set = _counted(task, ctx, p.train.seed, kind, build)
-    if problem := without_compute(task, eval_set, kind):
-        raise TaskBuildError(problem)
-    return {"train_samples": len(train_set)}  # the console judges it (launch.check_data)
+    with planning(p, world_size, device_type, scratch) as ctx:
+        prec = precision.resolve(p.train.precision, device_type, capability(device_type))
+        build = _optimizers(p, task, ctx, prec, device_type, world_size)
+        train_set, eval_set = _counted(task, ctx, p.train.seed, kind, build)
+        if problem := without_compute(task, eval_set, kind):
+            raise TaskBuildError(problem)
+        return {"train_samples": len(train_set)}  # the console judges it (launch.check_data)
 
 
 def _counted(task, ctx, seed: int, kind: str, build) -> tuple[Any, Any]:

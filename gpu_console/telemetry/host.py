@@ -13,6 +13,8 @@ from typing import Any
 
 import psutil
 
+from .. import proc_tree
+
 # What a worker's environment says about where it runs; read once per process.
 _WORKER_ENV = ("RANK", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 
@@ -90,7 +92,7 @@ class HostSampler:
         live = [p for p in map(self._process, roles) if p is not None]
         # The first live root's tree holds the rest: one walk of /proc, not one per root.
         try:
-            children = live[0].children(recursive=True) if live else []
+            children = proc_tree.children(live[0], True, self._procs) if live else []
         except psutil.Error:
             children = []
         for c in children:
