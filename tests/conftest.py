@@ -35,6 +35,11 @@ MACHINE_ENV = dict(os.environ)
 REHEARSED_GPUS = int(os.environ.get("GPU_CONSOLE_TEST_GPUS") or 0)
 TESTS = Path(__file__).resolve().parent
 MACHINE_FAKE = "nvml_run_fake:machine"
+# The suite runs as two workers on the machine's cores (-n 2): every engine a test runs, in
+# a worker (the harness) or in the ranks it starts, takes one thread, as torchrun gives each
+# of two ranks; a core a thread, not four threads on two cores. A thread count set by hand
+# stands (launch.worker_env keeps it, as it keeps a user's).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")
