@@ -26,7 +26,49 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DEADLINE_S = 120.0
+
+
+# A deadline is a ceiling for a machine in trouble, never a sleep: a test that meets it on a
+# quiet machine must meet it on a busy one too. So every test deadline is given as the
+# seconds it allows on a quiet machine and stretched by SLOWDOWN, how much slower than a
+# quiet CI core this machine runs the same work now.
+REFERENCE_WORK_S = 0.015  # _reference_work() on a quiet core of the 2-core CI machine (2026-11)
+SLOWDOWN_ENV = "GPU_CONSOLE_TEST_SLOWDOWN"
+
+
+def _reference_work() -> float:
+    started = time.perf_counter()
+    x = 0
+    for i in range(100_000):
+        x += i * i % 7
+    return time.perf_counter() - started
+
+
+def _slowdown() -> float:
+    """The factor the suite's deadlines are stretched by: the median of seven timings of a
+    fixed piece of work against a quiet CI core's, never below 1. Measured once, by the
+    first process of a session (pytest's controller, before its workers start and before
+    any test loads the machine), and handed to its workers in the environment; set
+    ``GPU_CONSOLE_TEST_SLOWDOWN`` to choose it."""
+    given = os.environ.get(SLOWDOWN_ENV)
+    if given:
+        return max(1.0, float(given))
+    timings = sorted(_reference_work() for _ in range(7))
+    factor = max(1.0, timings[3] / REFERENCE_WORK_S)
+    os.environ[SLOWDOWN_ENV] = f"{factor:.2f}"
+    return factor
+
+
+SLOWDOWN = _slowdown()
+
+
+def deadline(seconds: float) -> float:
+    """A test's deadline of ``seconds`` on a quiet machine, stretched for this one now."""
+    return seconds * SLOWDOWN
+
+
+DEADLINE_S = 120.0  # the default wait on a quiet machine (wait_for and Procs.cli stretch it)
+PER_TEST_TIMEOUT_S = 300.0  # pytest-timeout's, on a quiet machine (pyproject.toml's timeout)
 # The environment as the test run found it, before any test pinned it (see no_gpu_machine).
 MACHINE_ENV = dict(os.environ)
 # What NVML shows the processes a test starts (tests/nvml_run_fake.py `machine`, through the
@@ -40,6 +82,32 @@ MACHINE_FAKE = "nvml_run_fake:machine"
 # of two ranks; a core a thread, not four threads on two cores. A thread count set by hand
 # stands (launch.worker_env keeps it, as it keeps a user's).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """pytest-timeout's limit per test (pyproject.toml's, on a quiet machine) stretched as
+    every deadline is; a test's own ``timeout`` marker likewise."""
+    for item in items:
+        own = item.get_closest_marker("timeout")
+        seconds = own.args[0] if own and own.args else config.getini("timeout") or 0
+        if float(seconds) > 0:
+            item.add_marker(pytest.mark.timeout(deadline(float(seconds))))
+
+
+@pytest.fixture(autouse=True)
+def stretched_screen_wait(monkeypatch):
+    """Textual's Pilot waits up to 30 s for a screen to settle at each press and pause,
+    then fails the test (WaitForScreenTimeout): on a busy machine, the same wait stretched
+    as every deadline is. Only where a test module imported Textual."""
+    pilot = sys.modules.get("textual.pilot")
+    if pilot is None:
+        return
+    wait = pilot.Pilot._wait_for_screen
+
+    async def stretched(self, timeout: float = 30.0) -> bool:
+        return await wait(self, deadline(timeout))
+
+    monkeypatch.setattr(pilot.Pilot, "_wait_for_screen", stretched)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -98,7 +166,9 @@ def real_machine(monkeypatch):
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = DEADLINE_S, what: str = "condition"):
-    """Poll ``pred`` until it returns something truthy; fail the test at the deadline."""
+    """Poll ``pred`` until it returns something truthy; fail the test at the deadline
+    (``timeout`` on a quiet machine, stretched by :func:`deadline`)."""
+    timeout = deadline(timeout)
     end = time.monotonic() + timeout
     delay = 0.02
     while True:
@@ -264,7 +334,7 @@ class Procs:
         stdin = subprocess.PIPE if input else None
         proc = self.start(*args, cwd=cwd, env=env, stdin=stdin, prefix=prefix)
         try:
-            out, err = proc.communicate(input=input, timeout=timeout)
+            out, err = proc.communicate(input=input, timeout=deadline(timeout))
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()

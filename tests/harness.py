@@ -42,7 +42,8 @@ from unittest import mock
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 TESTS = HERE.parent
-# A busy 2-core machine runs several sessions at once: a rank's run is given minutes.
+# A busy 2-core machine runs several sessions at once: a rank's run is given minutes (on a
+# quiet machine; conftest.deadline stretches them as the machine is now).
 RANK_TIMEOUT_S = 600.0
 ZYGOTE_START_S = 300.0
 # What the zygote imports once, so that a forked rank starts where a torchrun rank is after
@@ -103,8 +104,42 @@ def run_engine(
         if ranks == 1:
             run_in_process(run_dir)
     if ranks > 1:
-        run_forked(run_dir, ranks, cwd, env or {}, timeout)
+        from conftest import deadline  # here: the zygote imports this module without pytest
+
+        run_forked(run_dir, ranks, cwd, env or {}, deadline(timeout))
     return run_dir
+
+
+def cut_and_resumed(
+    tmp_path: Path,
+    profile: str | Path,
+    *sets: str,
+    cut_at: int,
+    ranks: int = 2,
+    runs_dir: Path | None = None,
+    cwd: Path | None = None,
+) -> Path:
+    """``profile`` run to step ``cut_at`` (its ``max_steps`` there), then ``--resume``d to
+    the ``max_steps`` ``sets`` give it: the engine's half of a stop and a resume (what a
+    checkpoint keeps, what a resume restores), without the process tree's half (a Ctrl-C
+    through the console, the supervisor and torchrun: test_engine.py). The decay of the lr
+    is pinned to the whole run's length (``train.lr_decay_steps``: what 0 means for it), so
+    each step of the cut run has the uninterrupted run's lr. Choose ``cut_at`` on the eval
+    cadence: a run's end evaluates, and an eval may draw from the RNGs. Returns the run."""
+    from gpu_console.profile import load_profile
+
+    with contextlib.chdir(cwd or tmp_path), _user_modules(Path(cwd or tmp_path)):
+        train = load_profile(str(profile), list(sets)).train
+    assert 0 < cut_at < train.max_steps, (cut_at, train.max_steps)
+    pinned = [*sets]
+    if train.schedule != "constant" and not train.lr_decay_steps:
+        pinned.append(f"train.lr_decay_steps={max(1, train.max_steps - train.warmup_steps)}")
+    runs = Path(runs_dir or tmp_path / "cut")
+    run = run_engine(tmp_path, profile, *pinned, f"train.max_steps={cut_at}", ranks=ranks,
+                     runs_dir=runs, cwd=cwd)  # fmt: skip
+    run_engine(tmp_path, None, f"train.max_steps={train.max_steps}", ranks=ranks, resume=run,
+               runs_dir=runs, cwd=cwd)  # fmt: skip
+    return run
 
 
 def launch_dir(
@@ -380,7 +415,9 @@ class Zygote:
             text=True,
             bufsize=1,
         )
-        ready = self._answer(ZYGOTE_START_S)
+        from conftest import deadline
+
+        ready = self._answer(deadline(ZYGOTE_START_S))
         assert ready.get("ready"), f"the zygote did not start: {ready}"
 
     def alive(self) -> bool:

@@ -10,8 +10,8 @@ import zlib
 
 import pytest
 import torch
-from conftest import ctrl_c_then_resume, events_of, set_args
-from harness import run_engine
+from conftest import events_of
+from harness import cut_and_resumed, run_engine
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpu_console.profile import ProfileError, load_profile
@@ -99,9 +99,9 @@ def test_the_profile_trains_writes_slices_resumes_exactly_and_exports(procs, tmp
         image = read_png(run / "task" / f"slice-step-{step:08d}.png")
         assert image.shape == (128, 388) and image.float().std() > 0
 
-    # Ctrl-C once a few steps are done, then --resume: the same losses from there on.
-    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "autoencoder3d", "--devices",
-                                   "cpu:2", *set_args(*SHORT))  # fmt: skip
+    # Stopped at step 20, then --resume: the same losses from there on.
+    stop = 20  # an eval's step
+    cut = cut_and_resumed(tmp_path, "autoencoder3d", *SHORT, cut_at=stop)
     after = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stop}
     assert after == {i + 1: loss for i, loss in enumerate(losses) if i + 1 > stop}
 

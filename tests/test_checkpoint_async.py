@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    deadline,
     events_of,
     fast_profile,
     paced_profile,
@@ -98,7 +99,7 @@ def test_a_stop_during_a_write_keeps_both_checkpoints_and_exits_0(procs, runs_di
     run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     in_flight = wait_for(lambda: _writing(run), what="a checkpoint write in flight")
     append_control(run, "stop")
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     final = read_status(run)
     assert final["state"] == "stopped" and final["checkpointed_on_stop"] is True
@@ -133,7 +134,7 @@ def test_kill_9_of_rank_0_mid_write_leaves_latest_complete_and_the_run_resumes(
     ckpts = run / "checkpoints"
     assert (ckpts / "LATEST").read_text().strip() == "step-00000003"
     assert not (ckpts / "step-00000006").exists()
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     first, again = events_of(run, "start")
     assert again["start_step"] == 3

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from conftest import (
+    deadline,
     events_of,
     only_run,
     read_status,
@@ -108,7 +109,7 @@ def test_every_node_learns_that_rank_0s_write_failed(procs, runs_dir, tmp_path):
         }
     append_control(runs[0], "stop")
     for console in consoles:
-        out, err = console.communicate(timeout=120)
+        out, err = console.communicate(timeout=deadline(120))
         assert console.returncode == 130, out + err  # a stop without its checkpoint
         assert "LATEST is step-00000005" in out
     for run in runs:

@@ -9,6 +9,7 @@ import textwrap
 from conftest import (
     HANGING_TASK,
     POISONED_TASK,
+    deadline,
     events_of,
     fast_profile,
     only_run,
@@ -63,7 +64,7 @@ def test_checkpoint_pause_resume_and_stop_through_the_control_file(procs, runs_d
     wait_for(lambda: events_of(run, "step")[-1]["step"] > paused_at + 5, what="steps again")
 
     cid = append_control(run, "stop")
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     assert _acks(run, cid) == ["received", "done"]
     assert [c["reason"] for c in events_of(run, "checkpoint")][-1] == "stop"
@@ -74,7 +75,7 @@ def test_sigterm_to_the_supervisor_checkpoints_with_reason_signal(procs, runs_di
     console, run = _start_long(procs, runs_dir, tmp_path)
     status = read_status(run)
     os.kill(status["pids"]["supervisor"], signal.SIGTERM)
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     final = read_status(run)
     assert final["state"] == "stopped" and final["reason"] == "signal"
@@ -218,7 +219,7 @@ def test_status_lists_ranks_not_their_dataloader_workers(procs, runs_dir, tmp_pa
         # Each rank really has its two loader processes under it, and they are not listed.
         wait_for(lambda pid=pid: len(psutil.Process(pid).children()) >= 2, what="loaders")
     append_control(run, "stop")
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
 
 
@@ -251,7 +252,7 @@ def _run_pids(status):
 def test_second_ctrl_c_kills_a_run_that_cannot_stop(procs, runs_dir, tmp_path):
     console, run, status = _hung_run(procs, runs_dir, tmp_path)
     console.send_signal(signal.SIGINT)
-    _, err = console.communicate(timeout=120)
+    _, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 130, _printed(tmp_path) + err
     final = read_status(run)
     assert (final["state"], final["exit_code"]) == ("interrupted", 130)
@@ -270,6 +271,6 @@ def test_third_ctrl_c_kills_the_run_at_once(procs, runs_dir, tmp_path):
         timeout=30,
         what="the run's processes to be killed",
     )
-    _, err = console.communicate(timeout=120)
+    _, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 130, _printed(tmp_path) + err
     assert "killed" in _printed(tmp_path)

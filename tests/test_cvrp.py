@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-from conftest import ctrl_c_then_resume, events_of, set_args
-from harness import run_engine
+from conftest import events_of, set_args
+from harness import cut_and_resumed, run_engine
 from headless_text import headless_text
 
 from gpu_console.profile import load_profile
@@ -165,7 +165,8 @@ def test_cvrp_learns_tests_its_baseline_resumes_exactly_and_exports(procs, tmp_p
         assert e["gap_pct"] == pytest.approx(100 * (e["loss"] / e["nn"] - 1))
     assert evals[0]["nn"] == evals[1]["nn"]  # the same fixed instances
 
-    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "cvrp20", *small(), after=12)
+    stop = 20  # an epoch's end and an eval's step
+    cut = cut_and_resumed(tmp_path, "cvrp20", *small_sets(), cut_at=stop)
     resumed = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stop}
     assert resumed == {s: loss for s, loss in losses.items() if s > stop}
     assert [e["loss"] for e in events_of(cut, "eval")][-1] == evals[-1]["loss"]

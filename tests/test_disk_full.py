@@ -11,7 +11,7 @@ from pathlib import Path
 import conftest
 import pytest
 import torch
-from conftest import Procs, events_of, only_run, read_status, run_dirs, wait_for
+from conftest import Procs, deadline, events_of, only_run, read_status, run_dirs, wait_for
 
 from gpu_console import diskfull, events
 from gpu_console.engine import checkpoint
@@ -247,7 +247,7 @@ def test_a_run_whose_events_cannot_be_written_ends_failed_in_one_line(small_disk
         run = wait_for(lambda: run_dirs(runs) and only_run(runs), what="the run directory")
         wait_for(lambda: len(events_of(run, "step")) >= 2, what="training")
         small_disk.fill()
-        out, err = console.communicate(timeout=120)
+        out, err = console.communicate(timeout=deadline(120))
         assert console.returncode == 1, out + err
         reason = rf"events.jsonl not written for \d+ s: no space left on {small_disk.path} \("
         assert re.search(rf"^state: failed \({reason}.*\)$", out, re.M), out

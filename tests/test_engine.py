@@ -14,6 +14,7 @@ from pathlib import Path
 import conftest
 import pytest
 from conftest import (
+    deadline,
     events_of,
     fast_profile,
     only_run,
@@ -139,7 +140,7 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resume_is_bit_exact(procs, runs_dir,
     )
     wait_for(lambda: len(events_of(run, "step")) >= 20, what="20 steps")
     console.send_signal(signal.SIGINT)
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     assert "stopping" in out
 
@@ -320,7 +321,7 @@ def test_kill_9_of_the_supervisor_leaves_no_worker(procs, runs_dir, tmp_path):
     os.kill(pids["supervisor"], signal.SIGKILL)
     wait_for(lambda: _all_gone(procs_of_run), timeout=30, what="torchrun and workers to die")
     # The console notices that the supervisor is gone and says so with exit code 1.
-    out, err = console.communicate(timeout=60)
+    out, err = console.communicate(timeout=deadline(60))
     assert console.returncode == 1, out + err
     assert "lost" in out
 
@@ -332,7 +333,7 @@ def test_kill_9_of_the_agent_leaves_no_worker_and_the_run_is_failed(procs, runs_
 
     os.kill(pids["torchrun"], signal.SIGKILL)
     wait_for(lambda: _all_gone(pids["workers"]), timeout=30, what="workers to die")
-    out, err = console.communicate(timeout=60)
+    out, err = console.communicate(timeout=deadline(60))
     assert console.returncode == 1, out + err
     final = read_status(run)
     assert final["state"] == "failed" and final["exit_code"] != 0

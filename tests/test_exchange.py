@@ -17,6 +17,7 @@ import sys
 import torch
 from conftest import (
     DDP_STEP,
+    deadline,
     events_of,
     fast_profile,
     read_status,
@@ -150,7 +151,7 @@ def test_control_between_sparse_log_steps_still_answers(procs, runs_dir, tmp_pat
     wait_for(lambda: acks(cid) == ["received", "done"], what="checkpoint acknowledged")
     assert [c["reason"] for c in events_of(run, "checkpoint")] == ["request"]
     cid = append_control(run, "stop")
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     assert acks(cid) == ["received", "done"]
     stopped = events_of(run, "status")[-1]

@@ -23,6 +23,7 @@ import torch
 from conftest import (
     POISONED_TASK,
     Procs,
+    deadline,
     events_of,
     only_run,
     pinned_env,
@@ -237,7 +238,7 @@ def test_fsdp_stop_and_resume_continue_bit_for_bit_and_resume_on_one_rank(procs,
     run = wait_for(lambda: the_run(runs), what="the run directory")
     wait_for(lambda: any(e["step"] >= 4 for e in events_of(run, "step")), what="step 4")
     append_control(run, "stop")
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     stopped_at = events_of(run, "checkpoint")[-1]["step"]
     assert 4 <= stopped_at < steps

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ctrl_c_then_resume, events_of, run_dirs, set_args
+from conftest import events_of, run_dirs
 from conftest import test_env as cli_env
-from harness import run_engine
+from harness import cut_and_resumed, run_engine
 
 from gpu_console.profile import ProfileError, load_profile
 from gpu_console.tasks.hf import HFTask
@@ -80,8 +80,8 @@ def test_hf_trains_a_tiny_config_offline_resumes_exactly_and_exports(procs, tmp_
     assert sum(losses[s] for s in range(26, 31)) < sum(losses[s] for s in range(1, 6))
     assert [e["step"] for e in events_of(run, "eval")] == [15, 30]
 
-    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "hf", "--devices", "cpu:2",
-                                   *set_args(*SHORT))  # fmt: skip
+    stop = 15  # an eval's step
+    cut = cut_and_resumed(tmp_path, "hf", *SHORT, cut_at=stop)
     resumed = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stop}
     assert resumed == {s: loss for s, loss in losses.items() if s > stop}
 

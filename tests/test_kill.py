@@ -13,6 +13,7 @@ import signal
 import conftest
 from conftest import (
     HANGING_TASK,
+    deadline,
     events_of,
     fast_profile,
     paced_profile,
@@ -78,7 +79,7 @@ def _ls_row(procs, runs_dir, run) -> dict:
 def _assert_ended_at_once(procs, runs_dir, tmp_path, run, console, status, state, code):
     """The run ended ``state`` with ``code`` everywhere, no checkpoint, nothing shown as a
     crash, and no process of it left."""
-    _, err = console.communicate(timeout=120)
+    _, err = console.communicate(timeout=deadline(120))
     printed = _printed(tmp_path)
     assert console.returncode == code, printed + err
     final = read_status(run)
@@ -161,7 +162,7 @@ def test_one_ctrl_c_stops_with_a_checkpoint_at_the_step_the_summary_shows(
     console, run = _start(procs, runs_dir, tmp_path, profile, env=conftest.test_env(PACE_S="0.02"))
     wait_for(lambda: events_of(run, "step"), what="a first step event")
     console.send_signal(signal.SIGINT)
-    _, err = console.communicate(timeout=120)
+    _, err = console.communicate(timeout=deadline(120))
     printed = _printed(tmp_path)
     assert console.returncode == 0, printed + err
     final = read_status(run)

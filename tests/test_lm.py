@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ctrl_c_then_resume, events_of, set_args
-from harness import run_engine
+from conftest import events_of
+from harness import cut_and_resumed, run_engine
 from headless_text import headless_text
 
 from gpu_console.profile import load_profile
@@ -67,8 +67,8 @@ def test_lm_on_a_text_file_learns_samples_resumes_exactly_and_exports(procs, tmp
     assert "sample @ step 40: " in headless_text(run)
     losses = {e["step"]: e["loss"] for e in events_of(run, "step")}
 
-    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "lm", "--devices", "cpu:2",
-                                   *set_args(*short(text)))  # fmt: skip
+    stop = 20  # an eval's step
+    cut = cut_and_resumed(tmp_path, "lm", *short(text), cut_at=stop)
     resumed = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stop}
     assert resumed == {s: loss for s, loss in losses.items() if s > stop}
 

@@ -15,8 +15,8 @@ import math
 
 import pytest
 import torch
-from conftest import ctrl_c_then_resume, events_of, run_dirs, set_args
-from harness import run_engine
+from conftest import events_of, run_dirs, set_args
+from harness import cut_and_resumed, run_engine
 
 from gpu_console.profile import ProfileError, load_profile
 from gpu_console.tasks.configs import MoEConfig
@@ -177,12 +177,11 @@ LONG = ("task.d_model=32", "task.n_heads=2", "task.num_experts=4", "task.seq_len
         "task.expert_parallel=true")  # fmt: skip
 
 
-def test_expert_parallel_resumes_exactly_after_ctrl_c_and_on_one_rank(procs, tmp_path):
+def test_expert_parallel_resumes_exactly_after_a_stop_and_on_one_rank(procs, tmp_path):
     whole = moe_run(tmp_path, tmp_path / "whole", *LONG)
     losses = {e["step"]: e["loss"] for e in events_of(whole, "step")}
-    cut, stop = ctrl_c_then_resume(procs, tmp_path / "cut", "moe", "--devices", "cpu:2",
-                                   *set_args(*LONG))  # fmt: skip
-    assert 0 < stop < 60
+    stop = 30  # an eval's step
+    cut = cut_and_resumed(tmp_path, "moe", *LONG, cut_at=stop)
     resumed = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stop}
     assert resumed == {s: loss for s, loss in losses.items() if s > stop}
     # The whole model on one rank: the checkpoint's experts need no slicing there.

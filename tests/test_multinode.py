@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from conftest import (
+    deadline,
     events_of,
     fast_profile,
     only_run,
@@ -27,7 +28,7 @@ def test_two_nodes_train_one_run_through_a_c10d_rendezvous(procs, runs_dir, tmp_
     consoles, endpoint = start_nodes(procs, profile, dirs, node_ranks=True)
     outs = []
     for console in consoles:
-        out, err = console.communicate(timeout=180)
+        out, err = console.communicate(timeout=deadline(180))
         assert console.returncode == 0, out + err
         outs.append(out)
     runs = [only_run(d) for d in dirs]
@@ -68,7 +69,7 @@ def test_stop_from_either_node_stops_both(procs, runs_dir, tmp_path):
     other = next(r for r in runs if str(r.resolve()) != rank_0_dir)
     cid = append_control(other, "stop")
     for console in consoles:
-        out, err = console.communicate(timeout=120)
+        out, err = console.communicate(timeout=deadline(120))
         assert console.returncode == 0, out + err
     assert [e["state"] for e in events_of(other, "control") if e["id"] == cid] == [
         "received",

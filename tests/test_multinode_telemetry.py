@@ -13,7 +13,7 @@ import json
 import socket
 from pathlib import Path
 
-from conftest import fast_profile, read_status, run_dirs, start_nodes
+from conftest import deadline, fast_profile, read_status, run_dirs, start_nodes
 from test_telemetry_supervisor import fake_env
 
 from gpu_console.runs import NODES, read_nodes, write_nodes
@@ -39,7 +39,7 @@ def test_two_nodes_sharing_a_runs_directory_show_both_nodes_gpus(procs, runs_dir
     )
     outs = []
     for console in consoles:
-        out, err = console.communicate(timeout=180)
+        out, err = console.communicate(timeout=deadline(180))
         assert console.returncode == 0, out + err
         outs.append(out)
     runs = run_dirs(runs_dir)

@@ -22,6 +22,7 @@ import conftest
 import psutil
 import pytest
 from conftest import (
+    deadline,
     events_of,
     fast_profile,
     pid_alive,
@@ -233,7 +234,7 @@ def test_a_zombie_is_not_alive_for_any_reader():
 def _finished_run(procs, runs_dir, tmp_path, max_steps=20):
     profile = fast_profile(tmp_path, max_steps=max_steps)
     console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
-    out, err = console.communicate(timeout=300)
+    out, err = console.communicate(timeout=deadline(300))
     assert console.returncode == 0, out + err
     return the_run(runs_dir)
 
@@ -246,7 +247,7 @@ def test_two_resumes_at_the_same_instant_one_runs_the_other_exits_2(procs, runs_
     both = [procs.start(*args), procs.start(*args)]  # back to back: one instant, two consoles
     results = []
     for p in both:
-        out, err = p.communicate(timeout=300)
+        out, err = p.communicate(timeout=deadline(300))
         results.append((p.returncode, out, err))
     codes = sorted(code for code, _, _ in results)
     assert codes == [0, 2], results
@@ -294,7 +295,7 @@ def test_a_killed_supervisor_is_recorded_lost_and_every_view_agrees(procs, runs_
     os.kill(status["pids"]["supervisor"], signal.SIGKILL)
     left = [status["pids"]["torchrun"], *status["pids"]["workers"]]
     wait_for(lambda: not any(pid_alive(p) for p in left), 60, "torchrun and the ranks to die")
-    out, err = console.communicate(timeout=120)  # the console too is a reader: it records
+    out, err = console.communicate(timeout=deadline(120))  # the console too is a reader: it records
     assert console.returncode == 1, out + err
     assert "lost" in out
 
@@ -367,7 +368,7 @@ def test_a_double_ctrl_c_after_the_stop_checkpoint_says_it_was_written(procs, ru
     # Seen by the console too, before the second Ctrl-C (signals of one kind merge).
     wait_for(lambda: "(stop)" in out_path.read_text(), what="the console to show it")
     console.send_signal(signal.SIGINT)
-    _, err = console.communicate(timeout=120)
+    _, err = console.communicate(timeout=deadline(120))
     printed = out_path.read_text()
     assert console.returncode == 0, printed + err
 
@@ -413,6 +414,6 @@ def test_a_run_directory_removed_under_a_headless_console_ends_it_lost(procs, ru
     run.rename(tmp_path / "moved-away")
     os.kill(status["pids"]["supervisor"], signal.SIGKILL)
     wait_for(lambda: not any(pid_alive(p) for p in tree), 60, "the run's processes to die")
-    out, err = console.communicate(timeout=60)
+    out, err = console.communicate(timeout=deadline(60))
     assert console.returncode == 1, out + err
     assert "lost" in out and "Traceback" not in out + err

@@ -14,8 +14,8 @@ from gpu_console import proc_tree
 TREE = """
 import subprocess, sys, time
 sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
-nested = [sys.executable, "-c", "import subprocess, sys, time; "
-          "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"]
+inner = "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])"
+nested = [sys.executable, "-c", f"import subprocess, sys, time; {inner}; time.sleep(600)"]
 subprocess.Popen(sleep); subprocess.Popen(nested)
 print("up", flush=True)
 time.sleep(600)

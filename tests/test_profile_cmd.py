@@ -9,7 +9,15 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import events_of, paced_profile, read_status, task_profile, the_run, wait_for
+from conftest import (
+    deadline,
+    events_of,
+    paced_profile,
+    read_status,
+    task_profile,
+    the_run,
+    wait_for,
+)
 from conftest import test_env as cli_env
 
 from gpu_console.events import append_control
@@ -111,7 +119,7 @@ def test_profile_traces_the_next_steps_on_every_rank(procs, runs_dir, tmp_path):
         cut["path"],
     ]
     # The headless console said so as it happened, and its summary names the newest.
-    out, _ = console.communicate(timeout=60)
+    out, _ = console.communicate(timeout=deadline(60))
     assert f"profile: steps {done['first_step']}-{done['last_step']} traced: {folder}" in out
     assert (
         f"profile: {cut['path']} (steps {cut['first_step']}-{cut['last_step']}; 3 captures" in out

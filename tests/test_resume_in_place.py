@@ -14,6 +14,7 @@ import os
 
 import conftest
 from conftest import (
+    deadline,
     events_of,
     fast_profile,
     pid_alive,
@@ -61,7 +62,7 @@ def test_a_stop_between_log_steps_reports_the_checkpoints_step(procs, runs_dir, 
     wait_for(lambda: _beat_step(run) >= 20, what="20 steps (heartbeats)")
     stopped = procs.cli("stop", str(run), "--runs-dir", str(runs_dir))
     assert stopped.returncode == 0, stopped.stderr
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
 
     assert events_of(run, "step") == []
@@ -103,7 +104,7 @@ def test_resume_continues_in_the_same_directory_from_anywhere(procs, runs_dir, t
 
     stop = procs.cli("stop", run.name, cwd=tmp_path)
     assert stop.returncode == 0, stop.stderr
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     (stop_id,) = {e["id"] for e in events_of(run, "control") if e["cmd"] == "stop"}
     (ckpt,) = [c for c in events_of(run, "checkpoint") if c["reason"] == "stop"]
@@ -237,7 +238,7 @@ def test_sessions_failures_are_their_own(procs, runs_dir, tmp_path):
     wait_for(lambda: read_status(run).get("state") == "running", what="status.json running")
     wait_for(lambda: events_of(run, "step")[-1]["step"] >= 12, what="steps past the resume")
     assert procs.cli("stop", str(run), *rd).returncode == 0
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     status = read_status(run)
     assert status["state"] == "stopped" and status["exit_code"] == 0, status

@@ -11,7 +11,7 @@ import os
 import signal
 
 import pytest
-from conftest import events_of, only_run, read_status, task_profile, wait_for
+from conftest import deadline, events_of, only_run, read_status, task_profile, wait_for
 from conftest import test_env as cli_env
 
 from gpu_console.runs import STATUS
@@ -80,7 +80,7 @@ def test_a_sigterm_after_the_run_finished_keeps_it_finished(procs, runs_dir, tmp
         with contextlib.suppress(ProcessLookupError):  # it may have ended already
             os.kill(torchrun, signal.SIGTERM)
     go.write_text("")
-    proc.communicate(timeout=120)
+    proc.communicate(timeout=deadline(120))
     status = wait_for(lambda: (s := read_status(run)).get("ended") and s, what="the end")
     assert status["state"] == "finished", status
     assert status["exit_code"] == 0

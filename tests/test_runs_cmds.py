@@ -6,7 +6,7 @@ import json
 import os
 import signal
 
-from conftest import events_of, fast_profile, read_status, the_run, wait_for
+from conftest import deadline, events_of, fast_profile, read_status, the_run, wait_for
 
 
 def _live(procs, runs_dir, tmp_path):
@@ -36,7 +36,7 @@ def test_ls_checkpoint_and_stop_from_another_shell(procs, runs_dir, tmp_path):
     stopped = procs.cli("stop", str(run), *rd)
     assert stopped.returncode == 0, stopped.stderr
     assert "stopping with a checkpoint" in stopped.stdout
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     assert read_status(run)["state"] == "stopped"
 
@@ -68,7 +68,7 @@ def test_stop_now_kills(procs, runs_dir, tmp_path):
     console, run = _live(procs, runs_dir, tmp_path)
     result = procs.cli("stop", run.name, "--now", "--runs-dir", str(runs_dir))
     assert result.returncode == 0, result.stderr
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     status = read_status(run)
     assert (status["state"], status["exit_code"]) == ("killed", 137)
     assert console.returncode == 137, out + err

@@ -27,6 +27,7 @@ import psutil
 import pytest
 import torch
 from conftest import (
+    deadline,
     events_of,
     fast_profile,
     only_run,
@@ -196,7 +197,7 @@ def test_soak_random_kill_9_never_loses_a_checkpoint(procs, runs_dir, tmp_path):
         )
         if pid_alive(console.pid):
             console.kill()
-        console.communicate(timeout=60)
+        console.communicate(timeout=deadline(60))
     total = sum(kills.values())
     print(f"soak: {total} kills in {rounds} runs ({kills}), seed {seed}: nothing lost")
     assert total >= target

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from conftest import (
+    deadline,
     events_of,
     only_run,
     paced_profile,
@@ -100,7 +101,7 @@ def test_status_of_a_running_run(procs, runs_dir, tmp_path):
     assert got["name"] == run.name and got["failure"] is None
 
     append_control(run, "stop")
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     assert json.loads(procs.cli("status", run.name, "--json", *rd).stdout)["state"] == "stopped"
 

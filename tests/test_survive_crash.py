@@ -7,6 +7,7 @@ import signal
 import time
 
 from conftest import (
+    deadline,
     events_of,
     fast_profile,
     only_run,
@@ -69,7 +70,7 @@ def test_kill_9_of_a_rank_fails_the_run_in_seconds_even_with_a_stuck_peer(
     assert final["failure"]["rank"] == 1
     assert final["failure"]["summary"] == "rank 1 exited with code -9 (killed by SIGKILL)"
     assert not any(pid_alive(p) for p in pids)
-    out, err = console.communicate(timeout=60)
+    out, err = console.communicate(timeout=deadline(60))
     assert console.returncode == 1, out + err
     assert "rank 1 exited with code -9 (killed by SIGKILL)" in out
 
@@ -112,7 +113,7 @@ def test_max_restarts_restarts_the_group_and_resumes_from_latest(procs, runs_dir
     )
     run = wait_for(lambda: run_dirs(runs_dir) and only_run(runs_dir), what="the run directory")
 
-    out, err = console.communicate(timeout=180)
+    out, err = console.communicate(timeout=deadline(180))
     assert console.returncode == 0, out + err
     final = read_status(run)
     assert final["state"] == "finished" and final["restarts"] == 1
@@ -198,7 +199,7 @@ def test_the_engine_ignores_a_control_file_it_does_not_own(procs, runs_dir, tmp_
     assert not [e for e in events_of(run, "control") if e["id"] == foreign]
     os.chown(control, os.getuid(), os.getgid())
     mine = append_control(run, "stop")
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     acks = [e["state"] for e in events_of(run, "control") if e["id"] == mine]
     assert acks == ["received", "done"]

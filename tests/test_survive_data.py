@@ -9,6 +9,7 @@ import signal
 import torch
 from conftest import (
     POISONED_TASK,
+    deadline,
     events_of,
     only_run,
     read_status,
@@ -126,7 +127,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(procs, runs_dir, 
     # A stop now cannot write its checkpoint either: the run ends as interrupted (exit 130),
     # and LATEST still names the complete step-5 checkpoint.
     os.kill(read_status(run)["pids"]["supervisor"], signal.SIGTERM)
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 130, out + err
     final = read_status(run)
     assert final["state"] == "stopped" and final["checkpointed_on_stop"] is False

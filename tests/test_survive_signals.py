@@ -22,6 +22,7 @@ import conftest
 import pytest
 from conftest import (
     HANGING_TASK,
+    deadline,
     events_of,
     fast_profile,
     only_run,
@@ -53,7 +54,7 @@ def _run_pids(status) -> list[int]:
 
 
 def _stopped_by_signal(run, console, status):
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     final = read_status(run)
     assert final["state"] == "stopped" and final["reason"] == "signal", final
@@ -182,7 +183,7 @@ def test_a_stray_signal_that_kills_torchrun_leaves_no_worker(procs, runs_dir, tm
     console, run, status = _start(procs, runs_dir, tmp_path)
     os.kill(status["pids"]["torchrun"], signal.SIGUSR2)  # not handled by torchrun: fatal
     wait_for(lambda: not any(pid_alive(p) for p in _run_pids(status)), 30, "every process gone")
-    out, err = console.communicate(timeout=60)
+    out, err = console.communicate(timeout=deadline(60))
     assert console.returncode == 1, out + err
     final = read_status(run)
     assert final["state"] == "failed"
@@ -237,7 +238,7 @@ def _assert_grace_enforced(run, console):
     assert final["state"] == "stopped"
     assert final["reason"] == "terminated before a checkpoint (torchrun got SIGTERM)"
     assert final["checkpointed_on_stop"] is False
-    out, err = console.communicate(timeout=60)
+    out, err = console.communicate(timeout=deadline(60))
     assert console.returncode == 130, out + err
     assert not any(pid_alive(p) for p in _run_pids(status))
 

@@ -7,7 +7,7 @@ import subprocess
 
 import conftest
 import pytest
-from conftest import events_of, only_run, read_status, run_dirs, wait_for
+from conftest import deadline, events_of, only_run, read_status, run_dirs, wait_for
 
 from gpu_console.commands import runs as runs_cmd
 from gpu_console.state import describe_stopped, read_heartbeats, stopped_ranks
@@ -86,7 +86,7 @@ def test_a_stuck_rank_is_flagged_stalled_named_and_dumped(procs, runs_dir, tmp_p
     assert str(files[1]) in dumped.stdout
 
     assert procs.cli("stop", "--now", run.name, "--runs-dir", str(runs_dir)).returncode == 0
-    console.communicate(timeout=120)
+    console.communicate(timeout=deadline(120))
     assert read_status(run)["state"] == "killed"  # DESIGN.md: --now ends it killed, exit 137
     assert events_of(run, "step")[-1]["step"] == 7
 

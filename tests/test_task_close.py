@@ -7,7 +7,7 @@ finished or was stopped.
 
 from __future__ import annotations
 
-from conftest import events_of, only_run, read_status, run_dirs, task_profile, wait_for
+from conftest import deadline, events_of, only_run, read_status, run_dirs, task_profile, wait_for
 
 from gpu_console.events import append_control
 
@@ -72,7 +72,7 @@ def test_close_and_atexit_run_on_every_rank_after_a_stopped_run(procs, runs_dir,
     run = wait_for(lambda: run_dirs(runs_dir) and only_run(runs_dir), what="the run directory")
     wait_for(lambda: events_of(run, "step"), what="a step")
     append_control(run, "stop")
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     assert read_status(run)["state"] == "stopped"
     assert_both_hooks_ran_on_every_rank(tmp_path)

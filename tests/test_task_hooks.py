@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import (
     REPO,
+    deadline,
     events_of,
     fast_profile,
     only_run,
@@ -129,7 +130,7 @@ def test_a_stop_ends_the_run_through_on_train_end_on_every_rank(
         append_control(run, "stop")
     else:  # a scheduler's SIGTERM to the headless console
         console.send_signal(signal.SIGTERM)
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     status = read_status(run)
     assert status["state"] == "stopped"

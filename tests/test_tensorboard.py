@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    deadline,
     events_of,
     fake_gpus_env,
     fast_profile,
@@ -279,7 +280,7 @@ def test_a_run_is_read_while_it_trains_and_after(procs, runs_dir, tmp_path):
     wait_for(lambda: "host/cpu_percent" in _tags(run), what="telemetry in TensorBoard")
     assert read_status(run)["state"] == "running"  # all of it read while the run trains
     assert {"profile", "start"} <= set(_read(run / "tensorboard").Tags()["tensors"])
-    out, err = proc.communicate(timeout=600)
+    out, err = proc.communicate(timeout=deadline(600))
     assert proc.returncode == 0, err
     acc = _read(run / "tensorboard")
     logged = {e["step"]: e["loss"] for e in events_of(run, "step")}
@@ -309,7 +310,7 @@ def test_ctrl_c_and_a_resume_continue_one_curve(procs, runs_dir, tmp_path):
     proc, run = _started(procs, runs_dir, tmp_path, max_steps=60, pace_s="0.05")
     wait_for(lambda: any(e["step"] >= 20 for e in events_of(run, "step")), what="step 20")
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=600)
+    proc.communicate(timeout=deadline(600))
     stopped = read_status(run)
     assert stopped["state"] == "stopped" and stopped["step"] < 60
     done = procs.cli("run", "--resume", str(run), "--headless", "--runs-dir", str(runs_dir),
@@ -330,7 +331,7 @@ def test_a_killed_run_resumed_from_an_earlier_checkpoint_drops_what_it_logged_pa
     wait_for(lambda: any(e["step"] >= 55 for e in events_of(run, "step")), what="step 55")
     killed = procs.cli("stop", str(run), "--now", "--runs-dir", str(runs_dir), cwd=tmp_path)
     assert killed.returncode == 0, killed.stderr
-    proc.communicate(timeout=600)
+    proc.communicate(timeout=deadline(600))
     assert read_status(run)["state"] == "killed"
     first = {e["step"]: e["loss"] for e in events_of(run, "step")}
     assert 55 <= max(first) < 100  # it logged past its checkpoint at 50

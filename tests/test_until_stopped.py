@@ -5,7 +5,7 @@ checkpoint or eval, ``N/∞`` where a length would show; its schedule needs a le
 from __future__ import annotations
 
 import pytest
-from conftest import events_of, fast_profile, read_status, the_run, wait_for
+from conftest import deadline, events_of, fast_profile, read_status, the_run, wait_for
 
 from gpu_console.events import append_control
 from gpu_console.format import steps_text
@@ -55,7 +55,7 @@ def test_a_run_until_stopped_trains_until_stopped_and_resumes(procs, runs_dir, t
     listed = procs.cli("ls", "--runs-dir", str(runs_dir)).stdout
     assert "/∞" in listed, listed
     append_control(run, "stop")
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     stopped = read_status(run)
     assert stopped["state"] == "stopped"
@@ -68,6 +68,6 @@ def test_a_run_until_stopped_trains_until_stopped_and_resumes(procs, runs_dir, t
     wait_for(lambda: events_of(run, "step")[-1]["step"] > stopped["step"] + 5,
              what="steps after the resume")  # fmt: skip
     append_control(run, "stop")
-    out, err = again.communicate(timeout=120)
+    out, err = again.communicate(timeout=deadline(120))
     assert again.returncode == 0, out + err
     assert read_status(run)["step"] > stopped["step"]

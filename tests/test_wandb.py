@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    deadline,
     events_of,
     fast_profile,
     only_run,
@@ -123,7 +124,7 @@ def test_a_resume_logs_into_the_same_wandb_run(procs, runs_dir, tmp_path):
     (run,) = wait_for(lambda: run_dirs(runs_dir), what="the run directory")
     wait_for(lambda: any(e["step"] >= 15 for e in events_of(run, "step")), what="step 15")
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=600)
+    proc.communicate(timeout=deadline(600))
     first = wait_for(lambda: (s := _wandb_status(run)).get("state") == "done" and s,
                      what="the first session's W&B end")  # fmt: skip
     first_id = first["id"]

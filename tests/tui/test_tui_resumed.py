@@ -4,7 +4,7 @@ run, one history, one loss chart across its sessions."""
 from __future__ import annotations
 
 import pytest
-from conftest import events_of, fast_profile, the_run, wait_for
+from conftest import deadline, events_of, fast_profile, the_run, wait_for
 from tui_support import screen_text, until
 
 from gpu_console.tui.app import ConsoleApp
@@ -23,7 +23,7 @@ async def test_attach_to_a_resumed_run_shows_every_session_on_one_chart(procs, r
     wait_for(lambda: len(events_of(run, "step")) >= 3, what="3 logged steps")
     stop = procs.cli("stop", str(run), "--runs-dir", str(runs_dir))
     assert stop.returncode == 0, stop.stderr
-    out, err = console.communicate(timeout=120)
+    out, err = console.communicate(timeout=deadline(120))
     assert console.returncode == 0, out + err
     (ckpt,) = [c for c in events_of(run, "checkpoint") if c["reason"] == "stop"]
     stopped_at = ckpt["step"]

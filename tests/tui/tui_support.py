@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import synthetic
 import textual
-from conftest import Procs, wait_for
+from conftest import Procs, deadline, wait_for
 
 from gpu_console.events import EventWriter, JsonlTail
 
@@ -35,13 +35,15 @@ SNAPSHOTS = Path(__file__).parent / "snapshots"
 
 
 async def until(pilot, pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition"):
-    """Let the app run until ``pred()`` is truthy; fail at the deadline."""
-    deadline = time.monotonic() + timeout
+    """Let the app run until ``pred()`` is truthy; fail at the deadline (``timeout`` on a
+    quiet machine, stretched as every test deadline is: conftest.deadline)."""
+    timeout = deadline(timeout)
+    end = time.monotonic() + timeout
     while True:
         value = pred()
         if value:
             return value
-        if time.monotonic() > deadline:
+        if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         await pilot.pause(0.05)
 
