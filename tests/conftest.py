@@ -30,41 +30,77 @@ REPO = Path(__file__).resolve().parent.parent
 
 # A deadline is a ceiling for a machine in trouble, never a sleep: a test that meets it on a
 # quiet machine must meet it on a busy one too. So every test deadline is given as the
-# seconds it allows on a quiet machine and stretched by SLOWDOWN, how much slower than a
-# quiet CI core this machine runs the same work now.
-REFERENCE_WORK_S = 0.015  # _reference_work() on a quiet core of the 2-core CI machine (2026-11)
+# seconds it allows on a quiet machine and stretched by slowdown(): how much slower than on
+# a quiet CI machine the suite's work runs here now.
+REFERENCE_WORK_S = 0.075  # _reference_work() on a quiet core of the 2-core CI machine (2026-11)
 SLOWDOWN_ENV = "GPU_CONSOLE_TEST_SLOWDOWN"
+_slowdown: float | None = None
 
 
 def _reference_work() -> float:
     started = time.perf_counter()
     x = 0
-    for i in range(100_000):
+    for i in range(1_000_000):
         x += i * i % 7
     return time.perf_counter() - started
 
 
-def _slowdown() -> float:
-    """The factor the suite's deadlines are stretched by: the median of seven timings of a
-    fixed piece of work against a quiet CI core's, never below 1. Measured once, by the
-    first process of a session (pytest's controller, before its workers start and before
-    any test loads the machine), and handed to its workers in the environment; set
-    ``GPU_CONSOLE_TEST_SLOWDOWN`` to choose it."""
-    given = os.environ.get(SLOWDOWN_ENV)
-    if given:
-        return max(1.0, float(given))
-    timings = sorted(_reference_work() for _ in range(7))
-    factor = max(1.0, timings[3] / REFERENCE_WORK_S)
-    os.environ[SLOWDOWN_ENV] = f"{factor:.2f}"
-    return factor
+def _busy_cores(window_s: float = 0.5) -> float:
+    """Cores busy with other work over ``window_s`` while this process sleeps (/proc/stat)."""
+
+    def busy() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        idle = ticks[3] + ticks[4]  # idle, iowait
+        return sum(ticks) - idle, sum(ticks)
+
+    try:
+        b0, t0 = busy()
+        time.sleep(window_s)
+        b1, t1 = busy()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return (b1 - b0) / max(1, t1 - t0) * (os.cpu_count() or 1)
 
 
-SLOWDOWN = _slowdown()
+def measure_slowdown(workers: int) -> float:
+    """The larger of two readings, never below 1: a fixed piece of pure-Python work timed
+    (the median of seven) against a quiet CI core's, which sees a slower machine and some of
+    the load; and the share of the cores the suite's ``workers`` get beside the other work
+    busy on them now (/proc/stat; not the load average, which still counts work that ended
+    a minute ago), which a short timing misses (a process that just woke runs first)."""
+    timed = sorted(_reference_work() for _ in range(7))[3] / REFERENCE_WORK_S
+    cores = len(os.sched_getaffinity(0))
+    shared = (_busy_cores() + workers) / cores
+    return max(1.0, timed, shared)
+
+
+def slowdown() -> float:
+    """This session's factor: ``GPU_CONSOLE_TEST_SLOWDOWN`` where set (pytest's first
+    process sets it for its workers: :func:`pytest_configure`), else measured here."""
+    global _slowdown
+    if _slowdown is None:
+        given = os.environ.get(SLOWDOWN_ENV)
+        _slowdown = max(1.0, float(given)) if given else measure_slowdown(1)
+        os.environ[SLOWDOWN_ENV] = f"{_slowdown:.2f}"
+    return _slowdown
 
 
 def deadline(seconds: float) -> float:
     """A test's deadline of ``seconds`` on a quiet machine, stretched for this one now."""
-    return seconds * SLOWDOWN
+    return seconds * slowdown()
+
+
+def pytest_configure(config):
+    """Measured once a session, by pytest's first process before its workers start (they
+    inherit the environment) and before any test loads the machine."""
+    if os.environ.get(SLOWDOWN_ENV) or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    n = getattr(config.option, "numprocesses", None)
+    workers = n if isinstance(n, int) and n > 0 else 1
+    global _slowdown
+    _slowdown = measure_slowdown(workers)
+    os.environ[SLOWDOWN_ENV] = f"{_slowdown:.2f}"
 
 
 DEADLINE_S = 120.0  # the default wait on a quiet machine (wait_for and Procs.cli stretch it)

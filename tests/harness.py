@@ -23,6 +23,7 @@ nodes, the console's launch.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import math
@@ -232,6 +233,11 @@ def run_in_process(run_dir: Path) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         signals.reset()  # a control stop marks the process as stopping (signals.stopping)
+        # The run's objects that hold its process group in a reference cycle go now, in
+        # this process: left to a later collection, one could run in a process forked from
+        # this one (a DataLoader worker of a later test), whose ProcessGroupGloo destructor
+        # then waits forever for the gloo threads that the fork did not copy.
+        gc.collect()
 
 
 def _determinism_only(profile, device_type: str) -> None:

@@ -9,9 +9,12 @@ without and with, measured; a task that does not name its blocks is refused at l
 
 from __future__ import annotations
 
+import pytest
 from conftest import events_of, fast_profile, run_dirs, task_profile, write_profile
 from harness import run_engine
 from headless_text import headless_text
+
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
 
 TINY = """
 [profile]

@@ -5,6 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "gpu_console"
 

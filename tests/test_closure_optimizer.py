@@ -9,6 +9,8 @@ import pytest
 from conftest import events_of, task_profile
 from harness import run_engine
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 LBFGS_TASK = """
 import torch
 from gpu_console.tasks.mlp import MLPTask

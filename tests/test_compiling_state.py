@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import synthetic
 
 from gpu_console.fold import RunFold, derived_state
 from gpu_console.headless import _notable
 from gpu_console.tui.feed import RunFeed
 from gpu_console.tui.widgets.header import header_text
+
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
 
 T0 = synthetic.T0
 

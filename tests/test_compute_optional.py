@@ -17,6 +17,8 @@ from gpu_console.peaks import Peak
 from gpu_console.tasks.base import batch_collate
 from gpu_console.tasks.loader import TaskLoadError, load_task_class
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 STEP_ONLY = """
 from dataclasses import dataclass
 

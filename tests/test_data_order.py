@@ -13,6 +13,8 @@ from gpu_console.engine.data import Batches, DataPosition, ShardSampler, make_lo
 from gpu_console.profile import DataConfig
 from gpu_console.tasks.base import TensorSet
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 
 def batches(order: str, n: int, rank: int, world: int, bs: int, count: int, seed: int = 0):
     cfg = DataConfig(batch_size=bs, order=order, seed=seed)

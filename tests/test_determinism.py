@@ -14,6 +14,8 @@ from harness import run_engine
 
 from gpu_console.profile import NOT_DETERMINISTIC, ProfileError, load_profile
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 IN_EFFECT = {
     "enabled": True,
     "algorithms": True,

@@ -15,6 +15,8 @@ from typer.testing import CliRunner
 
 from gpu_console.cli import app
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 runner = CliRunner()
 
 

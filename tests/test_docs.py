@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
+
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
 
 
 def test_the_key_reference_in_docs_matches_the_schema():

@@ -15,6 +15,8 @@ from gpu_console.engine.data import Batches, DataPosition, make_loader
 from gpu_console.profile import DataConfig, ProfileError, load_profile
 from gpu_console.tasks.base import TensorSet
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 
 def loaders(n: int, world: int, batch: int, **cfg):
     import torch

@@ -8,6 +8,10 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 ENGINE = Path(__file__).resolve().parent.parent / "gpu_console" / "engine"
 LONGEST = 80
 # The trainer and the parts it calls: none holds a nested def (a closure over their state).

@@ -35,6 +35,8 @@ from gpu_console.profile import DataConfig, TrainConfig
 from gpu_console.state import RunState
 from gpu_console.tasks.base import TensorSet
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 # -- schedule -------------------------------------------------------------------------------
 
 

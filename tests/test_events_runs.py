@@ -20,6 +20,8 @@ from gpu_console.events import EventWriter, JsonlTail, append_control, read_even
 from gpu_console.runs import RunDirError
 from gpu_console.state import RunState
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)

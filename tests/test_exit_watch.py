@@ -7,7 +7,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from gpu_console.exit_watch import ExitWatch
+
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
 
 
 def test_the_sleep_ends_when_the_child_exits_not_when_the_interval_does():

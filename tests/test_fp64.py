@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import events_of, task_profile
 from harness import run_engine
+
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
 
 FLOAT64_TASK = """
 import json

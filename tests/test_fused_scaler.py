@@ -17,6 +17,8 @@ from gpu_console.devices import fused_steps_ok
 from gpu_console.engine.optim_set import Optimizers, OptimizerSetupError
 from gpu_console.profile import load_profile
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):

@@ -17,6 +17,8 @@ from gpu_console import cli, launch
 from gpu_console.devices import read_grant
 from gpu_console.telemetry.recorder import Recorder
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 GRANTS = {
     "CUDA_VISIBLE_DEVICES=2,3": ({"CUDA_VISIBLE_DEVICES": "2,3"}, [2, 3]),
     "CUDA_VISIBLE_DEVICES=UUIDs": ({"CUDA_VISIBLE_DEVICES": "uuid:3,uuid:1"}, [3, 1]),

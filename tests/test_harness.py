@@ -14,6 +14,8 @@ import torch.distributed as dist
 from conftest import events_of, task_profile
 from harness import RemoteTraceback, run_engine, zygote_pid
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 FAILING = """
 import os
 
@@ -54,3 +56,32 @@ def test_one_rank_in_this_process_leaves_it_as_it_found_it(tmp_path):
     assert torch.get_num_threads() == threads and sys.path == path
     assert signal.getsignal(signal.SIGTERM) == handler
     assert "mine" not in sys.modules  # the next test's module of that name is another file
+
+
+STEPPING = """
+from gpu_console.tasks.mlp import MLPTask
+
+
+class Stepping(MLPTask):
+    def train_step(self, model, batch, optimizers, ctx):
+        out = self.compute(model, batch)
+        optimizers.backward(out.loss, "main")
+        optimizers.step("main")
+        return out
+"""
+
+
+def test_a_loader_forked_after_an_in_process_run_does_not_hang(tmp_path):
+    # A run's objects that held its process group in a reference cycle, collected in a
+    # DataLoader worker forked later, waited there forever for gloo's threads (the fork
+    # copies none): the harness collects them before it returns.
+    from gpu_console.engine.data import make_loader
+    from gpu_console.profile import DataConfig
+    from gpu_console.tasks.base import TensorSet
+
+    profile = task_profile(tmp_path, "stepping", STEPPING, "Stepping", max_steps=2)
+    run = run_engine(tmp_path, profile)
+    assert events_of(run, "start")[0]["train_step"] == "task"
+    cfg = DataConfig(batch_size=4, num_workers=2, persistent_workers=False)
+    loader = make_loader(TensorSet(torch.arange(16)), cfg, 0, 1, True, False)
+    assert sorted(x for (b,) in loader for x in b.tolist()) == list(range(16))

@@ -28,6 +28,8 @@ from gpu_console.tasks.configs import MLPConfig, TransformerConfig
 from gpu_console.tasks.mlp import MLPTask
 from gpu_console.tasks.transformer import TransformerTask
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 
 def _measured(task) -> float:
     model = task.build_model()

@@ -18,6 +18,8 @@ from gpu_console.engine.nonfinite import ENV, Guard, deferrable, rewind_schedule
 from gpu_console.engine.schedule import lr_factor
 from gpu_console.profile import TrainConfig
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 
 def _poisoned_run(tmp_path, name: str, policy: str, check: str):
     where = tmp_path / name

@@ -21,6 +21,8 @@ from gpu_console.summary import summary_table
 from gpu_console.supervisor import Supervisor
 from gpu_console.tui.feed import RunFeed
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 NAN = float("nan")
 
 

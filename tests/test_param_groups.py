@@ -17,6 +17,8 @@ from gpu_console.tasks.configs import MLPConfig, TransformerConfig
 from gpu_console.tasks.mlp import MLPTask
 from gpu_console.tasks.transformer import TransformerTask
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 
 def decayed_names(model: nn.Module, which: str = "matrices") -> tuple[set[str], set[str]]:
     groups = optim.default_groups(model, 0.1, which)

@@ -27,6 +27,8 @@ from gpu_console.engine.export import export
 from gpu_console.engine.refusal import Refused
 from gpu_console.profile import ProfileError
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 STEPS = 4
 BATCH = 8  # per rank on two ranks; the one rank takes 2 × BATCH
 

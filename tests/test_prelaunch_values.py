@@ -20,6 +20,8 @@ from gpu_console import network
 from gpu_console.profile import load_profile
 from gpu_console.schema import KeyProblem
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 TEXT_TASKS = ["lm", "moe", "hf"]
 
 

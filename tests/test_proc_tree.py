@@ -7,8 +7,11 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from gpu_console import proc_tree
+
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
 
 # A parent with two children, one of which has a child of its own; each sleeps until killed.
 TREE = """

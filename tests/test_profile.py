@@ -29,6 +29,8 @@ from gpu_console.profile import (
 from gpu_console.tasks import BUILTIN
 from gpu_console.tasks.configs import MLPConfig, TransformerConfig
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover

@@ -11,6 +11,8 @@ import sys
 import pytest
 from conftest import test_env as cli_env
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 PROGRAM = """
 import atexit, sys, threading, time
 

@@ -9,6 +9,7 @@ The table and the engine's restore are also checked in process.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import events_of, fast_profile, only_run, task_profile
 from harness import run_engine
@@ -18,6 +19,8 @@ from gpu_console.engine.resume import Settings, data_position
 from gpu_console.engine.schedule import lr_factor
 from gpu_console.profile import TrainConfig, resolve
 from gpu_console.resume_changes import APPLIED, REFUSED, TABLE, WARNING, classify, rule
+
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
 
 
 def _state(run, step: int) -> dict:

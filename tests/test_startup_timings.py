@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from conftest import events_of, fast_profile, only_run
 
 from gpu_console.runs import current_session
 from gpu_console.timings import FIRST_STEP, STAGES, Stopwatch
+
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
 
 
 def test_the_start_event_carries_every_stage_in_order_and_the_first_step_event_the_first_step(

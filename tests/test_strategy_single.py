@@ -17,7 +17,7 @@ from gpu_console.engine import strategy
 from gpu_console.engine.strategy_single import OneDevice, SingleStrategy
 from gpu_console.profile import DistributedConfig
 
-pytestmark = pytest.mark.torch_floor
+pytestmark = [pytest.mark.torch_floor, pytest.mark.quick]
 
 
 def _train(wrapped: nn.Module, bare: nn.Module, steps: int = 6, accum: int = 2) -> None:

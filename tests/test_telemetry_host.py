@@ -14,6 +14,8 @@ from conftest import pid_alive, wait_for
 
 from gpu_console.telemetry.host import HostSampler, RunPids, host_summary, read_run_pids
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 
 class Tree:
     """A process with one child, both ``sleep``: a stand-in for a run's process tree."""

@@ -12,6 +12,8 @@ from test_telemetry_fake import GIB, FakeGpu, FakeNvml, assert_gpu_json, install
 from gpu_console.telemetry import nvml
 from gpu_console.telemetry.nvml import NA
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 
 def test_not_available_is_one_falsy_value_that_survives_pickling():
     assert nvml.NotAvailable() is NA

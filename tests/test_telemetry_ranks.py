@@ -14,6 +14,8 @@ from gpu_console.telemetry.ranks import (
 )
 from gpu_console.telemetry.sampler import take_sample
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 GPUS = [{"index": i, "uuid": f"GPU-{i}aaa-{i}"} for i in range(4)]
 
 

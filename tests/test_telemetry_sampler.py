@@ -18,6 +18,8 @@ from gpu_console.telemetry.host import HostSampler, RunPids
 from gpu_console.telemetry.recorder import Recorder
 from gpu_console.telemetry.sampler import FILE, Sampler, read_samples, take_sample
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 HOST_FIELDS = {
     "cpu_percent",
     "cores",

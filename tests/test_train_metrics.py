@@ -19,6 +19,8 @@ from gpu_console.state import RunState
 from gpu_console.summary import summary_lines
 from gpu_console.tasks.base import TaskOutput
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 # Values depend on the rank and on the step's parity (every log window holds two steps, one
 # odd, one even), so each reduction gives its own, known answer. Tensors (kept on the device)
 # and plain numbers (kept on the host) both.

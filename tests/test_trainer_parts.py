@@ -27,6 +27,8 @@ from gpu_console.profile import CheckpointConfig, TrainConfig
 from gpu_console.tasks.base import TaskOutput
 from gpu_console.timings import Stopwatch
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 CPU = SimpleNamespace(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), is_main=True)
 
 

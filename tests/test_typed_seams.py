@@ -25,6 +25,8 @@ from gpu_console.engine.strategy_single import SingleStrategy
 from gpu_console.tasks import BUILTIN, base
 from gpu_console.tasks.loader import load_task_class
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 ROOT = Path(__file__).resolve().parent.parent
 # Data attributes of the contract (a dict, or a dict or a method), not methods: no protocol.
 ATTRIBUTES = {"Config", "ctx", "metric_reduce", "derived_metrics", "resume_keys"}

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from gpu_console.tasks.base import unwrap
+
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
 
 
 def test_unwrap_strips_ddp_and_compile_in_either_order(one_rank_group):

@@ -21,6 +21,8 @@ from harness import run_engine
 from gpu_console.engine.optim_set import Optimizers
 from gpu_console.engine.refusal import Refused
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 SCRIPT_STEP_TASK = """
 import torch
 from gpu_console.tasks.mlp import MLPTask

@@ -20,6 +20,8 @@ from gpu_console.tui.feed import RunFeed
 from gpu_console.tui.screens.run import RunScreen
 from gpu_console.tui.widgets.checkpoints import checkpoints_text
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 
 def on_disk(run) -> list[tuple[int, bool]]:
     """(step, named by LATEST) of every complete checkpoint, newest first, read from disk."""

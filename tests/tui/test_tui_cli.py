@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
+
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
 
 
 def test_attach_with_no_run_is_a_bad_input(procs, runs_dir):

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from test_telemetry_fake import FakeNvml, install
 
 from gpu_console.tui import devices
 from gpu_console.tui.devices import DeviceFeed
+
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
 
 
 def sample(t: float, every_s: float = 1.0) -> dict:

@@ -14,7 +14,7 @@ from tui_support import screen_text, until
 from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.screens.run import RunScreen
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.quick]
 
 
 async def test_a_torchrun_that_rejects_a_flag_is_named_in_the_failure_panel(

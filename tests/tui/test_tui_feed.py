@@ -17,6 +17,8 @@ from gpu_console.tui.series import Series
 from gpu_console.tui.widgets.chart import Line, render_chart
 from gpu_console.tui.widgets.text import num, spark
 
+pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
+
 
 def test_a_series_stays_bounded_and_keeps_its_shape():
     s = Series(capacity=64, recent=100)

@@ -13,7 +13,7 @@ from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.screens.modals import ConfirmScreen
 from gpu_console.tui.screens.run import RunScreen
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.quick]
 
 
 async def test_k_then_y_kills_the_run_it_launched(tmp_path):

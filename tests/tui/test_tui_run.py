@@ -21,7 +21,7 @@ from gpu_console.tui.screens.modals import ConfirmScreen, HelpScreen, QuitScreen
 from gpu_console.tui.screens.run import RunScreen
 from gpu_console.tui.screens.runs import RunsScreen
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.quick]
 
 
 def app_on(run_dir, **kw) -> ConsoleApp:

@@ -12,7 +12,7 @@ from gpu_console.tui.screens.modals import DiffScreen
 from gpu_console.tui.screens.run import RunScreen
 from gpu_console.tui.screens.runs import RunsScreen
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.quick]
 
 
 def _two_runs(tmp_path):

@@ -9,7 +9,7 @@ from tui_support import control_lines, fake_live_fixture, screen_text, until  # 
 
 from gpu_console.session_lock import take
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.quick]
 
 
 async def test_a_command_to_a_run_no_session_holds_is_not_sent(fake_live):

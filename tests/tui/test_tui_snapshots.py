@@ -13,7 +13,7 @@ from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.screens.launch import LaunchScreen
 from gpu_console.tui.screens.run import RunScreen
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.quick]
 GIB = 2**30
 
 

@@ -15,7 +15,7 @@ from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.screens.modals import ConfirmScreen
 from gpu_console.tui.screens.run import RunScreen
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.quick]
 
 
 async def test_a_frozen_rank_is_stalled_and_the_stop_dialog_says_so(fake_live, monkeypatch):
