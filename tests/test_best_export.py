@@ -1,7 +1,7 @@
-"""The best checkpoint (``checkpoint.keep_best``) and ``gpu-console export``, through the real
-CLI on 2 CPU ranks: the best survives ``keep_last`` pruning and a resume, and the exported
-weights load into a plain copy of the model class in a Python where gpu_console cannot be
-imported, giving the run's own outputs."""
+"""The best checkpoint (``checkpoint.keep_best``) and ``gpu-console export``: the runs on the
+engine harness, ``ls``, ``status`` and ``export`` through the real CLI. The best survives
+``keep_last`` pruning and a resume, and the exported weights load into a plain copy of the
+model class in a Python where gpu_console cannot be imported, giving the run's own outputs."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import events_of, only_run, task_profile, write_profile
+from conftest import events_of, task_profile, write_profile
 from harness import run_engine
+from headless_text import headless_text
 
 from gpu_console.engine import checkpoint
 from gpu_console.engine.export import ExportInputError, plain_keys, split
@@ -122,11 +123,11 @@ def _load_plainly(tmp_path, exported, checkpoint, name=None):
 
 
 def test_the_best_survives_pruning_and_resume_and_exports_load_plainly(procs, runs_dir, tmp_path):
+    # The runs on the engine harness (tests/harness.py); ls, status and export through the CLI.
     profile = task_profile(tmp_path, "wobbly", WOBBLY, "Wobbly", max_steps=30, extra=BEST)
-    evals = ["--set", "train.eval_every=5", "--set", "train.log_every=5"]
-    done = _run(procs, runs_dir, "run", str(profile), "--headless", *evals)
-    assert done.returncode == 0, done.stdout + done.stderr
-    run = only_run(runs_dir)
+    run = run_engine(tmp_path, profile, "train.eval_every=5", "train.log_every=5",
+                     runs_dir=runs_dir)  # fmt: skip
+    printed = headless_text(run)
     ckpts = run / "checkpoints"
 
     # Best at 5, 10, 15, 20 (values 15, 10, 5, 0), never after: each supersedes the last.
@@ -135,8 +136,8 @@ def test_the_best_survives_pruning_and_resume_and_exports_load_plainly(procs, ru
     assert best == [(5, "best", 15.0), (10, "interval", 10.0), (15, "best", 5.0),
                     (20, "interval", 0.0)]  # fmt: skip
     assert all(e["metric"] == "eval.dist" for e in saved if e.get("best"))
-    assert "checkpoint @ step 20 (interval): " in done.stdout, done.stdout
-    assert ", best eval.dist 0.0000" in done.stdout, done.stdout
+    assert "checkpoint @ step 20 (interval): " in printed, printed
+    assert ", best eval.dist 0.0000" in printed, printed
     # keep_last = 1 keeps the newest (30) and the best (20); every earlier best was pruned.
     assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000020", "step-00000030"]
     assert (ckpts / "BEST").read_text() == "step-00000020\n"
@@ -148,9 +149,7 @@ def test_the_best_survives_pruning_and_resume_and_exports_load_plainly(procs, ru
     assert entry["best_checkpoint"] == expected
 
     # A resumed run keeps the best value: its worse evals (15 at 35, 10 at 40) are not best.
-    more = _run(procs, runs_dir, "run", "--resume", run.name, "--headless",
-                "--set", "train.max_steps=40")  # fmt: skip
-    assert more.returncode == 0, more.stdout + more.stderr
+    run_engine(tmp_path, None, "train.max_steps=40", resume=run, runs_dir=runs_dir)
     later = [e for e in events_of(run, "checkpoint") if e["step"] > 30]
     assert [e["step"] for e in later] == [40] and not any(e.get("best") for e in later)
     assert (ckpts / "BEST").read_text() == "step-00000020\n"

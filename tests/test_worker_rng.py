@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
-import conftest
 import numpy as np
 import torch
 from conftest import events_of, only_run, task_profile
+from harness import run_engine
 from torch.utils.data import Dataset
 
 from gpu_console.engine.data import Batches, DataPosition, make_loader
@@ -99,24 +99,22 @@ class Drawing(MLPTask):
 """
 
 # 256 samples, 2 ranks, batch 32: 4 batches a rank per epoch; 12 steps are 3 epochs.
-WORKERS = "--set", "data.num_workers=2", "--set", "task.train_samples=256"
+WORKERS = ("data.num_workers=2", "task.train_samples=256")
 
 
-def run_drawing(procs, runs_dir, tmp_path, draws_dir, *args: str):
+def run_drawing(tmp_path, runs_dir, draws_dir, profile, *sets: str, resume=None):
+    """The run's engine on two ranks (the harness: DataLoader workers forked from each rank,
+    as under torchrun) and each rank's lines of draws."""
     draws_dir.mkdir(exist_ok=True)
-    result = procs.cli(
-        "run", *args, "--headless", "--runs-dir", str(runs_dir), *WORKERS,
-        cwd=tmp_path, env=conftest.test_env(DRAWS_DIR=str(draws_dir)),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_engine(tmp_path, profile, *WORKERS, *sets, ranks=2, runs_dir=runs_dir, resume=resume,
+               env={"DRAWS_DIR": str(draws_dir)})  # fmt: skip
     return [(draws_dir / f"rank{r}.txt").read_text().splitlines() for r in (0, 1)]
 
 
-def test_two_ranks_with_two_workers_draw_differently_and_a_resume_repeats_the_draws(
-    procs, runs_dir, tmp_path
-):
+def test_two_ranks_with_two_workers_draw_differently_and_a_resume_repeats_the_draws(tmp_path):
     profile = task_profile(tmp_path, "drawing", DRAWING_TASK, "Drawing", max_steps=12, ranks=2)
-    reference = run_drawing(procs, runs_dir / "ref", tmp_path, tmp_path / "ref", str(profile))
+    runs_dir = tmp_path / "runs"
+    reference = run_drawing(tmp_path, runs_dir / "ref", tmp_path / "ref", profile)
     assert [len(lines) for lines in reference] == [12, 12]
     assert all(a != b for a, b in zip(*reference, strict=True)), "ranks drew the same"
     epochs = [reference[0][e * 4 : e * 4 + 4] for e in range(3)]
@@ -124,16 +122,11 @@ def test_two_ranks_with_two_workers_draw_differently_and_a_resume_repeats_the_dr
 
     # Ended at step 5 (the middle of epoch 1, an odd batch), then resumed to step 12.
     draws_dir = tmp_path / "resumed"
-    first = run_drawing(
-        procs, runs_dir / "split", tmp_path, draws_dir, str(profile), "--set",
-        "train.max_steps=5",
-    )  # fmt: skip
+    first = run_drawing(tmp_path, runs_dir / "split", draws_dir, profile, "train.max_steps=5")
     assert [len(lines) for lines in first] == [5, 5]
     run = only_run(runs_dir / "split")
-    both = run_drawing(
-        procs, runs_dir / "split", tmp_path, draws_dir, "--resume", str(run), "--set",
-        "train.max_steps=12",
-    )  # fmt: skip
+    both = run_drawing(tmp_path, runs_dir / "split", draws_dir, None, "train.max_steps=12",
+                       resume=run)  # fmt: skip
     assert events_of(run, "start")[1]["start_step"] == 5
     # Bit for bit: the draws after the resume point are the uninterrupted run's.
     assert both == reference
