@@ -127,20 +127,30 @@ def cut_and_resumed(
     is pinned to the whole run's length (``train.lr_decay_steps``: what 0 means for it), so
     each step of the cut run has the uninterrupted run's lr. Choose ``cut_at`` on the eval
     cadence: a run's end evaluates, and an eval may draw from the RNGs. Returns the run."""
+    pinned, max_steps = pin_decay(tmp_path, profile, sets, cwd)
+    assert 0 < cut_at < max_steps, (cut_at, max_steps)
+    runs = Path(runs_dir or tmp_path / "cut")
+    run = run_engine(tmp_path, profile, *pinned, f"train.max_steps={cut_at}", ranks=ranks,
+                     runs_dir=runs, cwd=cwd)  # fmt: skip
+    run_engine(tmp_path, None, f"train.max_steps={max_steps}", ranks=ranks, resume=run,
+               runs_dir=runs, cwd=cwd)  # fmt: skip
+    return run
+
+
+def pin_decay(
+    tmp_path: Path, profile: str | Path, sets: Sequence[str], cwd: Path | None = None
+) -> tuple[list[str], int]:
+    """``sets`` with the lr's decay pinned to the whole run's length (what
+    ``train.lr_decay_steps = 0`` means for it), so that a session cut short of
+    ``max_steps`` trains each of its steps at the uninterrupted run's lr; and that length."""
     from gpu_console.profile import load_profile
 
     with contextlib.chdir(cwd or tmp_path), _user_modules(Path(cwd or tmp_path)):
         train = load_profile(str(profile), list(sets)).train
-    assert 0 < cut_at < train.max_steps, (cut_at, train.max_steps)
     pinned = [*sets]
     if train.schedule != "constant" and not train.lr_decay_steps:
         pinned.append(f"train.lr_decay_steps={max(1, train.max_steps - train.warmup_steps)}")
-    runs = Path(runs_dir or tmp_path / "cut")
-    run = run_engine(tmp_path, profile, *pinned, f"train.max_steps={cut_at}", ranks=ranks,
-                     runs_dir=runs, cwd=cwd)  # fmt: skip
-    run_engine(tmp_path, None, f"train.max_steps={train.max_steps}", ranks=ranks, resume=run,
-               runs_dir=runs, cwd=cwd)  # fmt: skip
-    return run
+    return pinned, train.max_steps
 
 
 def launch_dir(
