@@ -188,6 +188,7 @@ def test_the_best_survives_pruning_and_resume_and_exports_load_plainly(procs, ru
     assert not target.exists() and not (tmp_path / "absent").exists()
 
 
+@pytest.mark.quick
 def test_export_of_named_submodules_and_of_a_run_without_best(procs, runs_dir, tmp_path):
     # The run on the engine harness (tests/harness.py), its export through the CLI.
     profile = task_profile(tmp_path, "wobbly", WOBBLY, "Parts", max_steps=5)

@@ -53,6 +53,7 @@ def by_name(doc: dict) -> dict[str, dict]:
     return {c["name"]: c for c in doc["checks"]}
 
 
+@pytest.mark.quick
 def test_subprocess_json_on_this_machine_passes(tmp_path, real_machine):
     """The real check of the machine the suite runs on: a laptop or CI (GPU rows skipped) or
     a GPU node (GPU rows pass); either way nothing fails."""

@@ -136,6 +136,7 @@ class BadReduce(MLPTask):
 """
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "cls, expected",
     [

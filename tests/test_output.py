@@ -150,6 +150,7 @@ def test_off_a_terminal_progress_lines_come_at_a_steady_beat(procs, runs_dir, tm
     assert every * 0.8 < sorted(gaps)[len(gaps) // 2] < every * 1.25, gaps
 
 
+@pytest.mark.quick
 def test_help_names_every_value(tmp_path):
     """Every command's --help: metavars like RUN and KEY=VALUE, never Typer's <str>, {run}."""
     group = typer.main.get_command(app)
@@ -192,6 +193,7 @@ def test_ls_says_when_a_run_started_and_when_it_last_moved(procs, runs_dir):
     assert row["age_s"] == pytest.approx(2 * 3600, abs=60)  # since `updated`, as before
 
 
+@pytest.mark.quick
 def test_profiles_never_cut_a_path(tmp_path, monkeypatch):
     here = tmp_path / LONG / LONG
     (here / "profiles").mkdir(parents=True)

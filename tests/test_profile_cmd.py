@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from conftest import (
     deadline,
     events_of,
@@ -178,6 +179,7 @@ def test_a_rank_that_fails_mid_capture_writes_what_it_captured(procs, runs_dir, 
     assert _ack(run, cid, "done") is None and events_of(run, "profile") == []
 
 
+@pytest.mark.quick
 def test_a_stop_before_a_step_was_recorded_writes_no_trace_and_says_so(procs, runs_dir, tmp_path):
     profile = paced_profile(tmp_path, max_steps=1_000_000)
     procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),

@@ -151,6 +151,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.quick
 def test_without_the_package_the_run_trains_and_says_so_once(procs, runs_dir, tmp_path):
     env = without_packages(tmp_path, "wandb", **_wandb_home(tmp_path))
     done = procs.cli("run", str(fast_profile(tmp_path, max_steps=10)), "--headless",

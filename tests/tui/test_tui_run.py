@@ -144,7 +144,9 @@ async def test_o_writes_the_report_and_shows_where(fake_live):
         assert f"report written: {index}" in logged()
         assert index.is_file() and "<h2>Summary</h2>" in index.read_text()
         assert (fake_live.run_dir / "report" / "loss.png").is_file()
-        assert any(str(index) in str(n.message) for n in app._notifications)
+        # The toast follows the log line from the report's thread: waited for, not raced.
+        await until(pilot, lambda: any(str(index) in str(n.message) for n in app._notifications),
+                    30, "the report's notification")  # fmt: skip
         assert control_lines(fake_live.run_dir) == []  # nothing asked of the run
 
 
