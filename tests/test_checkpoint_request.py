@@ -3,13 +3,10 @@
 
 from __future__ import annotations
 
-import pytest
 from conftest import events_of, paced_profile, read_status, the_run, wait_for
 from conftest import test_env as cli_env
 
 from gpu_console.events import append_control
-
-pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
 
 
 def _checkpoint_files(run):

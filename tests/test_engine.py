@@ -36,7 +36,6 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.torch_floor
-@pytest.mark.quick  # the product's whole path: console, supervisor, torchrun, two ranks
 def test_quickstart_learns_and_leaves_a_complete_run_directory(recorded_run):
     # The session's quickstart run (conftest), pinned to 2 CPU ranks: quickstart's devices are
     # "auto", a GPU wherever NVML sees one (tests/test_gpu.py runs it there).

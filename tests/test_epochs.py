@@ -12,8 +12,6 @@ from harness import run_engine
 from gpu_console import launch
 from gpu_console.profile import ProfileError, load_profile, parse_toml
 
-pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
-
 
 def test_both_lengths_in_one_place_are_refused(tmp_path):
     with pytest.raises(ProfileError) as info:

@@ -12,8 +12,6 @@ from conftest import events_of, run_finished, task_profile
 from gpu_console.engine.hooks import added_figures
 from gpu_console.runs import best_checkpoint
 
-pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
-
 TWO_SPLITS = """
 from gpu_console.tasks.base import TensorSet
 from gpu_console.tasks.mlp import MLPTask

@@ -21,8 +21,6 @@ from headless_text import headless_text
 from gpu_console.engine import checkpoint
 from gpu_console.profile import load_profile
 
-pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
-
 EXAMPLES = ("char_lstm", "gan", "gpt_char")
 PUBLIC = {"gpu_console.tasks.base"}  # the documented task API
 
