@@ -173,7 +173,7 @@ class Supervisor:
         if self.proc is None:
             return []
         try:
-            if self._torchrun is None or self._torchrun.pid != self.proc.pid:
+            if self._torchrun is None:  # one torchrun a session
                 self._torchrun = psutil.Process(self.proc.pid)
             children = proc_tree.children(self._torchrun, known=self.known)
         except psutil.Error:
