@@ -40,7 +40,13 @@ def test_a_request_on_a_checkpointed_step_gets_that_checkpoint(procs, runs_dir, 
     # Paused: the step stays, so a request lands on it for certain; nothing is written.
     append_control(run, "pause")
     wait_for(lambda: read_status(run).get("state") == "paused", what="the run paused")
-    latest = (run / "checkpoints" / "LATEST").read_text().strip()
+    (paused_at,) = [e["step"] for e in events_of(run, "control")
+                    if e.get("cmd") == "pause" and e.get("state") == "done"]  # fmt: skip
+    # The paused step's interval checkpoint may still be being written (asynchronously) when
+    # the state says paused; the answers and the files are compared once it is on disk.
+    latest = f"step-{paused_at:08d}"
+    wait_for(lambda: (run / "checkpoints" / "LATEST").read_text().strip() == latest,
+             what=f"LATEST naming {latest}")  # fmt: skip
     before = _checkpoint_files(run)
     for _ in range(2):
         again = procs.cli("checkpoint", run.name, *rd, cwd=tmp_path)

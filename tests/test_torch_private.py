@@ -4,10 +4,13 @@ its functions works on the installed torch."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import deadline, test_env
 from torch import nn
 
 from gpu_console.engine import torch_private
@@ -198,3 +201,28 @@ def test_set_group_timeout_says_why_without_a_group():
     assert not dist.is_initialized()
     why = torch_private.set_group_timeout(5.0)
     assert isinstance(why, str) and why
+
+
+def test_an_optimizers_first_step_imports_the_compiler_so_a_rank_imports_it_up_front():
+    # The premise of import_compiler: plain torch.optim use imports torch._dynamo anyway, so
+    # a rank importing it with the rest of torch adds nothing. Also the rank's imports leave
+    # the collector on, with what they made frozen.
+    probe = (
+        "import gc, sys, torch\n"
+        "opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])\n"
+        "opt.step()\n"
+        "print('after a step', 'torch._dynamo' in sys.modules)\n"
+        "from gpu_console.engine.__main__ import imports_without_gc\n"
+        "imports_without_gc()\n"
+        "print('collector', gc.isenabled(), gc.get_freeze_count() > 10_000)\n"
+    )
+    fresh = "import sys\nfrom gpu_console.engine.torch_private import import_compiler\n"
+    fresh += "print('before', 'torch._dynamo' in sys.modules)\nimport_compiler()\n"
+    fresh += "print('imported', 'torch._dynamo' in sys.modules)\n"
+    for code, expected in (
+        (probe, "after a step True\ncollector True True\n"),
+        (fresh, "before False\nimported True\n"),
+    ):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=deadline(120), env=test_env())  # fmt: skip
+        assert done.stdout == expected, done.stderr

@@ -15,6 +15,7 @@ falls back to.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -49,6 +50,15 @@ def norm_layer_types() -> tuple[type, ...]:
     batch = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
     inst = ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d")
     return found + tuple(getattr(nn, n) for n in (*batch, *inst) if hasattr(nn, n))
+
+
+def import_compiler() -> None:
+    """``torch._dynamo`` imported now. torch.optim imports it at an optimizer's first step
+    (each step is wrapped for the compiler), compiling or not, so a rank imports it with the
+    rest of torch (engine/__main__.imports_without_gc), which costs nothing extra. A torch
+    without it: nothing to do."""
+    with contextlib.suppress(ImportError):
+        import torch._dynamo  # noqa: F401
 
 
 def fused_kernel_devices() -> list[str]:
