@@ -19,6 +19,7 @@ from conftest import (
     the_run,
     wait_for,
 )
+from harness import run_engine
 
 from gpu_console.events import append_control
 
@@ -135,33 +136,19 @@ def test_plain_output_off_a_terminal_has_no_carriage_returns(procs, runs_dir, tm
     assert "final loss" in result.stdout and "peak memory rank 1" in result.stdout
 
 
-def test_bf16_autocast_runs_on_cpu(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=20)
-    result = procs.cli(
-        "run", str(profile), "--headless", "--runs-dir", str(runs_dir), "--precision", "bf16"
-    )
-    assert result.returncode == 0, result.stderr
-    run = only_run(runs_dir)
+def test_bf16_autocast_runs_on_cpu(tmp_path):
+    # The engine's part (the harness, one rank in this process): the console's is below.
+    run = run_engine(tmp_path, fast_profile(tmp_path, max_steps=20), "train.precision=bf16")
     assert events_of(run, "start")[0]["precision"] == "bf16"
     steps = events_of(run, "step")
     assert steps[-1]["step"] == 20 and steps[-1]["loss"] < steps[0]["loss"]
 
 
-def test_lr_scaling_and_global_batch_follow_the_world_size(procs, runs_dir, tmp_path):
+def test_lr_scaling_and_global_batch_follow_the_world_size(tmp_path):
     profile = fast_profile(tmp_path, max_steps=2, ranks=2)
-    result = procs.cli(
-        "run",
-        str(profile),
-        "--headless",
-        "--runs-dir",
-        str(runs_dir),
-        "--set",
-        "distributed.lr_scaling=linear",
-        "--set",
-        "train.grad_accum=3",
-    )
-    assert result.returncode == 0, result.stderr
-    start = events_of(only_run(runs_dir), "start")[0]
+    run = run_engine(tmp_path, profile, "distributed.lr_scaling=linear", "train.grad_accum=3",
+                     ranks=2)  # fmt: skip
+    start = events_of(run, "start")[0]
     assert start["lr"] == 2 * 3e-3
     assert start["global_batch"] == 32 * 3 * 2
 
@@ -170,40 +157,21 @@ def _poisoned(tmp_path):
     return task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12, ranks=2)
 
 
-def test_nan_policy_skip_skips_the_poisoned_updates_and_carries_on(procs, runs_dir, tmp_path):
-    profile = _poisoned(tmp_path)
-    result = procs.cli(
-        "run",
-        str(profile),
-        "--headless",
-        "--runs-dir",
-        str(runs_dir),
-        "--set",
-        "train.nan_policy=skip",
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    steps = events_of(only_run(runs_dir), "step")
+def test_nan_policy_skip_skips_the_poisoned_updates_and_carries_on(tmp_path):
+    run = run_engine(tmp_path, _poisoned(tmp_path), "train.nan_policy=skip", ranks=2)
+    steps = events_of(run, "step")
     assert [s["skipped"] for s in steps] == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0]
     assert all(s["loss"] == s["loss"] for s in steps[6:])  # finite again: weights not poisoned
+    assert events_of(run, "status")[-1]["state"] == "finished"
 
 
-def test_nan_policy_stop_fails_the_run_naming_the_step(procs, runs_dir, tmp_path):
-    profile = _poisoned(tmp_path)
-    result = procs.cli(
-        "run",
-        str(profile),
-        "--headless",
-        "--runs-dir",
-        str(runs_dir),
-        "--set",
-        "train.nan_policy=stop",
-        cwd=tmp_path,
-    )
-    assert result.returncode == 1, result.stdout + result.stderr
-    status = read_status(only_run(runs_dir))
-    assert status["state"] == "failed"
-    assert "loss is nan in step 5" in status["failure"]["summary"]
+def test_nan_policy_stop_fails_the_run_naming_the_step(tmp_path):
+    # The engine records the failure (no exception leaves it); the supervisor takes the
+    # reason as the failure's summary.
+    run = run_engine(tmp_path, _poisoned(tmp_path), "train.nan_policy=stop", ranks=2)
+    ended = events_of(run, "status")[-1]
+    assert ended["state"] == "failed"
+    assert "loss is nan in step 5" in ended["reason"]
 
 
 def test_status_lists_ranks_not_their_dataloader_workers(procs, runs_dir, tmp_path):

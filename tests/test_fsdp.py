@@ -1,6 +1,6 @@
-"""``distributed.strategy = "fsdp"``: FSDP2 on 2 CPU ranks (gloo), the engine's runs in the
-harness (tests/harness.py), a stop sent to a live run, a failed run's status and the launch's
-refusals under the real torchrun.
+"""``distributed.strategy = "fsdp"``: FSDP2 on 2 CPU ranks (gloo), every run in the harness
+(tests/harness.py), a stop among them (the command appended while the run trains); the
+launch's refusals and the export through the CLI, which start no torchrun.
 
 The installed torch runs ``fully_shard`` and ``torch.distributed.checkpoint`` on CPU with
 gloo, so these tests run the real thing: the transformer sharded per block and at the root,
@@ -23,21 +23,16 @@ import torch
 from conftest import (
     POISONED_TASK,
     Procs,
-    deadline,
     events_of,
     only_run,
     pinned_env,
-    read_status,
     task_profile,
-    the_run,
-    wait_for,
 )
 from conftest import test_env as cli_env
 from harness import run_engine
 from headless_text import headless_text
 
 from gpu_console.engine.nonfinite import ENV
-from gpu_console.events import append_control
 from gpu_console.runs import HOLD, list_checkpoints
 
 # fp32 on both: FSDP reduce-scatters where DDP all-reduces, so sums may round differently in
@@ -201,69 +196,57 @@ def test_an_fsdp_checkpoint_exports_to_a_plain_state_dict(transformer_runs, tmp_
     assert "blocks.0.qkv.weight" in weights and "head.weight" in weights
 
 
-PACED = """
-import os
-import time
+STOPS_ITSELF = """
+from gpu_console.events import append_control
 from gpu_console.tasks.transformer import TransformerTask
 
 
-class Paced(TransformerTask):
-    def compute(self, model, batch):
-        time.sleep(float(os.environ.get("PACE_S", "0")))
-        return super().compute(model, batch)
+class StopsAt4(TransformerTask):
+    def on_step_end(self, model, output, ctx):
+        if ctx.step == 4 and ctx.rank == 0:
+            append_control(ctx.run_dir, "stop")
 """
 
 
 @pytest.mark.torch_floor
-def test_fsdp_stop_and_resume_continue_bit_for_bit_and_resume_on_one_rank(procs, tmp_path):
+def test_fsdp_stop_and_resume_continue_bit_for_bit_and_resume_on_one_rank(tmp_path):
     steps = 12
-    (tmp_path / "paced_tf.py").write_text(PACED)
     prof = profile(tmp_path, "fsdp", steps)
-    prof.write_text(
-        prof.read_text()
-        .replace('kind = "transformer"', 'kind = "paced_tf:Paced"')
-        .replace(f"eval_every = {steps}", "eval_every = 1")  # evals draw no random numbers
-    )
+    evals_every_step = prof.read_text().replace(f"eval_every = {steps}", "eval_every = 1")
+    prof.write_text(evals_every_step)  # evals draw no random numbers
     whole = run_engine(tmp_path, prof, ranks=2, runs_dir=tmp_path / "w")
     expected = losses(whole)
     evals = {e["step"]: e["loss"] for e in events_of(whole, "eval")}
     assert len(expected) == steps and len(evals) == steps
 
+    # The engine's half of a stop and a resume (the process tree's: test_engine.py): the
+    # stop command is appended while the run trains, as `gpu-console stop` appends it.
+    (tmp_path / "stops_tf.py").write_text(STOPS_ITSELF)
+    stopping = prof.read_text().replace('kind = "transformer"', 'kind = "stops_tf:StopsAt4"')
     runs = tmp_path / "s"
-    console = procs.start(
-        "run", str(prof), "--headless", "--runs-dir", str(runs), "--set", "train.eval_every=0",
-        cwd=tmp_path, env=cli_env(PACE_S="0.1"),
-    )  # fmt: skip
-    # the_run, not only_run: the runs directory appears a moment before the run's own
-    run = wait_for(lambda: the_run(runs), what="the run directory")
-    wait_for(lambda: any(e["step"] >= 4 for e in events_of(run, "step")), what="step 4")
-    append_control(run, "stop")
-    out, err = console.communicate(timeout=deadline(120))
-    assert console.returncode == 0, out + err
+    run = run_engine(tmp_path, stopping, "train.eval_every=0", ranks=2, runs_dir=runs,
+                     name="stopping")  # fmt: skip
+    assert events_of(run, "status")[-1]["state"] == "stopped"
     stopped_at = events_of(run, "checkpoint")[-1]["step"]
-    assert 4 <= stopped_at < steps
+    assert 4 <= stopped_at < steps and events_of(run, "eval") == []
     one_rank = tmp_path / "one" / run.name
     shutil.copytree(run, one_rank)
 
-    resumed = procs.cli("run", "--resume", str(run), "--headless", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert read_status(run)["state"] == "finished"
+    run_engine(tmp_path, None, ranks=2, resume=run, runs_dir=runs)
+    assert events_of(run, "status")[-1]["state"] == "finished"
     assert losses(run) == expected  # every step, bit for bit the uninterrupted run's
 
     # The 2 ranks' shards, loaded on 1 rank (DCP reshards): its eval at the resumed step is
     # the uninterrupted run's there (one rank sums the same samples in another order).
-    alone = procs.cli(
-        "run", "--resume", str(one_rank), "--headless", "--devices", "cpu:1",
-        "--set", "train.eval_at_start=true", cwd=tmp_path,
-    )  # fmt: skip
-    assert alone.returncode == 0, alone.stdout + alone.stderr
-    assert "resumed on 1 ranks from 2: RNG reseeded" in alone.stdout
+    run_engine(tmp_path, None, "train.eval_at_start=true", ranks=1, resume=one_rank,
+               runs_dir=one_rank.parent)  # fmt: skip
+    assert "resumed on 1 ranks from 2: RNG reseeded" in headless_text(one_rank)
     (start,) = events_of(one_rank, "start")[-1:]
     assert start["world_size"] == 1 and start["start_step"] == stopped_at
     first = next(e for e in events_of(one_rank, "eval") if e["t"] >= start["t"])
     assert first["step"] == stopped_at
     assert math.isclose(first["loss"], evals[stopped_at], rel_tol=REL)
-    assert read_status(one_rank)["state"] == "finished"
+    assert events_of(one_rank, "status")[-1]["state"] == "finished"
 
 
 SHARDED_GAN = """
@@ -310,20 +293,18 @@ def test_a_tasks_own_gan_step_runs_on_the_sharded_model(tmp_path):
     assert events_of(run, "eval")  # the root's forward, after the blocks ran on their own
 
 
-def test_a_non_finite_loss_stops_an_fsdp_run_at_its_last_finite_state(procs, tmp_path):
+def test_a_non_finite_loss_stops_an_fsdp_run_at_its_last_finite_state(tmp_path):
     # The deferred check: the verdict gates the fused optimizer's update on the device,
     # sharded parameters and all; the loop rewinds to step 4 and checkpoints it, sharded.
     prof = task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12, ranks=2)
     prof.write_text(prof.read_text() + '[distributed]\nstrategy = "fsdp"\n')
-    result = procs.cli(
-        "run", str(prof), "--headless", "--runs-dir", str(tmp_path / "r"),
-        "--set", "train.log_every=3", cwd=tmp_path, env=cli_env(**{ENV: "deferred"}),
-    )  # fmt: skip
-    assert result.returncode == 1, result.stdout + result.stderr
-    run = only_run(tmp_path / "r")
-    summary = read_status(run)["failure"]["summary"]
-    assert "loss is nan in step 5 (train.nan_policy = 'stop')" in summary
-    assert "checkpoint step-00000004 holds the last finite state" in summary
+    run = run_engine(tmp_path, prof, "train.log_every=3", ranks=2, runs_dir=tmp_path / "r",
+                     env={ENV: "deferred"})  # fmt: skip
+    # The engine's end (the supervisor takes its reason as the failure's summary).
+    ended = events_of(run, "status")[-1]
+    assert ended["state"] == "failed"
+    assert "loss is nan in step 5 (train.nan_policy = 'stop')" in ended["reason"]
+    assert "checkpoint step-00000004 holds the last finite state" in ended["reason"]
     ckpt = run / "checkpoints" / "step-00000004"
     assert (ckpt / ".metadata").is_file()
     weights = subprocess.run(
