@@ -14,6 +14,7 @@ from conftest import events_of, only_run, read_status, run_dirs, write_profile
 from conftest import test_env as cli_env
 from harness import run_engine
 
+from gpu_console import launch
 from gpu_console.engine import auto_batch
 from gpu_console.engine.auto_batch import OK, OOM, Trial, search
 
@@ -62,10 +63,11 @@ def run(procs, runs_dir, path, *args: str, fake: str | None = None):
     return result
 
 
-def trained(tmp_path, runs_dir, path, *sets: str, fake: str | None = None):
-    """``path`` run to its end on the engine harness (tests/harness.py): its run directory."""
+def trained(tmp_path, runs_dir, path, *sets: str, fake: str | None = None, resume=None):
+    """``path`` run to its end (or ``resume`` resumed with it) on the engine harness
+    (tests/harness.py): its run directory."""
     env = {auto_batch.FAKE_OOM_ENV: fake} if fake else {}
-    return run_engine(tmp_path, path, *sets, ranks=2, runs_dir=runs_dir, env=env)
+    return run_engine(tmp_path, path, *sets, ranks=2, resume=resume, runs_dir=runs_dir, env=env)
 
 
 def last_state(run_dir) -> str:
@@ -170,13 +172,24 @@ def test_out_of_memory_search_agrees_and_trains_as_the_size_given(runs_dir, tmp_
         assert last_state(auto) == "finished"
 
 
-def test_a_resumed_auto_run_keeps_its_size_without_searching(procs, runs_dir, tmp_path):
+def test_a_resumed_auto_run_keeps_its_size_without_searching(monkeypatch, runs_dir, tmp_path):
     path = profile(tmp_path, "auto", '"auto"')
     first = trained(tmp_path, runs_dir, path, fake="20")
     assert events_of(first, "start")[0]["auto_batch"]["chosen"] == 20
-    # The same profile (still "auto"), no seam: the run's 20 stands, no search.
-    result = run(procs, runs_dir, path, "--resume", str(first), "--set", "train.max_steps=8")
-    assert "data.batch_size = auto: 20" in result.stderr
+    # The same profile (still "auto"), no seam: the run's 20 stands, no search. The launch's
+    # notes are the lines `gpu-console run` prints on stderr before it starts the run.
+    notes = []
+    prepare = launch.prepare
+
+    def noted(*args, **kw):
+        prepared = prepare(*args, **kw)
+        notes.extend(prepared[0].notes)
+        return prepared
+
+    monkeypatch.setattr(launch, "prepare", noted)
+    trained(tmp_path, runs_dir, path, "train.max_steps=8", resume=first)
+    assert last_state(first) == "finished"
+    assert "data.batch_size = auto: 20" in "\n".join(notes)
     assert len(run_dirs(runs_dir)) == 1
     second = events_of(first, "start")[1]
     assert second["auto_batch"] is None and second["batch_size"] == 20

@@ -1,6 +1,9 @@
 """The engine through the product's own path: gpu-console → supervisor → torchrun → 2 ranks.
 
-Every test here starts real processes (2 CPU ranks on gloo) and waits on events.
+The process tree's tests here (Ctrl-C and resume, kill -9 of the supervisor and the agent, a
+launch's refusal) start real processes (2 CPU ranks on gloo) and wait on events; the engine's
+(a run.toml that reproduces its run, gradient accumulation, the DDP knobs, an eval with fewer
+samples than ranks) run on the engine harness (tests/harness.py), 2 forked ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from conftest import (
     the_run,
     wait_for,
 )
+from harness import run_engine
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -93,15 +97,18 @@ def test_quickstart_learns_and_leaves_a_complete_run_directory(recorded_run):
     assert resolved["task"]["kind"] == "mlp" and "noise" in resolved["task"]
 
 
-def test_run_toml_reproduces_the_run(fast_run, procs, runs_dir):
-    run_a = fast_run.run  # the fast profile, run once for the session
+def test_run_toml_reproduces_the_run(tmp_path):
+    profile = fast_profile(tmp_path, max_steps=conftest.FAST_RUN_STEPS, ranks=2)
+    run_a = run_engine(tmp_path, profile, ranks=2, runs_dir=tmp_path / "a")
     assert len(losses(run_a)) == conftest.FAST_RUN_STEPS
-    again = procs.cli(
-        "run", str(run_a / "run.toml"), "--headless", "--runs-dir", str(runs_dir / "b")
-    )
-    assert again.returncode == 0, again.stderr
-    run_b = only_run(runs_dir / "b")
+    # The run's run.toml as the profile of another run (what `gpu-console run RUN/run.toml` is).
+    run_b = run_engine(tmp_path, run_a / "run.toml", ranks=2, runs_dir=tmp_path / "b")
+    assert events_of(run_b, "status")[-1]["state"] == "finished"
+    assert only_run(tmp_path / "b") == run_b
     assert (run_a / "run.toml").read_text() == (run_b / "run.toml").read_text()
+    # The harness gives both launches cpu:2, as the CLI takes it from the file alone: the
+    # file names it.
+    assert tomllib.loads((run_b / "run.toml").read_text())["hardware"]["devices"] == "cpu:2"
     assert losses(run_a) == losses(run_b)  # bitwise deterministic on CPU
 
 
@@ -175,28 +182,18 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resume_is_bit_exact(procs, runs_dir,
     assert losses(run) == expected, "resumed losses differ from the reference"
 
 
-def test_four_micro_batches_of_8_match_one_batch_of_32(fast_run, procs, runs_dir):
+def test_four_micro_batches_of_8_match_one_batch_of_32(tmp_path):
     import torch
 
-    # One batch of 32: the fast profile's own batch size and grad_accum (1), run once for the
-    # session.
-    run_one = fast_run.run
+    # One batch of 32: the fast profile's own batch size and grad_accum (1).
     steps = conftest.FAST_RUN_STEPS
+    profile = fast_profile(tmp_path, max_steps=steps, ranks=2)
+    run_one = run_engine(tmp_path, profile, ranks=2, runs_dir=tmp_path / "one")
     one = tomllib.loads((run_one / "run.toml").read_text())
     assert (one["data"]["batch_size"], one["train"]["grad_accum"]) == (32, 1)
-    four = procs.cli(
-        "run",
-        str(fast_run.profile),
-        "--headless",
-        "--runs-dir",
-        str(runs_dir / "four"),
-        "--set",
-        "data.batch_size=8",
-        "--set",
-        "train.grad_accum=4",
-    )
-    assert four.returncode == 0, four.stderr
-    run_four = only_run(runs_dir / "four")
+    run_four = run_engine(tmp_path, profile, "data.batch_size=8", "train.grad_accum=4", ranks=2,
+                          runs_dir=tmp_path / "four")  # fmt: skip
+    assert events_of(run_four, "status")[-1]["state"] == "finished"
     a, b = losses(run_one), losses(run_four)
     assert a.keys() == b.keys() and len(a) == steps
     for step in a:
@@ -213,7 +210,7 @@ def test_four_micro_batches_of_8_match_one_batch_of_32(fast_run, procs, runs_dir
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-5)
 
 
-def test_every_ddp_knob_reaches_the_ddp_constructor(procs, runs_dir, tmp_path):
+def test_every_ddp_knob_reaches_the_ddp_constructor(tmp_path):
     profile = fast_profile(tmp_path, max_steps=3, ranks=2)
     knobs = {
         "static_graph": True,
@@ -222,34 +219,17 @@ def test_every_ddp_knob_reaches_the_ddp_constructor(procs, runs_dir, tmp_path):
         "broadcast_buffers": False,
         "gradient_as_bucket_view": False,
     }
-    sets = []
-    for key, value in knobs.items():
-        sets += ["--set", f"distributed.{key}={str(value).lower()}"]
-    result = procs.cli(
-        "run",
-        str(profile),
-        "--headless",
-        "--runs-dir",
-        str(runs_dir),
-        *sets,
-        "--set",
-        "task.batch_norm=true",
-    )
-    assert result.returncode == 0, result.stderr
-    ddp = events_of(only_run(runs_dir), "start")[0]["ddp"]
+    sets = [f"distributed.{key}={str(value).lower()}" for key, value in knobs.items()]
+    run = run_engine(tmp_path, profile, *sets, "task.batch_norm=true", ranks=2,
+                     runs_dir=tmp_path / "knobs")  # fmt: skip
+    assert events_of(run, "status")[-1]["state"] == "finished"
+    ddp = events_of(run, "start")[0]["ddp"]
     assert ddp == {**knobs, "sync_batchnorm": False}
 
-    defaults = procs.cli(
-        "run",
-        str(profile),
-        "--headless",
-        "--runs-dir",
-        str(runs_dir / "d"),
-        "--set",
-        "task.batch_norm=true",
-    )
-    assert defaults.returncode == 0, defaults.stderr
-    ddp = events_of(only_run(runs_dir / "d"), "start")[0]["ddp"]
+    defaults = run_engine(tmp_path, profile, "task.batch_norm=true", ranks=2,
+                          runs_dir=tmp_path / "d")  # fmt: skip
+    assert events_of(defaults, "status")[-1]["state"] == "finished"
+    ddp = events_of(defaults, "start")[0]["ddp"]
     assert ddp == {
         "static_graph": False,
         "bucket_cap_mb": 25.0,
@@ -340,21 +320,11 @@ def test_kill_9_of_the_agent_leaves_no_worker_and_the_run_is_failed(procs, runs_
     assert not pid_alive(pids["supervisor"])
 
 
-def test_eval_with_fewer_samples_than_ranks(procs, runs_dir, tmp_path):
+def test_eval_with_fewer_samples_than_ranks(tmp_path):
     # Rank 1 gets no eval batch at all; the ranks must still agree on one eval collective.
     profile = fast_profile(tmp_path, max_steps=4, ranks=2)
-    result = procs.cli(
-        "run",
-        str(profile),
-        "--headless",
-        "--runs-dir",
-        str(runs_dir),
-        "--set",
-        "task.eval_samples=1",
-        "--set",
-        "train.eval_every=2",
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    evals = events_of(only_run(runs_dir), "eval")
+    run = run_engine(tmp_path, profile, "task.eval_samples=1", "train.eval_every=2", ranks=2)
+    assert events_of(run, "status")[-1]["state"] == "finished"
+    evals = events_of(run, "eval")
     assert [e["step"] for e in evals] == [2, 4]
     assert all(e["accuracy"] in (0.0, 1.0) for e in evals)  # one sample: right or wrong

@@ -1,5 +1,6 @@
 """``on_eval_end`` may return figures of its own, a score over several eval splits, which
-join the eval event and which ``checkpoint.keep_best`` can name (issue 26)."""
+join the eval event and which ``checkpoint.keep_best`` can name (issue 26). The run is on the
+engine harness (tests/harness.py); its headless eval line is read with headless_text."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import math
 
 import pytest
 import torch
-from conftest import events_of, run_finished, task_profile
+from conftest import events_of, task_profile
+from harness import run_engine
+from headless_text import headless_text
 
 from gpu_console.engine.hooks import added_figures
 from gpu_console.runs import best_checkpoint
@@ -28,13 +31,15 @@ class TwoSplits(MLPTask):
 """
 
 
-def test_a_score_over_two_splits_is_in_each_eval_and_keeps_the_best(procs, runs_dir, tmp_path):
+def test_a_score_over_two_splits_is_in_each_eval_and_keeps_the_best(tmp_path):
     extra = '[checkpoint]\nkeep_best = "eval.score"\nbest_mode = "min"\nevery_steps = 0\n'
     profile = task_profile(tmp_path, "twosplits", TWO_SPLITS, "TwoSplits", max_steps=8,
                            extra=extra)  # fmt: skip
     text = profile.read_text().replace("log_every = 1", "log_every = 1\neval_every = 2")
     profile.write_text(text.replace("lr = 3e-3", "lr = 3e-2"))
-    run, out = run_finished(procs, profile, runs_dir, tmp_path)
+    run = run_engine(tmp_path, profile)
+    assert events_of(run, "status")[-1]["state"] == "finished"
+    out = headless_text(run)
     evals = events_of(run, "eval")
     assert [e["step"] for e in evals] == [2, 4, 6, 8]
     for e in evals:

@@ -1,9 +1,10 @@
 """Resume says what it does with changes, and does it (gpu_console/resume_changes.py).
 
-Runs on the engine harness (tests/harness.py), through the CLI where what it says is checked:
-a changed lr is the lr the optimizer uses, a model-shape change is refused before anything is
-written, and a change of world size and batch size continues at the next sample of the
-epoch's order (neither skipping nor repeating one).
+Runs on the engine harness (tests/harness.py), its headless lines read with headless_text:
+a changed lr is the lr the optimizer uses, and a change of world size and batch size
+continues at the next sample of the epoch's order (neither skipping nor repeating one); through
+the CLI, whose exit code and line are checked: a model-shape change is refused before anything
+is written.
 The table and the engine's restore are also checked in process.
 """
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from conftest import events_of, fast_profile, only_run, task_profile
 from harness import run_engine
+from headless_text import headless_text
 
 from gpu_console.engine.data import DataPosition
 from gpu_console.engine.resume import Settings, data_position
@@ -129,17 +131,15 @@ def _finished_run(tmp_path, *sets: str, max_steps: int = 10, ranks: int = 1):
     return runs, run_engine(tmp_path, profile, *sets, ranks=ranks, runs_dir=runs)
 
 
-def test_a_changed_lr_is_the_lr_the_resumed_run_trains_at(procs, tmp_path):
+def test_a_changed_lr_is_the_lr_the_resumed_run_trains_at(tmp_path):
     runs, run = _finished_run(tmp_path, "train.schedule=constant")
     before = _state(run, 10)
     assert before["optimizer"]["param_groups"][0]["lr"] == 3e-3
-    result = procs.cli(
-        "run", "--resume", str(run), "--headless", "--runs-dir", str(runs),
-        "--set", "train.lr=0.5", "--set", "train.max_steps=14", cwd=tmp_path,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "train.lr 0.003 → 0.5 (applied)" in result.stdout
-    assert "train.max_steps 10 → 14 (applied)" in result.stdout
+    run_engine(tmp_path, None, "train.lr=0.5", "train.max_steps=14", resume=run, runs_dir=runs)
+    assert events_of(run, "status")[-1]["state"] == "finished"
+    out = headless_text(run)
+    assert "train.lr 0.003 → 0.5 (applied)" in out
+    assert "train.max_steps 10 → 14 (applied)" in out
 
     start = events_of(run, "start")[-1]
     assert _change(start, "train.lr") == {
