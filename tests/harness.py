@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -84,11 +85,15 @@ def run_engine(
     cwd: Path | None = None,
     env: dict[str, str] | None = None,
     timeout: float = RANK_TIMEOUT_S,
+    stop_after: int | None = None,
 ) -> Path:
     """Launch ``profile`` (a name, a file, or TOML text) with ``--set`` ``sets`` on ``ranks``
     CPU ranks (or ``--resume`` ``resume``), run its engine to its end and return the run
     directory. ``cwd``: where the run is launched from (a user task's module; default
-    ``tmp_path``); ``env``: more environment for the launch and the ranks.
+    ``tmp_path``); ``env``: more environment for the launch and the ranks. ``stop_after``:
+    a ``stop`` command appended to the run's control file, as ``gpu-console stop`` appends
+    it, once the run wrote step ``stop_after``'s event (the run's steps must be paced to
+    leave it time: a task's ``PACE_S``); the engine stops at a later step.
 
     A rank's exception is raised here (rank 0's first, the others' as notes); how the run
     ended otherwise is in its events, as in a real run (the supervisor is not there to fold
@@ -103,12 +108,42 @@ def run_engine(
     with _environ(env or {}):  # a user task's data count at launch sees it too
         run_dir = launch_dir(profile, sets, ranks, resume, name, runs_dir, cwd)
         if ranks == 1:
-            run_in_process(run_dir)
+            with _stopper(run_dir, stop_after):
+                run_in_process(run_dir)
     if ranks > 1:
         from conftest import deadline  # here: the zygote imports this module without pytest
 
-        run_forked(run_dir, ranks, cwd, env or {}, deadline(timeout))
+        with _stopper(run_dir, stop_after):
+            run_forked(run_dir, ranks, cwd, env or {}, deadline(timeout))
     return run_dir
+
+
+@contextlib.contextmanager
+def _stopper(run_dir: Path, after: int | None) -> Iterator[None]:
+    """A thread that appends ``stop`` to the control file once this session's events hold
+    step ``after``: the console's command, sent while the engine trains."""
+    if after is None:
+        yield
+        return
+    from gpu_console.events import JsonlTail, append_control
+
+    events = run_dir / "events.jsonl"
+    tail = JsonlTail(events, events.stat().st_size if events.exists() else 0)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.01):
+            if any(e.get("kind") == "step" and e.get("step", 0) >= after for e in tail.read()):
+                append_control(run_dir, "stop")
+                return
+
+    watcher = threading.Thread(target=watch, name="harness-stopper", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 def cut_and_resumed(
@@ -327,6 +362,8 @@ def run_forked(run_dir: Path, ranks: int, cwd: Path, env: dict[str, str], timeou
     port = str(launch.free_port())
     work = run_dir.parent / f".harness-{run_dir.name}"
     work.mkdir(exist_ok=True)
+    for stale in work.glob("rank-*"):  # a previous session's (a resume in place)
+        stale.unlink()
     zygote = _zygote()
     pids: list[int] = []
     try:

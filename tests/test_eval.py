@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import events_of, only_run, read_status, set_args, stopped_run, task_profile
+from conftest import events_of, only_run, set_args, task_profile
 from conftest import test_env as cli_env
 from harness import run_engine
 
@@ -134,7 +134,7 @@ class Drawing(MLPTask):
 
 
 def test_a_stopped_run_resumed_with_eval_at_start_trains_as_an_uninterrupted_one(
-    procs, runs_dir, tmp_path
+    runs_dir, tmp_path
 ):
     # No eval_every: the run evaluates at step 0 and at its end only, so the stop's step is
     # one where the uninterrupted run did not evaluate.
@@ -142,16 +142,17 @@ def test_a_stopped_run_resumed_with_eval_at_start_trains_as_an_uninterrupted_one
     profile.write_text(
         profile.read_text().replace("log_every = 1", "log_every = 1\neval_at_start = true")
     )
-    # The uninterrupted run on the engine harness; the stop needs a live run, through the CLI.
     whole_run = run_engine(tmp_path, profile, runs_dir=tmp_path / "whole")
 
-    run, stopped_at = stopped_run(procs, profile, runs_dir, tmp_path, 3, pace_s="0.1")
+    # Stopped by the console's command once it made step 3 (paced, so it does not end first).
+    run = run_engine(tmp_path, profile, runs_dir=runs_dir, env={"PACE_S": "0.1"}, stop_after=3)
+    assert events_of(run, "status")[-1]["state"] == "stopped"
+    stopped_at = events_of(run, "checkpoint")[-1]["step"]
     assert 3 <= stopped_at < 12, stopped_at
     assert [e["step"] for e in events_of(run, "eval")] == [0]
 
-    resumed = procs.cli("run", "--resume", str(run), "--headless", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert read_status(run)["state"] == "finished"
+    run_engine(tmp_path, None, resume=run, runs_dir=runs_dir)
+    assert events_of(run, "status")[-1]["state"] == "finished"
     assert [s["start_step"] for s in events_of(run, "start")] == [0, stopped_at]
 
     def losses(r: Path) -> dict[int, float]:
