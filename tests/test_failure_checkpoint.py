@@ -1,18 +1,21 @@
 """A run is never lost to code outside the update (issue 26): an eval that raises after an
 update leaves a ``failure`` checkpoint of that step, a resume after the fix goes on exactly,
-and ``--dry-run`` finds the bug in seconds, writing nothing. Real torchrun, 2 CPU ranks (a
-failure inside the update: the engine harness, tests/harness.py).
+and ``--dry-run`` finds the bug in seconds, writing nothing. The runs on the engine harness
+(tests/harness.py; 2 CPU ranks where the ranks must agree), the dry runs through the CLI.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
-from conftest import events_of, only_run, read_status, task_profile
-from conftest import test_env as cli_env
-from harness import run_engine
+from conftest import events_of, only_run, task_profile
+from harness import RemoteTraceback, run_engine
+from headless_text import headless_text
+
+from gpu_console.engine.failure_checkpoint import AfterUpdateFailed
 
 # The eval breaks while the file ``broken`` lies beside the task (the test "fixes" the task by
 # removing it): on every rank, or with BREAK_RANK=r on rank r only. BREAK_TRAIN_AT=n breaks
@@ -62,36 +65,33 @@ def checkpoints(run: Path) -> dict[str, str]:
     return found
 
 
-def run_headless(procs, profile: Path, runs_dir: Path, tmp_path: Path, **env: str):
-    return procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-                     cwd=tmp_path, env=cli_env(**env))  # fmt: skip
-
-
-def test_an_eval_failure_keeps_the_step_and_a_resume_goes_on_exactly(procs, runs_dir, tmp_path):
+def test_an_eval_failure_keeps_the_step_and_a_resume_goes_on_exactly(runs_dir, tmp_path):
     profile = broken_profile(tmp_path, ranks=2)
     (tmp_path / "broken").write_text("")
-    failed = run_headless(procs, profile, runs_dir, tmp_path)
-    out = failed.stdout + failed.stderr
-    assert failed.returncode == 1, out
+    # Every rank fails in the eval; the run fails with what its ranks raised (both the same).
+    with pytest.raises(AfterUpdateFailed) as failed:
+        run_engine(tmp_path, profile, ranks=2, runs_dir=runs_dir)
     run = only_run(runs_dir)
-    status = read_status(run)
-    assert status["state"] == "failed"
-    assert "eval 'val' failed: KeyError: 'x'" in status["reason"], status
-    assert "checkpoint step-00000004 (failure)" in status["reason"], status
+    reason = str(failed.value)
+    assert "eval 'val' failed: KeyError: 'x'" in reason, reason
+    assert "checkpoint step-00000004 (failure)" in reason, reason
     # The interval checkpoint of step 4 comes after its eval: the failure's is the only one.
     assert checkpoints(run) == {"step-00000004": "failure"}
     assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-00000004"
     said = [e["message"] for e in events_of(run, "log") if "(failure) written" in e["message"]]
     assert len(said) == 1 and said[0].startswith("checkpoint @ step 4 (failure) written: "), said
-    assert "checkpoint @ step 4 (failure) written" in out
+    assert "checkpoint @ step 4 (failure) written" in headless_text(run)  # the console's line
     assert sorted(losses(run)) == [1, 2, 3, 4]
 
     (tmp_path / "broken").unlink()  # the fix
-    resumed = procs.cli("run", "--resume", str(run), "--headless", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert read_status(run)["state"] == "finished"
+    # Resumed from a copy in a runs directory of its own: the harness keeps each rank's
+    # result beside the run (runs/.harness-<run>/), and the failed session's would be read
+    # again as the resumed session's.
+    run = Path(shutil.copytree(run, tmp_path / "resumed" / run.name, symlinks=True))
+    run_engine(tmp_path, None, ranks=2, resume=run, runs_dir=run.parent)
+    assert events_of(run, "status")[-1]["state"] == "finished"
 
-    # The uninterrupted run, on the engine harness.
+    # The uninterrupted run.
     expected = losses(run_engine(tmp_path, profile, ranks=2, runs_dir=tmp_path / "whole"))
     assert sorted(expected) == list(range(1, 9))
     assert losses(run) == expected  # bit for bit: the same floats
@@ -112,20 +112,18 @@ def test_a_failure_inside_the_update_writes_no_checkpoint(runs_dir, tmp_path):
     assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-00000004"
 
 
-def test_an_eval_failure_on_one_rank_ends_the_run_without_a_checkpoint(procs, runs_dir, tmp_path):
+def test_an_eval_failure_on_one_rank_ends_the_run_without_a_checkpoint(runs_dir, tmp_path):
     profile = broken_profile(tmp_path, ranks=2)
     (tmp_path / "broken").write_text("")
     # Rank 1 fails alone; rank 0 waits in the eval's collective. No agreement: no
-    # checkpoint, and no hang (the run ends well within the test's deadline).
-    failed = run_headless(procs, profile, runs_dir, tmp_path, BREAK_RANK="1")
-    assert failed.returncode == 1, failed.stdout + failed.stderr
+    # checkpoint, and no hang (rank 1 ends after the agreement's wait, and its peer with it).
+    with pytest.raises(AfterUpdateFailed) as failed:
+        run_engine(tmp_path, profile, ranks=2, runs_dir=runs_dir, env={"BREAK_RANK": "1"})
     run = only_run(runs_dir)
-    status = read_status(run)
-    assert status["state"] == "failed"
-    assert "rank 1 failed" in status["reason"], status
-    assert (
-        "eval 'val' failed: KeyError: 'x' (after step 4); no failure checkpoint" in status["reason"]
-    )
+    cause = failed.value.__cause__
+    assert isinstance(cause, RemoteTraceback) and "rank 1's traceback" in str(cause), cause
+    reason = str(failed.value)
+    assert "eval 'val' failed: KeyError: 'x' (after step 4); no failure checkpoint" in reason
     assert checkpoints(run) == {}
 
 

@@ -1,10 +1,12 @@
 """A resume goes on from a good checkpoint when LATEST is lost or the newest one is damaged.
 
-Real runs on 2 CPU ranks through the real CLI. One finished run (30 steps, a checkpoint every
-10) is the reference and the source of each case's copy: its LATEST deleted or naming a
-missing step, its newest state.pt truncated (os.truncate) or damaged inside an intact zip.
-Each resume says in one line which checkpoint it took instead and why, never a traceback, and
-goes on from there bit for bit as the uninterrupted run did.
+Runs on 2 CPU ranks. One finished run through the real CLI (30 steps, a checkpoint every 10)
+is the reference and the source of each case's copy: its LATEST deleted or naming a missing
+step, its newest state.pt truncated (os.truncate) or damaged inside an intact zip. Each
+resume says in one line which checkpoint it took instead and why, never a traceback, and goes
+on from there bit for bit as the uninterrupted run did. Which checkpoint a resume takes is
+the launch's and the engine's: those resumes run on the engine harness (tests/harness.py);
+what the CLI says when none can be loaded, and a session that cannot start, through it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from pathlib import Path
 
 import pytest
 from conftest import Procs, events_of, fast_profile, only_run, read_status
+from harness import run_engine
+from headless_text import headless_text
+
+from gpu_console import launch
 
 MAX_STEPS = 30
 EVERY = 10
@@ -78,9 +84,28 @@ def resume(procs: Procs, run: Path, tmp_path: Path):
     return result
 
 
-def assert_went_on_from(run: Path, reference: Path, step: int, result) -> None:
-    """The resumed session started at ``step`` and matched the reference from there on."""
-    assert result.returncode == 0, result.stdout + result.stderr
+def resumed(run: Path, tmp_path: Path, monkeypatch) -> tuple[list[str], str]:
+    """``run`` resumed on 2 ranks of the engine harness (a rank's exception is raised here):
+    the launch's notes (the lines ``gpu-console run`` prints on stderr before it starts the
+    run) and the headless console's text of the run."""
+    notes: list[str] = []
+    prepare = launch.prepare
+
+    def noting(*args, **kwargs):
+        prepared = prepare(*args, **kwargs)
+        notes.extend(prepared[0].notes)
+        return prepared
+
+    monkeypatch.setattr(launch, "prepare", noting)
+    run_engine(tmp_path, None, ranks=2, resume=run, runs_dir=run.parent)
+    shown = headless_text(run)
+    assert "Traceback" not in "\n".join([*notes, shown]), shown
+    return notes, shown
+
+
+def assert_went_on_from(run: Path, reference: Path, step: int, shown: str) -> None:
+    """The resumed session started at ``step`` and matched the reference from there on;
+    ``shown``: the headless console's text of the run."""
     second = events_of(run, "start")[-1]
     assert second["start_step"] == step
     assert second["resumed_from"].endswith(step_name(step))
@@ -88,9 +113,9 @@ def assert_went_on_from(run: Path, reference: Path, step: int, result) -> None:
     assert sorted(after) == list(range(step + 1, MAX_STEPS + 1))
     expected = losses(reference)
     assert after == {s: expected[s] for s in after}, "resumed losses differ from the reference"
-    status = read_status(run)
+    status = events_of(run, "status")[-1]
     assert status["state"] == "finished" and status["step"] == MAX_STEPS
-    assert f"{MAX_STEPS}/{MAX_STEPS}" in result.stdout, result.stdout  # the summary's steps
+    assert f"{MAX_STEPS}/{MAX_STEPS}" in shown, shown  # the summary's steps
 
 
 @pytest.mark.parametrize(
@@ -105,7 +130,7 @@ def assert_went_on_from(run: Path, reference: Path, step: int, result) -> None:
     ids=["deleted", "names-a-missing-step"],
 )
 def test_a_lost_latest_resumes_from_the_newest_complete_checkpoint(
-    reference, procs, runs_dir, tmp_path, latest, why
+    reference, runs_dir, tmp_path, monkeypatch, latest, why
 ):
     run = copy_of(reference, runs_dir)
     ckpts = run / "checkpoints"
@@ -114,51 +139,51 @@ def test_a_lost_latest_resumes_from_the_newest_complete_checkpoint(
     if latest is not None:
         (ckpts / "LATEST").write_text(latest)
 
-    result = resume(procs, run, tmp_path)
-    said = [line for line in result.stderr.splitlines() if "resuming from" in line]
+    notes, shown = resumed(run, tmp_path, monkeypatch)
+    said = [line for line in notes if "resuming from" in line]
     assert said == [
         f"--resume: {run.name}: {why}; resuming from {step_name(20)}, the newest complete "
         "checkpoint that can be loaded"
-    ], result.stderr
-    assert_went_on_from(run, reference, 20, result)
+    ], notes
+    assert_went_on_from(run, reference, 20, shown)
     logged = [e["message"] for e in events_of(run, "log") if "resuming from" in e["message"]]
     assert logged and why in logged[-1], "the run's own log says it too"
 
 
 def test_a_truncated_newest_checkpoint_resumes_from_the_one_before(
-    reference, procs, runs_dir, tmp_path
+    reference, runs_dir, tmp_path, monkeypatch
 ):
     run = copy_of(reference, runs_dir)
     state = run / "checkpoints" / step_name(MAX_STEPS) / "state.pt"
     os.truncate(state, state.stat().st_size // 2)  # what a full disk or a cut copy leaves
 
-    result = resume(procs, run, tmp_path)
-    said = [line for line in result.stderr.splitlines() if "cannot be loaded" in line]
+    notes, shown = resumed(run, tmp_path, monkeypatch)
+    said = [line for line in notes if "cannot be loaded" in line]
     assert said == [
         f"--resume: {run.name}: {step_name(MAX_STEPS)} cannot be loaded: its state.pt is not a "
         f"whole torch file (truncated?); resuming from {step_name(20)}, the newest complete "
         "checkpoint that can be loaded"
-    ], result.stderr
-    assert_went_on_from(run, reference, 20, result)
+    ], notes
+    assert_went_on_from(run, reference, 20, shown)
 
 
 def test_a_checkpoint_the_ranks_cannot_load_gives_way_to_the_previous_one(
-    reference, procs, runs_dir, tmp_path
+    reference, runs_dir, tmp_path, monkeypatch
 ):
     """Damaged inside an intact zip (the launch's cheap check passes): the ranks' load fails,
     every rank agrees on the one before, and it is said in one warning line."""
     run = at_step_20(copy_of(reference, runs_dir))
     damage(run / "checkpoints" / step_name(20) / "state.pt")
 
-    result = resume(procs, run, tmp_path)
+    _, shown = resumed(run, tmp_path, monkeypatch)
     warned = [e["message"] for e in events_of(run, "log") if e.get("level") == "warning"]
     fallback = [m for m in warned if m.startswith(f"checkpoint {step_name(20)} cannot")]
     assert fallback == [
         f"checkpoint {step_name(20)} cannot be loaded on rank 0 (UnpicklingError: Unsupported "
         f"operand 255); resuming from {step_name(10)}, the previous complete checkpoint"
     ], warned
-    assert f"warning: {fallback[0]}" in result.stdout, result.stdout
-    assert_went_on_from(run, reference, 10, result)
+    assert f"warning: {fallback[0]}" in shown, shown
+    assert_went_on_from(run, reference, 10, shown)
 
 
 def test_a_run_whose_checkpoints_all_fail_to_load_fails_in_one_line(

@@ -3,9 +3,10 @@
 A SLURM job that gets a new scratch path resumes its own run: a task key that leaves the
 checkpoint's model loadable is a warning naming it (old → new), one that changes the model is
 refused in one line before anything is written, and a task's ``resume_keys`` has the last
-word on the keys it declares. Through the real CLI and torchrun on one finished run of a user
-task that reads its data from ``task.data_dir`` (its input width is the file's); the
-comparison itself in process.
+word on the keys it declares. On one finished run (through the real CLI and torchrun) of a
+user task that reads its data from ``task.data_dir`` (its input width is the file's): the
+refusals through the CLI (its one line, its exit code), the resumed run on the engine
+harness (tests/harness.py); the comparison itself in process.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Procs, events_of, only_run, pinned_env, read_status, write_profile
+from conftest import Procs, events_of, only_run, pinned_env, write_profile
+from harness import run_engine
+from headless_text import headless_text
 
 from gpu_console import resume_model
 from gpu_console.engine import model_match
@@ -189,28 +192,37 @@ def refusal(result, run: Path, before: dict) -> str:
     return lines[0]
 
 
-# -- through the CLI -------------------------------------------------------------------------
+# -- the resumed run, on the engine harness -------------------------------------------------
 
 
 def test_a_new_data_dir_that_leaves_the_model_loadable_is_a_warning_and_the_run_goes_on(
-    procs, finished, tmp_path
+    finished, tmp_path
 ):
     runs, run = finished.copy(tmp_path)
     data2 = Path(shutil.copytree(finished.data, tmp_path / "scratch2"))
     built = finished.built_by_the_comparison()
-    result = resume(procs, runs, run, tmp_path, f"task.data_dir={data2}", "train.max_steps=6")
-    assert result.returncode == 0, result.stdout + result.stderr
+    # The launch's comparison is the product's own subprocess; the ranks run in this process
+    # (their build_model is not counted as the comparison's). Launched where the run was:
+    # the harness's key check imports the task from there.
+    run_engine(tmp_path, None, f"task.data_dir={data2}", "train.max_steps=6", resume=run,
+               runs_dir=runs, cwd=finished.where)  # fmt: skip
     change = {"key": "task.data_dir", "old": str(finished.data), "new": str(data2),
               "class": WARNING, "why": TASK_LOADS}  # fmt: skip
-    assert line(change) in result.stdout  # the headless start lines, old → new
-    assert f"task.data_dir '{finished.data}' → '{data2}' (warning: " in result.stdout
+    # The headless start lines, old → new (headless_text wraps at 200 columns, where the
+    # console off a terminal does not: compared with the breaks made spaces again).
+    shown = " ".join(headless_text(run).split())
+    assert " ".join(line(change).split()) in shown
+    assert f"task.data_dir '{finished.data}' → '{data2}' (warning: " in shown
     start = events_of(run, "start")[-1]
     assert [c for c in start["changes"] if c["key"].startswith("task.")] == [change]
     meta = json.loads((run / "meta.json").read_text())
     assert meta["sessions"][-1]["changes"] == start["changes"]
     assert [e["step"] for e in events_of(run, "step") if e["step"] > 4] == [5, 6]
-    assert read_status(run)["state"] == "finished"
+    assert events_of(run, "status")[-1]["state"] == "finished"
     assert finished.built_by_the_comparison() == built + 1  # once, for prepare and start
+
+
+# -- through the CLI -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,7 @@
-"""Bad numbers and a full disk, through real torchrun on 2 CPU ranks."""
+"""Bad numbers and a full disk. The nan policy's stop on the engine harness
+(tests/harness.py), the full disk through real torchrun (the supervisor's reserve); 2 CPU
+ranks each.
+"""
 
 from __future__ import annotations
 
@@ -17,30 +20,30 @@ from conftest import (
     task_profile,
     wait_for,
 )
+from harness import run_engine
+from headless_text import headless_text
 
 
-def test_nan_policy_stop_checkpoints_the_last_finite_state_then_fails(procs, runs_dir, tmp_path):
+def test_nan_policy_stop_checkpoints_the_last_finite_state_then_fails(runs_dir, tmp_path):
+    # Rank 1's loss turns nan in its 5th batch: every rank stops at the same step.
     profile = task_profile(tmp_path, "poisoned", POISONED_TASK, "Poisoned", max_steps=12, ranks=2)
-    result = procs.cli(
-        "run",
-        str(profile),
-        "--headless",
-        "--runs-dir",
-        str(runs_dir),
-        "--set",
+    # The ranks exit 0 so that torchrun would not restart them (a rank that exits otherwise
+    # is raised here): the engine fails the run in its status, which the supervisor records
+    # (the run's exit code 1, DESIGN.md, whatever torchrun's own).
+    run = run_engine(
+        tmp_path,
+        profile,
         "train.nan_policy=stop",
-        "--set",
         "train.log_every=3",  # the check is per step, not per log interval
-        cwd=tmp_path,
+        ranks=2,
+        runs_dir=runs_dir,
     )
-    assert result.returncode == 1, result.stdout + result.stderr
-    run = only_run(runs_dir)
-    status = read_status(run)
-    assert status["state"] == "failed"
-    summary = status["failure"]["summary"]
-    assert "loss is nan in step 5 (train.nan_policy = 'stop')" in summary
-    assert "checkpoint step-00000004 holds the last finite state" in summary
-    assert "loss is nan in step 5" in result.stdout
+    assert run == only_run(runs_dir)
+    status = events_of(run, "status")[-1]
+    assert status["state"] == "failed", status
+    assert "loss is nan in step 5 (train.nan_policy = 'stop')" in status["reason"], status
+    assert "checkpoint step-00000004 holds the last finite state" in status["reason"], status
+    assert "loss is nan in step 5" in headless_text(run)
 
     # The checkpoint is the state after step 4, before the poisoned update: every number in
     # it is finite, and LATEST names it.
@@ -54,10 +57,6 @@ def test_nan_policy_stop_checkpoints_the_last_finite_state_then_fails(procs, run
     assert all(torch.isfinite(t).all() for t in moments if isinstance(t, torch.Tensor))
     # No step 5 was ever taken, and no event shows a non-finite loss.
     assert max(e["step"] for e in events_of(run, "step")) == 3
-    # The ranks exited 0 so that torchrun would not restart them: the engine failed the run,
-    # and the run's exit code says failed (DESIGN.md: 1) whatever torchrun's own.
-    assert status["exit_code"] == 1 and status["torchrun_exit"] == 0
-    assert status["failure"]["rank"] is None
 
 
 # torch.save fails the way a full disk makes it fail, from the second checkpoint on, after
