@@ -95,6 +95,9 @@ def test_the_console_reports_a_run_whose_updates_are_all_skipped(procs, tmp_path
     assert result.returncode == 1, out
     status = read_status(run)
     assert status["state"] == "failed" and status["exit_code"] == 1
+    # The ranks exited 0 so that torchrun would not restart them: the engine failed the run,
+    # and the run's exit code says failed (DESIGN.md: 1) whatever torchrun's own.
+    assert status["torchrun_exit"] == 0 and status["failure"]["rank"] is None
     assert "the last 8 updates (steps 5-12) were all skipped" in status["reason"]
     assert status["skipped_updates"] == 8
     assert "skipped updates: 8 of 12" in out  # the headless end table
