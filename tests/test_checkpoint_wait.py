@@ -1,4 +1,5 @@
-"""Checkpoint writing and the other ranks: through real torchrun on 2 CPU ranks.
+"""Checkpoint writing and the other ranks, on 2 CPU ranks: a slow write on the engine harness
+(tests/harness.py), a failed one on two nodes through real torchrun.
 
 While rank 0 writes, the others wait for its outcome on a group of their own whose timeout
 no write outlasts, not in the next training collective (``distributed.collective_timeout_s``);
@@ -18,6 +19,7 @@ from conftest import (
     task_profile,
     wait_for,
 )
+from harness import run_engine
 from test_survive_data import FULL_DISK_TASK
 
 from gpu_console.events import append_control
@@ -56,7 +58,7 @@ class SlowDisk(MLPTask):
 """
 
 
-def test_a_write_slower_than_the_collective_timeout_does_not_end_the_run(procs, runs_dir, tmp_path):
+def test_a_write_slower_than_the_collective_timeout_does_not_end_the_run(runs_dir, tmp_path):
     profile = task_profile(
         tmp_path,
         "slowdisk",
@@ -68,10 +70,8 @@ def test_a_write_slower_than_the_collective_timeout_does_not_end_the_run(procs, 
         ),
         ranks=2,
     )
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(runs_dir)
-    assert read_status(run)["state"] == "finished"
+    run = run_engine(tmp_path, profile, ranks=2, runs_dir=runs_dir)  # the ranks' own waits
+    assert events_of(run, "status")[-1]["state"] == "finished"
     first, last = events_of(run, "checkpoint")
     assert (first["step"], last["step"]) == (4, 8)
     assert first["seconds"] >= SLOW_S > 3 * TIMEOUT_S

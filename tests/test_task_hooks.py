@@ -29,7 +29,6 @@ from harness import run_engine
 
 from gpu_console.engine.context import TaskContext
 from gpu_console.engine.hooks import Hooks
-from gpu_console.events import append_control
 from gpu_console.profile import Profile
 from gpu_console.tui.feed import RunFeed
 
@@ -120,20 +119,21 @@ def test_a_stop_ends_the_run_through_on_train_end_on_every_rank(
     procs, runs_dir, tmp_path, how, reason
 ):
     profile = hooks_profile(tmp_path, max_steps=100_000)
-    console = procs.start(
-        "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=REPO,
-        env=cli_env(PACE_S="0.01"),
-    )  # fmt: skip
-    run = wait_for(lambda: run_dirs(runs_dir) and only_run(runs_dir), what="the run directory")
-    wait_for(lambda: any(e["step"] >= 12 for e in events_of(run, "step")), what="step 12")
-    if how == "control":
-        append_control(run, "stop")
-    else:  # a scheduler's SIGTERM to the headless console
+    if how == "control":  # the engine's half: the harness, the command appended meanwhile
+        run = run_engine(tmp_path, profile, ranks=2, runs_dir=runs_dir, cwd=REPO,
+                         env={"PACE_S": "0.01"}, stop_after=12)  # fmt: skip
+        assert events_of(run, "status")[-1]["state"] == "stopped"
+    else:  # a scheduler's SIGTERM to the headless console: the process tree's
+        console = procs.start(
+            "run", str(profile), "--headless", "--runs-dir", str(runs_dir), cwd=REPO,
+            env=cli_env(PACE_S="0.01"),
+        )  # fmt: skip
+        run = wait_for(lambda: run_dirs(runs_dir) and only_run(runs_dir), what="the run dir")
+        wait_for(lambda: any(e["step"] >= 12 for e in events_of(run, "step")), what="step 12")
         console.send_signal(signal.SIGTERM)
-    out, err = console.communicate(timeout=deadline(120))
-    assert console.returncode == 0, out + err
-    status = read_status(run)
-    assert status["state"] == "stopped"
+        out, err = console.communicate(timeout=deadline(120))
+        assert console.returncode == 0, out + err
+        assert read_status(run)["state"] == "stopped"
     stopped_at = events_of(run, "checkpoint")[-1]["step"]
     for rank in (0, 1):
         hooks = seen(run, "hooks", rank)
