@@ -4,6 +4,7 @@ leaves the process as it found it (its group, its flags, its threads, its module
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 
@@ -11,8 +12,10 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import events_of, task_profile
+from conftest import events_of, only_run, paced_profile, task_profile
 from harness import RemoteTraceback, run_engine, zygote_pid
+
+from gpu_console.engine.failure_checkpoint import AfterUpdateFailed
 
 pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
 
@@ -85,3 +88,40 @@ def test_a_loader_forked_after_an_in_process_run_does_not_hang(tmp_path):
     cfg = DataConfig(batch_size=4, num_workers=2, persistent_workers=False)
     loader = make_loader(TensorSet(torch.arange(16)), cfg, 0, 1, True, False)
     assert sorted(x for (b,) in loader for x in b.tolist()) == list(range(16))
+
+
+FAILS_UNLESS_FIXED = """
+import os
+
+from gpu_console.tasks.mlp import MLPTask
+
+
+class FailsUntilFixed(MLPTask):
+    def on_step_end(self, model, output, ctx):
+        if ctx.step == 3 and os.environ.get("BROKEN"):
+            raise LookupError("the first session breaks")
+"""
+
+
+def test_a_resume_in_place_is_judged_by_its_own_ranks_not_the_failed_session_before(tmp_path):
+    every_2 = "[checkpoint]\nevery_steps = 2\n"
+    profile = task_profile(tmp_path, "fixed", FAILS_UNLESS_FIXED, "FailsUntilFixed",
+                           max_steps=6, ranks=2, extra=every_2)  # fmt: skip
+    # A hook that fails after the update: its step is checkpointed (failure_checkpoint.py).
+    with pytest.raises(AfterUpdateFailed, match="the first session breaks"):
+        run_engine(tmp_path, profile, ranks=2, env={"BROKEN": "1"})
+    run = only_run(tmp_path / "runs")
+    run_engine(tmp_path, None, ranks=2, resume=run)  # both ranks end well: nothing raised
+    assert events_of(run, "status")[-1]["state"] == "finished"
+    assert [s["start_step"] for s in events_of(run, "start")] == [0, 3]
+
+
+def test_a_stop_after_a_step_is_the_consoles_stop_command(tmp_path):
+    profile = paced_profile(tmp_path, max_steps=100_000)
+    run = run_engine(tmp_path, profile, env={"PACE_S": "0.02"}, stop_after=3)
+    stopped = events_of(run, "status")[-1]
+    assert stopped["state"] == "stopped" and stopped["step"] >= 3
+    (command,) = [json.loads(line) for line in (run / "control.jsonl").read_text().splitlines()]
+    assert command["cmd"] == "stop"
+    acks = [e["state"] for e in events_of(run, "control") if e["id"] == command["id"]]
+    assert acks == ["received", "done"]
