@@ -118,6 +118,24 @@ def run_engine(
     return run_dir
 
 
+def launch_notes(monkeypatch) -> list[str]:
+    """The notes of the launches the test makes from now on: the lines ``gpu-console run``
+    prints on stderr before it starts a run (``launch.prepare``'s, as the harness's launches
+    make them); the list fills as they launch."""
+    from gpu_console import launch
+
+    notes: list[str] = []
+    prepare = launch.prepare
+
+    def noting(*args, **kwargs):
+        prepared = prepare(*args, **kwargs)
+        notes.extend(prepared[0].notes)
+        return prepared
+
+    monkeypatch.setattr(launch, "prepare", noting)
+    return notes
+
+
 @contextlib.contextmanager
 def _stopper(run_dir: Path, after: int | None) -> Iterator[None]:
     """A thread that appends ``stop`` to the control file once this session's events hold

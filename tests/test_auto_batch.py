@@ -12,9 +12,8 @@ import sys
 import pytest
 from conftest import events_of, only_run, read_status, run_dirs, write_profile
 from conftest import test_env as cli_env
-from harness import run_engine
+from harness import launch_notes, run_engine
 
-from gpu_console import launch
 from gpu_console.engine import auto_batch
 from gpu_console.engine.auto_batch import OK, OOM, Trial, search
 
@@ -178,15 +177,7 @@ def test_a_resumed_auto_run_keeps_its_size_without_searching(monkeypatch, runs_d
     assert events_of(first, "start")[0]["auto_batch"]["chosen"] == 20
     # The same profile (still "auto"), no seam: the run's 20 stands, no search. The launch's
     # notes are the lines `gpu-console run` prints on stderr before it starts the run.
-    notes = []
-    prepare = launch.prepare
-
-    def noted(*args, **kw):
-        prepared = prepare(*args, **kw)
-        notes.extend(prepared[0].notes)
-        return prepared
-
-    monkeypatch.setattr(launch, "prepare", noted)
+    notes = launch_notes(monkeypatch)
     trained(tmp_path, runs_dir, path, "train.max_steps=8", resume=first)
     assert last_state(first) == "finished"
     assert "data.batch_size = auto: 20" in "\n".join(notes)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Procs, events_of, fast_profile, only_run, read_status
-from harness import run_engine
+from harness import launch_notes, run_engine
 from headless_text import headless_text
 
 from gpu_console import launch
@@ -88,15 +88,7 @@ def resumed(run: Path, tmp_path: Path, monkeypatch) -> tuple[list[str], str]:
     """``run`` resumed on 2 ranks of the engine harness (a rank's exception is raised here):
     the launch's notes (the lines ``gpu-console run`` prints on stderr before it starts the
     run) and the headless console's text of the run."""
-    notes: list[str] = []
-    prepare = launch.prepare
-
-    def noting(*args, **kwargs):
-        prepared = prepare(*args, **kwargs)
-        notes.extend(prepared[0].notes)
-        return prepared
-
-    monkeypatch.setattr(launch, "prepare", noting)
+    notes = launch_notes(monkeypatch)
     run_engine(tmp_path, None, ranks=2, resume=run, runs_dir=run.parent)
     shown = headless_text(run)
     assert "Traceback" not in "\n".join([*notes, shown]), shown
@@ -224,7 +216,7 @@ def test_a_session_that_cannot_start_leaves_the_run_as_it_ended(reference, tmp_p
     status.json and meta.json are as the last session left them, the lock is free, one line."""
     import errno
 
-    from gpu_console import launch, runs, session_lock
+    from gpu_console import runs, session_lock
 
     run = at_step_20(copy_of(reference, tmp_path / "runs"))
     kept = {f: (run / f).read_bytes() for f in ("run.toml", "status.json", "meta.json")}
