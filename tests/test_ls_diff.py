@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,16 @@ def test_diff_of_a_run_with_itself_and_of_a_missing_run(three_runs):
     missing = procs.cli("diff", made["alpha"].name, "nope", "--runs-dir", str(runs))
     assert missing.returncode == EXIT_BAD_INPUT and missing.stdout == ""
     assert missing.stderr.startswith("gpu-console: ") and missing.stderr.count("\n") == 1
+
+
+def test_diff_of_a_run_whose_run_toml_is_damaged_is_one_line(three_runs, tmp_path):
+    # Not every key "(missing)" and exit 0: the damaged file, named, and nothing on stdout.
+    procs, runs, made = three_runs
+    damaged = tmp_path / "runs" / made["beta"].name
+    shutil.copytree(made["beta"], damaged)
+    (damaged / "run.toml").write_text("[train\nlr = ")
+    for args in ([made["alpha"].name, str(damaged)], [str(damaged), made["alpha"].name, "--json"]):
+        done = procs.cli("diff", *args, "--runs-dir", str(runs))
+        assert done.returncode == EXIT_BAD_INPUT and done.stdout == "", done.stdout
+        assert done.stderr.startswith(f"gpu-console: {damaged / 'run.toml'}: not valid TOML")
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr

@@ -10,6 +10,7 @@ import base64
 import html
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,19 @@ def test_a_missing_run_is_one_line_exit_2(two_runs):
     procs, runs, _, _ = two_runs
     done = procs.cli("report", "nope", "--runs-dir", str(runs))
     assert done.returncode == 2 and done.stderr.count("\n") == 1
+
+
+def test_a_run_whose_run_toml_is_damaged_is_reported_with_no_comparison(two_runs, tmp_path):
+    # The damaged run.toml is said where the comparison would be; the rest of the page stands.
+    procs, runs, made, _ = two_runs
+    damaged = tmp_path / "runs" / made["second"].name
+    shutil.copytree(made["second"], damaged, ignore=shutil.ignore_patterns("report"))
+    (damaged / "run.toml").write_text("[train\nlr = ")
+    out = tmp_path / "page"
+    done = procs.cli("report", made["first"].name, str(damaged), "--out", str(out),
+                     "--runs-dir", str(runs))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text, pngs = _page(out / "index.html")
+    cells = html.unescape(text)
+    assert f"{damaged.name}: no comparison: {damaged / 'run.toml'}: not valid TOML" in cells
+    assert "<td>60/60</td>" in cells and len(pngs) == 5

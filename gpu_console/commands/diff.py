@@ -3,8 +3,9 @@ summary figures side by side (no torch here).
 
 The profiles are the runs' ``run.toml`` (the resolved profile each trained with), compared
 key by key; a key one of them lacks (a section added in a later version) is shown as
-missing. The figures are the headless summary's (:mod:`gpu_console.summary`), the same the
-``status`` command prints, one column per run.
+missing, and a run.toml that cannot be read is refused in one line. The figures are the
+headless summary's (:mod:`gpu_console.summary`), the same the ``status`` command prints, one
+column per run.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from .. import strict_json
 from ..profile import ProfileError, parse_toml
-from ..runs import find_run
+from ..runs import RunDirError, find_run
 from ..summary import summary_rows
 from . import status as status_cmd
 
@@ -34,10 +35,14 @@ def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _profile(run: Path) -> dict[str, Any]:
+    """The run's resolved profile, flattened. A run whose run.toml cannot be read is no
+    comparison (every key would read as missing): refused in one line naming the file."""
     try:
         return flatten(parse_toml(run / "run.toml"))
-    except ProfileError:
-        return {}
+    except ProfileError as e:
+        raise RunDirError(
+            f"{'; '.join(e.problems)} (diff compares the runs' run.toml; this one is damaged)"
+        ) from None
 
 
 def profile_changes(a: Path, b: Path) -> list[dict[str, Any]]:

@@ -382,6 +382,7 @@ def _checkpoints(d: RunData) -> str:
 
 def page(runs: list[RunData], plots: list[tuple[str, Path]]) -> str:
     from ..commands.diff import _merged, profile_changes
+    from ..runs import RunDirError
     from ..summary import summary_rows
 
     title = "report: " + " vs ".join(d.name for d in runs)
@@ -412,7 +413,11 @@ def page(runs: list[RunData], plots: list[tuple[str, Path]]) -> str:
     if len(runs) > 1:
         parts.append(f"<h2>Profile: what differs from {_e(runs[0].name)}</h2>")
         for d in runs[1:]:
-            changes = profile_changes(runs[0].run, d.run)
+            try:
+                changes = profile_changes(runs[0].run, d.run)
+            except RunDirError as e:  # a damaged run.toml: said, the rest of the page stands
+                parts.append(f'<p class="failed">{_e(d.name)}: no comparison: {_e(str(e))}</p>')
+                continue
             if not changes:
                 parts.append(f"<p>{_e(d.name)}: the same profile</p>")
                 continue
