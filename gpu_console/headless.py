@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -200,6 +201,43 @@ def kill_tree(pid: int) -> None:
             p.kill()
 
 
+class ReaderMayLeave:
+    """Standard output that a reader who leaves (``| head``) cannot end the console with: the
+    run goes on either way (its supervisor is detached), so the console goes on following it,
+    silently, and exits with the run's exit code, not 1 for a closed pipe."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return self.inner.write(text)
+            except BrokenPipeError:
+                self._left()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self.inner.flush()
+            except BrokenPipeError:
+                self._left()
+
+    def _left(self) -> None:
+        # What is still buffered, and what the interpreter flushes at exit, goes nowhere
+        # instead of failing again on the closed pipe.
+        self.gone = True
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.inner.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
 def follow(
     run_dir: Path,
     supervisor: subprocess.Popen | None = None,
@@ -207,6 +245,8 @@ def follow(
     plain_every_s: float | None = None,
 ) -> int:
     """Report a run until it ends; return the console's exit code (DESIGN.md)."""
+    if console is None and not isinstance(sys.stdout, ReaderMayLeave):
+        sys.stdout = ReaderMayLeave(sys.stdout)  # Rich's Console writes to sys.stdout
     console = uncut(console or Console())  # off a terminal no line is wrapped or cut
     tty = console.is_terminal
     if plain_every_s is None:

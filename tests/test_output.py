@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 import typer
-from conftest import FAST_RUN_STEPS, events_of, fast_profile, only_run, paced_profile, read_events
+from conftest import (
+    FAST_RUN_STEPS,
+    deadline,
+    events_of,
+    fast_profile,
+    only_run,
+    paced_profile,
+    read_events,
+)
 from conftest import test_env as cli_env
 from rich.console import Console
 from typer.testing import CliRunner
@@ -308,3 +316,19 @@ def test_a_checkpoint_settled_after_later_steps_never_moves_the_step_back():
     assert (st.step, st.loss) == (5, 0.5)
     st.apply({"kind": "checkpoint", "step": 7, "reason": "end", "t": 4.0})
     assert st.step == 7  # the true last step, beyond the last logged one
+
+
+def test_a_reader_who_leaves_the_pipe_does_not_fail_the_console(procs, runs_dir, tmp_path):
+    # `gpu-console run ... --headless | head -1`: the reader leaves after a line. The run goes
+    # on (its supervisor is detached), and so does the console, silently, to the run's end:
+    # its exit code is the run's, 0, not 1 for a closed pipe.
+    profile = fast_profile(tmp_path, max_steps=30)
+    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
+    assert console.stdout.readline().startswith("run ")
+    console.stdout.close()  # the reader's end of the pipe, gone
+    err = console.stderr.read()
+    assert console.wait(timeout=deadline(120)) == 0, err
+    assert "Traceback" not in err and "Broken pipe" not in err, err
+    run = only_run(runs_dir)
+    assert events_of(run, "status")[-1]["state"] == "finished"
+    assert json.loads((run / "status.json").read_text())["exit_code"] == 0
