@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import deadline, test_env
+from conftest import deadline
+from conftest import test_env as cli_env
 from torch import nn
 
 from gpu_console.engine import torch_private
@@ -224,5 +225,5 @@ def test_an_optimizers_first_step_imports_the_compiler_so_a_rank_imports_it_up_f
         (fresh, "before False\nimported True\n"),
     ):
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=deadline(120), env=test_env())  # fmt: skip
+                              timeout=deadline(120), env=cli_env())  # fmt: skip
         assert done.stdout == expected, done.stderr
