@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import importlib
 import os
 import runpy
 import signal
 import sys
 import threading
+
+from .frozen_imports import frozen_imports
 
 
 def _finalize() -> None:
@@ -49,21 +50,12 @@ def _exit_code(e: SystemExit) -> int:
 
 
 def _import_package(module: str) -> None:
-    """The module's package (for torchrun, torch) imported with the cyclic collector off and
-    its objects then frozen out of the collector's reach: the collections that importing
-    torch triggers, each walking all it made so far, were about a fifth of its CPU. A
+    """The module's package (for torchrun, torch) imported as :mod:`.frozen_imports` says. A
     package that does not import is left for runpy to report, as ``-m`` would."""
     package = module.rpartition(".")[0]
-    if not package:
-        return
-    gc.disable()
-    try:
-        importlib.import_module(package)
-    except Exception:
-        pass
-    finally:
-        gc.freeze()
-        gc.enable()
+    if package:
+        with frozen_imports(), contextlib.suppress(Exception):
+            importlib.import_module(package)
 
 
 def main() -> None:

@@ -687,22 +687,6 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
-def stopped_run(procs, profile: Path, runs_dir: Path, cwd: Path, at_least: int, pace_s: str):
-    """A paced headless run of ``profile`` stopped by a ``stop`` command once it made step
-    ``at_least``: the run, and the step its stop checkpoint holds."""
-    from gpu_console.events import append_control
-
-    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-                          cwd=cwd, env=test_env(PACE_S=pace_s))  # fmt: skip
-    run = wait_for(lambda: run_dirs(runs_dir) and only_run(runs_dir), what="the run directory")
-    wait_for(lambda: any(e["step"] >= at_least for e in events_of(run, "step")),
-             what=f"step {at_least}")  # fmt: skip
-    append_control(run, "stop")
-    out, err = console.communicate(timeout=120)
-    assert console.returncode == 0, out + err
-    return run, events_of(run, "checkpoint")[-1]["step"]
-
-
 def set_args(*sets: str) -> list[str]:
     """``--set`` before each ``SECTION.KEY=VALUE``: the command line of many overrides."""
     return [arg for s in sets for arg in ("--set", s)]
