@@ -24,14 +24,17 @@ the rank, as an exception in ``compute`` does, named (``the task's on_step_end h
 State: ``state_dict()`` is called on every rank at each checkpoint and saved per rank in it;
 ``load_state_dict(state)`` gets this rank's state back on resume, after ``build_model`` and
 ``build_datasets``, before the first step. Tensors come back on the CPU. The state must be
-what ``torch.load(weights_only=True)`` reads: tensors, numbers, strings, lists, dicts.
+what ``torch.load(weights_only=True)`` reads: tensors, numbers, strings, lists, dicts (a
+numpy number is saved as its Python value; anything else fails the checkpoint: ``saveable``).
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from .context import TaskContext
@@ -107,7 +110,7 @@ class Hooks:
         """This rank's part of a checkpoint (``{"task": ...}``), or nothing without state."""
         if self._state_dict is None:
             return {}
-        return {"task": _to_cpu(self._state_dict())}
+        return {"task": saveable(self._state_dict(), "state_dict()")}
 
     def restore(
         self, saved: list[Any] | None, world_size: int, warn: Callable[[str], None]
@@ -135,6 +138,64 @@ class Hooks:
             # Copies: the loaded tensors are the checkpoint file's mapping, which a later
             # prune deletes.
             self._load_state_dict(_to_cpu(saved[rank], clone=True))
+
+
+# What torch.load(weights_only=True) reads back without help (besides tensors and the
+# containers saveable walks): anything else is tried once per type (_loads_back).
+_PLAIN = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device)
+_tried: dict[type, bool] = {}
+
+
+def saveable(obj: Any, where: str) -> Any:
+    """The task's state as a checkpoint can hold it and a resume read it back.
+
+    On the CPU (``_to_cpu``'s reason); a numpy number becomes the Python number it holds
+    (``np.float64`` -> ``float``), since ``torch.load(weights_only=True)`` refuses numpy's
+    types and the checkpoint would fail only at the resume, perhaps days later. Anything else
+    a resume could not read fails this checkpoint, naming where in the state it is.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: saveable(v, f"{where}[{k!r}]") for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [saveable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return tuple(saveable(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    number = _numpy_number(obj)
+    if number is not None:
+        return number
+    if isinstance(obj, _PLAIN) or _loads_back(obj):
+        return obj
+    module = type(obj).__module__
+    kind = type(obj).__qualname__ if module == "builtins" else f"{module}.{type(obj).__qualname__}"
+    hint = " (torch.from_numpy(a) or a.tolist())" if isinstance(obj, np.ndarray) else ""
+    raise TypeError(
+        f"the task's {where} ({kind}) is not what a resume can read back "
+        f"(torch.load(weights_only=True)): keep to tensors{hint}, numbers, strings, "
+        "lists and dicts"
+    )
+
+
+def _numpy_number(obj: Any) -> Any:
+    """A numpy scalar's (or 0-d array's) Python value; None for anything else."""
+    if isinstance(obj, np.generic) or (isinstance(obj, np.ndarray) and obj.ndim == 0):
+        return obj.item()
+    return None
+
+
+def _loads_back(obj: Any) -> bool:
+    kind = type(obj)
+    if kind not in _tried:
+        buffer = io.BytesIO()
+        try:
+            torch.save(obj, buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+            _tried[kind] = True
+        except Exception:
+            _tried[kind] = False
+    return _tried[kind]
 
 
 def _to_cpu(obj: Any, clone: bool = False) -> Any:
