@@ -176,6 +176,11 @@ def test_online_with_no_network_trains_to_the_end_and_says_wandb_is_off(procs, r
     assert status["mode"] == "online" and status["why"]
     shown = procs.cli("status", run.name, "--runs-dir", str(runs_dir))
     assert f"W&B: off: {status['why']}" in shown.stdout
+    # wandb styles some of its lines whatever it writes to: none of it reaches the log.
+    log = run / "logs" / "wandb.log"
+    logged = wait_for(lambda: "Find logs at" in (t := log.read_text()) and t,
+                      what="wandb's closing lines")  # fmt: skip
+    assert "W&B off for this session" in logged and "\x1b" not in logged
 
 
 def test_a_bad_wandb_table_is_one_line_exit_2(procs, runs_dir, tmp_path):
