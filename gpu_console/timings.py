@@ -21,6 +21,8 @@ import os
 import time
 from typing import Any
 
+from . import FIRST_IMPORT
+
 ENV = "GPU_CONSOLE_TIMINGS"  # {"supervisor": t, "torchrun": t}: unix times, from the supervisor
 STAGES = (
     "created",  # the console made the run directory; meta.json, then the supervisor, next
@@ -36,11 +38,15 @@ FIRST_STEP = "first_step"
 
 
 def process_start_time() -> float:
-    """When this process started, as a unix time: before its interpreter and imports ran.
+    """When this command started, as a unix time: before its interpreter and imports ran.
 
     From /proc (its start in clock ticks since boot, against the boot-time clock now: 10 ms
     steps; psutil's figure can be a second off, its boot time is whole seconds). Elsewhere:
-    now.
+    now. /proc's start is the fork's, and a shell's last command may be exec'd in the shell's
+    own process (``pip install … && gpu-console run …`` in a script, ``ssh host '…'``): then
+    it is the shell's start, minutes before the command. Where the process waited far longer
+    before reaching gpu-console's code than its interpreter works (:func:`_exec_late`), the
+    command started when its interpreter did: the first import less the CPU used by then.
     """
     now = time.time()
     try:
@@ -50,7 +56,21 @@ def process_start_time() -> float:
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
         return now
-    return now - age if 0 <= age < 3600 else now
+    started = now - age if 0 <= age < 3600 else now
+    first_import, cpu = FIRST_IMPORT
+    if _exec_late(first_import - started, cpu):
+        return first_import - cpu
+    return started
+
+
+EXEC_GAP_S = 3.0  # an interpreter reaches our first import well within this, busy or not...
+WAITED_OVER_WORKED = 20.0  # ...unless the machine is this far oversubscribed
+
+
+def _exec_late(waited: float, cpu: float) -> bool:
+    """From the fork to gpu-console's first import, the process mostly waited: a shell that
+    ran other commands (pip) before exec'ing this one, not an interpreter starting."""
+    return waited > EXEC_GAP_S and waited > WAITED_OVER_WORKED * cpu
 
 
 def handed_down(stages: dict[str, float]) -> dict[str, str]:

@@ -6,10 +6,12 @@ measures them)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
-from conftest import events_of, fast_profile, only_run
+from conftest import deadline, events_of, fast_profile, only_run
 
 from gpu_console.runs import current_session
 from gpu_console.timings import FIRST_STEP, STAGES, Stopwatch
@@ -97,3 +99,24 @@ def test_a_rank_waits_for_rank_0s_store_to_listen_then_goes_on_at_once():
     thread.join(timeout=60)
     assert accepted.is_set()
     wait_for_store(None, None)  # not under torchrun: nothing to wait for
+
+
+AGE = (
+    "import time; from gpu_console.timings import process_start_time; "
+    "print(time.time() - process_start_time())"
+)
+
+
+def test_a_command_a_shell_execs_after_other_work_counts_from_its_own_start():
+    """``pip install … && gpu-console run …`` in a script: the shell execs its last command in
+    its own process, whose /proc start is the shell's, before pip. The launch's start is the
+    interpreter's, not the shell's: a start-up of seconds, not minutes."""
+    gap = 4  # the shell's earlier work: a wait that uses no CPU, as waiting for pip does
+    chained = subprocess.run(
+        ["sh", "-c", f'sleep {gap} && exec "$0" -c "$1"', sys.executable, AGE],
+        capture_output=True, text=True, check=True, timeout=deadline(120),
+    )  # fmt: skip
+    assert float(chained.stdout) < gap - 0.5, chained.stdout
+    # A command started as itself keeps /proc's start (its interpreter's start-up counted).
+    plain = subprocess.run([sys.executable, "-c", AGE], capture_output=True, text=True, check=True)
+    assert 0 < float(plain.stdout) < gap - 0.5
