@@ -1,12 +1,14 @@
 """``gpu-console report RUN… [--out DIR]``: a run's report, PNG plots and one HTML page.
 
-The plots: the train loss and every eval metric over steps (checkpoints and the starts of
-resumed or restarted sessions marked), samples/s and tokens/s, the learning rate, and each
-GPU's memory, utilisation, temperature and power over time (the host's CPU and RAM on a run
-without GPUs). The page holds the plots inline (one self-contained file), the summary
-``status`` prints, the resolved profile, the checkpoints, the sessions (launch, resumes,
-torchrun restarts) and any failure. Several runs: one set of plots with every run's curves
-overlaid, the profile keys that differ from the first run, and the summaries side by side.
+The plots (:mod:`.plots`, from :mod:`.curves`' numbers): the train loss (its interval means
+smoothed as TensorBoard does, over the raw line) and every eval metric over steps, every
+train metric the task logs, samples/s and tokens/s, the learning rate (checkpoints, later
+sessions and pauses marked), and each GPU's memory, utilisation, temperature and power over
+time (the CPU and memory of the run's processes and of the machine, on a run without GPUs).
+The page holds the plots inline (one self-contained file), the summary ``status`` prints,
+the resolved profile, the checkpoints, the sessions (launch, resumes, torchrun restarts) and
+any failure. Several runs: one set of plots with every run's curves overlaid, the profile
+keys that differ from the first run, and the summaries side by side.
 
 The events go through THE fold (:class:`Series` extends :class:`~gpu_console.fold.RunFold`
 with the series it draws); a start drops what an earlier session logged past the

@@ -14,6 +14,9 @@ every telemetry sample; nothing here reads the files again. Tags:
   time, on the step the run had reached then (from the last step event and the step time);
 - text: ``profile`` (the resolved run.toml) and ``start`` (the start event's settings).
 
+Beside them, in ``RUN/tensorboard/hparams/``, the HParams tab's session of the run: its
+profile's keys against its final train loss and eval metrics (:mod:`.hparams`).
+
 A ``start`` event (a launch, a resume, a torchrun restart) writes TensorBoard's purge mark
 (a ``SessionLog.START`` at ``start_step + 1``): a reader drops what an earlier session wrote
 past the checkpoint this one starts from, so a resumed run continues one curve without
