@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SMOOTHING = 0.8  # TensorBoard's slider (0.6 by default): loss_avg is already a mean
+SMOOTHING = 0.6  # TensorBoard's default: light, since loss_avg is already an interval mean
 GIB = 1024**3
 NAN = float("nan")
 GAP_EVERY = 3.0  # a sample later than this many sampling intervals: the recorder was down
