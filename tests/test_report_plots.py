@@ -224,3 +224,21 @@ def test_ema_skips_non_finite_values_and_wants_log_needs_positive_values():
     assert curves.ema([4.0, float("nan"), 4.0], 0.5)[2] == pytest.approx(4.0)
     assert curves.wants_log([25.0, 2.0]) and not curves.wants_log([9.0, 1.0])
     assert not curves.wants_log([25.0, -1.0]) and not curves.wants_log([])
+
+
+def test_the_gpu_plot_labels_its_units_and_breaks_between_sessions(tmp_path):
+    def sample(t: float) -> dict:
+        gpu = {"index": 0, "memory_used": 4 * GIB, "util_gpu": 90, "temperature_c": 60,
+               "power_w": 250.0}  # fmt: skip
+        return {"v": 1, "t": t, "kind": "sample", "gpus": [gpu], "every_s": 1.0, "host": {}}
+
+    summary = {"v": 1, "t": T0 + 3, "kind": "summary", "gpus": []}
+    samples = [sample(T0 + i) for i in range(3)] + [summary]
+    samples += [sample(T0 + 300 + i) for i in range(3)]
+    run = _write(tmp_path / "gpu", [_start(T0), _step(1, T0 + 1, 1.0, 1.0)], samples)
+    fig = _figures(run)["gpus"]
+    assert [ax.get_ylabel() for ax in fig.axes] == ["GiB", "%", "°C", "W"]
+    assert {ax.get_xlabel() for ax in fig.axes} == {"time since the run's first sample (min)"}
+    (memory,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "GPU 0"]
+    ys = memory.get_ydata().tolist()
+    assert ys[:3] == [4.0] * 3 and math.isnan(ys[3]) and ys[4:] == [4.0] * 3

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from gpu_console.results import hparams
 from gpu_console.results.tensorboard import TensorBoardMirror
 
 pytestmark = pytest.mark.quick
@@ -119,6 +118,8 @@ def test_a_resumed_run_shows_the_metrics_of_its_end_and_the_train_loss_of_its_la
 
 
 def test_hyperparameters_are_the_profiles_scalar_keys_flattened():
+    from gpu_console.results import hparams
+
     text = PROFILE.format(lr=0.01) + '[logging]\nwandb = { project = "p" }\n'
     flat = hparams.flatten(text, {"strategy": "ddp", "world_size": 2, "flag": None})
     assert flat["train.lr"] == 0.01 and flat["logging.wandb.project"] == "p"
