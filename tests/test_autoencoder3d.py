@@ -1,13 +1,14 @@
 """The built-in ``autoencoder3d`` (issue 22): a denoising 3D conv autoencoder on synthetic
 volumes. Its pieces alone, then the profile on 2 CPU ranks (the harness, tests/harness.py):
-the loss falls, each eval writes its slice PNG, ``export`` gives weights its model class loads
-with plain torch; through real torchrun, a Ctrl-C and a resume continue bit for bit."""
+the loss falls, each eval writes its labelled slice PNG, ``export`` gives weights its model
+class loads with plain torch; through real torchrun, a Ctrl-C and a resume continue bit for bit."""
 
 from __future__ import annotations
 
 import struct
 import zlib
 
+import numpy as np
 import pytest
 import torch
 from conftest import events_of
@@ -18,11 +19,11 @@ from gpu_console.profile import ProfileError, load_profile
 from gpu_console.tasks.autoencoder3d import (
     Autoencoder3D,
     Autoencoder3DTask,
+    fullest_slice,
     make_volumes,
     psnr,
-    side_by_side,
-    write_png,
 )
+from gpu_console.tasks.slice_image import MIN_SIDE, compose, text, write_png
 
 
 def read_png(path) -> torch.Tensor:
@@ -68,13 +69,48 @@ def test_the_model_keeps_the_shape_and_its_flops_are_the_counters():
     assert task.flops_per_sample() == pytest.approx(counter.get_total_flops(), rel=0.02)
 
 
-def test_the_png_holds_the_three_slices_side_by_side(tmp_path):
-    panels = [torch.linspace(0, 1, 16).repeat(16, 1), torch.zeros(16, 16), torch.ones(16, 16)]
-    image = side_by_side(panels)
-    assert image.shape == (128, 3 * 128 + 2 * 2)
+def _contains(image: torch.Tensor, block: torch.Tensor) -> bool:
+    windows = np.lib.stride_tricks.sliding_window_view(image.numpy(), tuple(block.shape))
+    return bool((windows == block.numpy()).all(axis=(-2, -1)).any())
+
+
+def test_the_png_holds_labelled_panels_large_enough_to_read_with_their_ranges(tmp_path):
+    ramp = torch.linspace(0, 1, 16).repeat(16, 1)
+    panels = [("input", ramp, 0.0, 1.0), ("difference", ramp * 2 - 1, -1.0, 1.0)]
+    image, boxes = compose("step 7", panels)
+    for label, values, lo, hi in panels:
+        top, left, h, w = boxes[label]
+        assert h == w >= MIN_SIDE  # each voxel a block of pixels
+        scale = h // 16
+        expected = ((values - lo) / (hi - lo)).repeat_interleave(scale, 0)
+        expected = (expected.repeat_interleave(scale, 1) * 255).round().to(torch.uint8)
+        assert torch.equal(image[top : top + h, left : left + w], expected)
+        name = text(label)  # named right above its panel
+        above = image[top - 4 - name.shape[0] : top - 4, left : left + name.shape[1]]
+        assert torch.equal(above, name)
+        below = image[top + h :]  # the grey bar's two ends, written
+        assert _contains(below, text(f"{lo:.3g}")) and _contains(below, text(f"{hi:.3g}"))
+    assert _contains(image[:40], text("step 7"))
     write_png(tmp_path / "s.png", image)
     assert torch.equal(read_png(tmp_path / "s.png"), image)
     assert [p.name for p in tmp_path.iterdir()] == ["s.png"], "no temporary file left"
+
+
+def test_the_slice_shown_is_the_fullest_where_the_middle_one_is_often_empty():
+    cfg = load_profile("autoencoder3d").task
+    _, clean = make_volumes(cfg, 200, torch.Generator().manual_seed(3))
+    sums = clean[:, 0].flatten(2).sum(2)  # (volume, slice)
+    middle_empty = (sums[:, cfg.size // 2] == 0).float().mean().item()
+    assert middle_empty > 0.05  # the fixed middle slice showed nothing that often
+    for v in range(200):
+        z = fullest_slice(clean[v, 0])
+        assert sums[v, z] == sums[v].max() > 0
+    task = Autoencoder3DTask(cfg)
+    task.build_datasets()
+    g = torch.Generator().manual_seed(cfg.data_seed)
+    make_volumes(cfg, cfg.train_samples, g)
+    _, held_out = make_volumes(cfg, cfg.eval_samples, g)
+    assert task.slice == fullest_slice(held_out[0, 0])
 
 
 def test_a_size_that_is_not_a_multiple_of_4_is_refused_in_one_line():
@@ -97,7 +133,7 @@ def test_the_profile_trains_writes_slices_resumes_exactly_and_exports(procs, tmp
     assert all(e["psnr"] > 10 for e in evals), evals
     for step in (20, 40):
         image = read_png(run / "task" / f"slice-step-{step:08d}.png")
-        assert image.shape == (128, 388) and image.float().std() > 0
+        assert min(image.shape) > MIN_SIDE and image.float().std() > 0
 
     # Stopped at step 20, then --resume: the same losses from there on.
     stop = 20  # an eval's step
@@ -120,5 +156,9 @@ def test_the_slice_is_written_under_fp64_too(tmp_path):
     task.build_datasets()
     ctx = SimpleNamespace(device=torch.device("cpu"), rank=0, step=7, task_dir=tmp_path)
     task.on_eval_end(model, {"loss": 0.1}, ctx)
-    assert read_png(tmp_path / "slice-step-00000007.png").shape == (128, 388)
+    image = read_png(tmp_path / "slice-step-00000007.png")
+    labels = ["input (noisy)", "reconstruction", "clean (target)", "recon - clean"]
+    assert all(_contains(image[:80], text(label)) for label in labels)
+    title = f"step 7: eval volume 0, slice {task.slice + 1} of 16 (the fullest)"
+    assert _contains(image[:40], text(title))
     assert model.training, "left in train mode, as the hook found it"

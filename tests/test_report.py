@@ -60,10 +60,11 @@ def test_a_runs_report_has_its_plots_and_page(two_runs, tmp_path):
     assert done.returncode == 0, done.stderr
     out = run / "report"
     names = {p.name for p in out.iterdir()}
-    assert names == {"index.html", "loss.png", "eval.png", "throughput.png", "lr.png", "gpus.png"}
+    assert names == {"index.html", "loss.png", "eval.png", "train_metrics.png", "throughput.png",
+                     "lr.png", "gpus.png"}  # fmt: skip
     assert done.stdout.splitlines()[0] == f"report: {out / 'index.html'}"
     text, pngs = _page(out / "index.html")
-    assert len(pngs) == 5  # every plot inline: the page is one file
+    assert len(pngs) == 6  # every plot inline: the page is one file
     for i, data in enumerate(pngs):
         image = _image(data, tmp_path, f"{i}.png")
         assert image.shape[0] > 200 and image.shape[1] > 400 and image.std() > 0.01  # drawn
@@ -85,7 +86,7 @@ def test_two_runs_are_overlaid_and_their_profiles_compared(two_runs):
     assert done.returncode == 0, done.stderr
     text, pngs = _page(out / "index.html")
     cells = html.unescape(text)
-    assert len(pngs) == 5
+    assert len(pngs) == 6
     assert f"report: {made['first'].name} vs {made['second'].name}" in cells
     diff = cells[cells.index("Profile: what differs") :]
     assert '<td class="what">train.lr</td><td>0.003</td><td>0.01</td>' in diff
@@ -141,4 +142,4 @@ def test_a_run_whose_run_toml_is_damaged_is_reported_with_no_comparison(two_runs
     text, pngs = _page(out / "index.html")
     cells = html.unescape(text)
     assert f"{damaged.name}: no comparison: {damaged / 'run.toml'}: not valid TOML" in cells
-    assert "<td>60/60</td>" in cells and len(pngs) == 5
+    assert "<td>60/60</td>" in cells and len(pngs) == 6

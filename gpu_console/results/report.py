@@ -1,12 +1,14 @@
 """``gpu-console report RUN… [--out DIR]``: a run's report, PNG plots and one HTML page.
 
-The plots: the train loss and every eval metric over steps (checkpoints and the starts of
-resumed or restarted sessions marked), samples/s and tokens/s, the learning rate, and each
-GPU's memory, utilisation, temperature and power over time (the host's CPU and RAM on a run
-without GPUs). The page holds the plots inline (one self-contained file), the summary
-``status`` prints, the resolved profile, the checkpoints, the sessions (launch, resumes,
-torchrun restarts) and any failure. Several runs: one set of plots with every run's curves
-overlaid, the profile keys that differ from the first run, and the summaries side by side.
+The plots (:mod:`.plots`, from :mod:`.curves`' numbers): the train loss (its interval means
+smoothed as TensorBoard does, over the raw line) and every eval metric over steps, every
+train metric the task logs, samples/s and tokens/s, the learning rate (checkpoints, later
+sessions and pauses marked), and each GPU's memory, utilisation, temperature and power over
+time (the CPU and memory of the run's processes and of the machine, on a run without GPUs).
+The page holds the plots inline (one self-contained file), the summary ``status`` prints,
+the resolved profile, the checkpoints, the sessions (launch, resumes, torchrun restarts) and
+any failure. Several runs: one set of plots with every run's curves overlaid, the profile
+keys that differ from the first run, and the summaries side by side.
 
 The events go through THE fold (:class:`Series` extends :class:`~gpu_console.fold.RunFold`
 with the series it draws); a start drops what an earlier session logged past the
@@ -19,7 +21,7 @@ from __future__ import annotations
 import base64
 import html
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +30,9 @@ from ..events import JsonlTail, read_events
 from ..fold import RunFold
 from ..runs import RunDirError
 from ..telemetry.fold import TELEMETRY_FILE
+from .curves import Telemetry
 
 INSTALL_HINT = "pip install 'gpu-console[report]'"
-GIB = 1024**3
 _NUM = (int, float)
 
 
@@ -51,10 +53,14 @@ class Series(RunFold):
         self.evals: list[dict[str, Any]] = []
         self.checkpoints: list[dict[str, Any]] = []
         self.sessions: list[dict[str, Any]] = []  # every start: launch, resume, restart
+        # (wall time paused, wall time it ended or None, step): from the engine's ``paused``
+        # status to its next status or start (the resume, or the end of the session)
+        self.pauses: list[tuple[float, float | None, int]] = []
 
     def apply(self, e: dict[str, Any]) -> None:
         super().apply(e)
         kind = e.get("kind")
+        self._pause(e)
         if kind == "step" and type(e.get("step")) is int:
             self.steps.append(e)
         elif kind == "eval" and type(e.get("step")) is int:
@@ -68,46 +74,17 @@ class Series(RunFold):
             self.evals = [s for s in self.evals if s["step"] <= at]
             self.sessions.append(e)
 
-
-@dataclass
-class Telemetry:
-    """A run's telemetry as series over time (seconds since its first sample)."""
-
-    t0: float | None = None
-    gpus: dict[int, dict[str, list[tuple[float, float]]]] = field(default_factory=dict)
-    host: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-
-    def add(self, s: dict[str, Any]) -> None:
-        t = _num(s.get("t"))
-        if t is None:
+    def _pause(self, e: dict[str, Any]) -> None:
+        kind, t = e.get("kind"), _num(e.get("t"))
+        if t is None or kind not in ("status", "start"):
             return
-        self.t0 = t if self.t0 is None else self.t0
-        x = t - self.t0  # seconds since the first sample
-        for g in s.get("gpus") or []:
-            if not isinstance(g, dict) or g.get("lost") or type(g.get("index")) is not int:
-                continue
-            series = self.gpus.setdefault(g["index"], {})
-            for key, scale in GPU_SERIES:
-                if (v := _num(g.get(key))) is not None:
-                    series.setdefault(key, []).append((x, v * scale))
-        host = s.get("host")
-        if isinstance(host, dict):
-            for key, scale in HOST_SERIES:
-                if (v := _num(host.get(key))) is not None:
-                    self.host.setdefault(key, []).append((x, v * scale))
-
-
-# (telemetry field, scale) → plotted as (title, unit)
-GPU_SERIES = (("memory_used", 1 / GIB), ("util_gpu", 1), ("temperature_c", 1), ("power_w", 1))
-HOST_SERIES = (("cpu_percent", 1), ("ram_used", 1 / GIB))
-TITLES = {
-    "memory_used": "memory used (GiB)",
-    "util_gpu": "utilisation (%)",
-    "temperature_c": "temperature (°C)",
-    "power_w": "power (W)",
-    "cpu_percent": "host CPU (%)",
-    "ram_used": "host RAM used (GiB)",
-}
+        open_ = bool(self.pauses) and self.pauses[-1][1] is None
+        if kind == "status" and e.get("state") == "paused":
+            if not open_:
+                self.pauses.append((t, None, self.step))
+        elif open_:
+            start, _, step = self.pauses[-1]
+            self.pauses[-1] = (start, t, step)
 
 
 @dataclass
@@ -123,9 +100,8 @@ class RunData:
         return self.run.name
 
 
-def load(run: Path, runs_dir: Path) -> RunData:
-    from ..commands import status as status_cmd
-
+def load_series(run: Path) -> tuple[Series, Telemetry]:
+    """A run's events through the fold, and its telemetry, as the plots draw them."""
     series = Series()
     for e in read_events(run / "events.jsonl"):
         series.apply(e)
@@ -133,6 +109,15 @@ def load(run: Path, runs_dir: Path) -> RunData:
     for s in JsonlTail(run / TELEMETRY_FILE).read():
         if s.get("kind") == "sample":
             telemetry.add(s)
+        elif s.get("kind") == "summary":  # a recorder's last line: its session ended
+            telemetry.end_session()
+    return series, telemetry
+
+
+def load(run: Path, runs_dir: Path) -> RunData:
+    from ..commands import status as status_cmd
+
+    series, telemetry = load_series(run)
     path, follower, row = status_cmd.status(str(run), runs_dir)
     fields = status_cmd.to_json(path, follower, row)
     try:
@@ -156,166 +141,21 @@ def _pyplot():
     return plt
 
 
-def _marks(ax, d: RunData, color: str, several: bool) -> None:
-    """Checkpoints (dotted) and the starts of later sessions (dashed) on a step axis."""
-    alpha = 0.25 if several else 0.45
-    for c in d.series.checkpoints:
-        if type(c.get("step")) is int:
-            ax.axvline(c["step"], color=color, linestyle=":", linewidth=0.8, alpha=alpha)
-    for s in d.series.sessions[1:]:
-        ax.axvline(int(s.get("start_step") or 0), color=color, linestyle="--", linewidth=1.0,
-                   alpha=min(1.0, alpha * 2))  # fmt: skip
-
-
-def _xy(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    xs, ys = [], []
-    for r in rows:
-        v = _num(r.get(key))
-        if v is not None:
-            xs.append(r["step"])
-            ys.append(v)
-    return xs, ys
-
-
-def _eval_metrics(runs: list[RunData]) -> list[str]:
-    names: list[str] = []
-    for d in runs:
-        for e in d.series.evals:
-            for k, v in e.items():
-                if k not in ("v", "t", "kind", "step") and type(v) in _NUM and k not in names:
-                    names.append(k)
-    return names
-
-
 def plot_all(runs: list[RunData], out: Path) -> list[tuple[str, Path]]:
-    """Every plot with something to draw: (title, PNG path)."""
+    """Every plot with something to draw, saved as PNG: (caption, path)."""
+    from .plots import figures
+
     plt = _pyplot()
-    colors = [c["color"] for c in plt.rcParams["axes.prop_cycle"]]
-    several = len(runs) > 1
     made: list[tuple[str, Path]] = []
-
-    def save(fig, name: str, title: str) -> None:
-        fig.tight_layout()
-        path = out / f"{name}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append((title, path))
-
-    def label(d: RunData, what: str) -> str:
-        return f"{d.name} {what}".strip() if several else what
-
-    # Loss, with each eval's loss-like metrics on the same axis.
-    if any(d.series.steps for d in runs):
-        fig, ax = plt.subplots(figsize=(9, 4.5))
-        for i, d in enumerate(runs):
-            color = colors[i % len(colors)]
-            ax.plot(*_xy(d.series.steps, "loss"), color=color, linewidth=1.2,
-                    label=label(d, "train loss"))  # fmt: skip
-            xs, ys = _xy(d.series.evals, "loss")
-            if xs:
-                ax.plot(xs, ys, color=color, marker="o", markersize=3, linestyle="--",
-                        label=label(d, "eval loss"))  # fmt: skip
-            _marks(ax, d, color, several)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.set_title("loss (dotted: checkpoints; dashed: a resumed or restarted session)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        save(fig, "loss", "Loss")
-
-    metrics = [m for m in _eval_metrics(runs) if m != "loss"]
-    if metrics:
-        cols = min(3, len(metrics))
-        rows = (len(metrics) + cols - 1) // cols
-        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-        for ax, metric in zip(axes.flat, metrics, strict=False):
-            for i, d in enumerate(runs):
-                xs, ys = _xy(d.series.evals, metric)
-                if xs:
-                    ax.plot(xs, ys, color=colors[i % len(colors)], marker="o", markersize=3,
-                            label=d.name if several else None)  # fmt: skip
-                    _marks(ax, d, colors[i % len(colors)], several)
-            ax.set_title(f"eval {metric}", fontsize=10)
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
-        for ax in list(axes.flat)[len(metrics) :]:
-            ax.set_visible(False)
-        if several:
-            axes.flat[0].legend(fontsize=7)
-        save(fig, "eval", "Eval metrics")
-
-    if any(_xy(d.series.steps, "samples_per_s")[0] for d in runs):
-        tokens = any(_xy(d.series.steps, "tokens_per_s")[0] for d in runs)
-        fig, axes = plt.subplots(1, 2 if tokens else 1, figsize=(9, 3.6), squeeze=False)
-        for j, key in enumerate(["samples_per_s", "tokens_per_s"][: 2 if tokens else 1]):
-            ax = axes[0][j]
-            for i, d in enumerate(runs):
-                ax.plot(*_xy(d.series.steps, key), color=colors[i % len(colors)], linewidth=1,
-                        label=d.name if several else None)  # fmt: skip
-            ax.set_title(key.replace("_per_s", "/s"), fontsize=10)
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
-            if several:
-                ax.legend(fontsize=7)
-        save(fig, "throughput", "Throughput")
-
-    if any(_xy(d.series.steps, "lr")[0] for d in runs):
-        fig, ax = plt.subplots(figsize=(9, 3.2))
-        for i, d in enumerate(runs):
-            color = colors[i % len(colors)]
-            groups = {k for s in d.series.steps for k in (s.get("lrs") or {})}
-            if groups:
-                for g in sorted(groups):
-                    xs = [s["step"] for s in d.series.steps if _num((s.get("lrs") or {}).get(g))]
-                    ys = [s["lrs"][g] for s in d.series.steps if _num((s.get("lrs") or {}).get(g))]
-                    ax.plot(xs, ys, linewidth=1, label=label(d, g))
-            else:
-                ax.plot(*_xy(d.series.steps, "lr"), color=color, linewidth=1,
-                        label=d.name if several else None)  # fmt: skip
-        ax.set_title("learning rate", fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if several or ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        save(fig, "lr", "Learning rate")
-
-    span = max((p[0] for d in runs for series in [*d.telemetry.gpus.values(), d.telemetry.host]
-                for points in series.values() for p in points), default=0.0)  # fmt: skip
-    per, unit = (60.0, "minutes") if span > 180 else (1.0, "seconds")
-
-    def timeline(points: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
-        return [p[0] / per for p in points], [p[1] for p in points]
-
-    if any(d.telemetry.gpus for d in runs):
-        fig, axes = plt.subplots(2, 2, figsize=(10, 6), squeeze=False)
-        for ax, (key, _) in zip(axes.flat, GPU_SERIES, strict=True):
-            for i, d in enumerate(runs):
-                for gi, (index, series) in enumerate(sorted(d.telemetry.gpus.items())):
-                    points = series.get(key) or []
-                    if points:
-                        ax.plot(*timeline(points), linewidth=1,
-                                color=colors[(i * 4 + gi) % len(colors)],
-                                label=label(d, f"GPU {index}"))  # fmt: skip
-            ax.set_title(TITLES[key], fontsize=10)
-            ax.set_xlabel(unit)
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
-        save(fig, "gpus", "GPUs")
-    elif any(d.telemetry.host for d in runs):
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), squeeze=False)
-        for ax, (key, _) in zip(axes.flat, HOST_SERIES, strict=True):
-            for i, d in enumerate(runs):
-                points = d.telemetry.host.get(key) or []
-                color = colors[i % len(colors)]
-                ax.plot(*timeline(points), linewidth=1, color=color,
-                        label=d.name if several else None)  # fmt: skip
-            ax.set_title(TITLES[key], fontsize=10)
-            ax.set_xlabel(unit)
-            ax.grid(alpha=0.3)
-            if several:
-                ax.legend(fontsize=7)
-        save(fig, "host", "Host (no GPU telemetry)")
+    figs = figures(plt, runs)
+    try:
+        for name, caption, fig in figs:
+            path = out / f"{name}.png"
+            fig.savefig(path, dpi=110)
+            made.append((caption, path))
+    finally:
+        for _, _, fig in figs:
+            plt.close(fig)
     return made
 
 

@@ -14,6 +14,9 @@ every telemetry sample; nothing here reads the files again. Tags:
   time, on the step the run had reached then (from the last step event and the step time);
 - text: ``profile`` (the resolved run.toml) and ``start`` (the start event's settings).
 
+Beside them, in ``RUN/tensorboard/hparams/``, the HParams tab's session of the run: its
+profile's keys against its final train loss and eval metrics (:mod:`.hparams`).
+
 A ``start`` event (a launch, a resume, a torchrun restart) writes TensorBoard's purge mark
 (a ``SessionLog.START`` at ``start_step + 1``): a reader drops what an earlier session wrote
 past the checkpoint this one starts from, so a resumed run continues one curve without
@@ -42,9 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import diskfull
-from . import scalars
+from . import hparams, scalars
 
 DIR = "tensorboard"
+HPARAMS_DIR = "hparams"  # under DIR: the HParams tab's run (results/hparams.py)
 INSTALL_HINT = "pip install 'gpu-console[tensorboard]'"
 _NUM = (int, float)
 
@@ -78,10 +82,10 @@ class TensorBoardMirror:
         self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
         self.dir = Path(run_dir) / DIR
         self.profile_text = profile_text
-        self.dropped = 0  # records a full disk kept out
         self.telemetry_skipped = 0  # samples with no step of their own left (see sample())
-        self.path: Path | None = None
-        self._fd: int | None = None
+        self._curves = _EventFile(self.dir, event_pb2)
+        self._hparams = _EventFile(self.dir / HPARAMS_DIR, event_pb2)
+        self._train_loss: tuple[int, float, dict[str, float]] | None = None  # newest, unwritten
         self._started = False  # a start event seen: until then a sample has no step
         self._step = 0  # the newest step of a step event (or the start's step)
         self._step_t: float | None = None
@@ -91,6 +95,19 @@ class TensorBoardMirror:
         self._telemetry_step = -1  # the newest step a sample was written at
         self._texts = False
 
+    @property
+    def dropped(self) -> int:
+        """Records a full disk kept out."""
+        return self._curves.dropped + self._hparams.dropped
+
+    @property
+    def path(self) -> Path | None:
+        return self._curves.path
+
+    @property
+    def hparams_path(self) -> Path | None:
+        return self._hparams.path
+
     # -- what the supervisor feeds -------------------------------------------------------
     def event(self, e: dict[str, Any]) -> None:
         kind, t = e.get("kind"), e.get("t")
@@ -99,6 +116,7 @@ class TensorBoardMirror:
             self._step_event(e, t)
         elif kind == "eval" and type(e.get("step")) is int:
             self._scalars(e["step"], t, scalars.of_eval(e))
+            self._final(e["step"], t, hparams.final_eval(e))
         elif kind == "start":
             self._start(e, t)
 
@@ -124,9 +142,12 @@ class TensorBoardMirror:
         self._scalars(step, float(t), values)
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        try:
+            if self._train_loss is not None:  # the session's last train loss, final
+                self._final(*self._train_loss)
+        finally:
+            self._curves.close()
+            self._hparams.close()
 
     # -- events --------------------------------------------------------------------------
     def _start(self, e: dict[str, Any], t: float) -> None:
@@ -135,22 +156,30 @@ class TensorBoardMirror:
         self._step, self._step_t, self._step_time, self._interval = step, None, None, None
         self._telemetry_step = step  # the purge mark is at step + 1: samples from there
         self._max_steps = e.get("max_steps") if type(e.get("max_steps")) is int else None
+        self._train_loss = None
         ev = self._event_pb2
         # What an earlier session (or attempt) wrote past this start's checkpoint goes.
-        self._write(
-            ev.Event(
-                wall_time=t, step=step + 1, session_log=ev.SessionLog(status=ev.SessionLog.START)
+        for file in (self._curves, self._hparams):
+            file.write(
+                ev.Event(
+                    wall_time=t,
+                    step=step + 1,
+                    session_log=ev.SessionLog(status=ev.SessionLog.START),
+                )
             )
-        )
         if not self._texts:  # the first start of this session: what it runs
             self._texts = True
             self._text("profile", step, t, _code_block(self.profile_text))
+            summary = hparams.session_start(hparams.flatten(self.profile_text, e), t)
+            self._hparams.write(ev.Event(wall_time=t, step=step, summary=summary))
         self._text("start", step, t, _settings_table(e))
 
     def _step_event(self, e: dict[str, Any], t: float) -> None:
         step = e["step"]
         values = scalars.of_step(e)
         self._scalars(step, t, values)
+        if loss := hparams.final_train_loss(e):
+            self._train_loss = (step, t, loss)
         if step > self._step:
             self._interval = step - self._step
         self._step, self._step_t = step, t
@@ -180,15 +209,39 @@ class TensorBoardMirror:
             if _number(v) and type(v) is not bool
         ]
         if kept:
-            self._write(
+            self._curves.write(
                 self._event_pb2.Event(wall_time=t, step=step, summary=sp.Summary(value=kept))
             )
 
+    def _final(self, step: int, t: float, values: dict[str, float]) -> None:
+        """The HParams tab's metrics: the eval's, with the newest train loss beside them."""
+        if self._train_loss is not None:
+            values = {**self._train_loss[2], **values}
+        sp = self._summary_pb2
+        kept = [sp.Summary.Value(tag=tag, simple_value=v) for tag, v in values.items()]
+        if kept:
+            self._hparams.write(
+                self._event_pb2.Event(wall_time=t, step=step, summary=sp.Summary(value=kept))
+            )
+        self._train_loss = None
+
     def _text(self, tag: str, step: int, t: float, markdown: str) -> None:
         summary = text_summary(tag, markdown)
-        self._write(self._event_pb2.Event(wall_time=t, step=step, summary=summary))
+        self._curves.write(self._event_pb2.Event(wall_time=t, step=step, summary=summary))
 
-    def _write(self, event) -> None:
+
+class _EventFile:
+    """One session's event file in one directory (a TensorBoard run), opened at its first
+    record; a full disk only drops records (:attr:`dropped`)."""
+
+    def __init__(self, directory: Path, event_pb2) -> None:
+        self.dir = directory
+        self._event_pb2 = event_pb2
+        self.dropped = 0
+        self.path: Path | None = None
+        self._fd: int | None = None
+
+    def write(self, event) -> None:
         try:
             if self._fd is None:
                 self._open(event.wall_time or time.time())
@@ -198,6 +251,11 @@ class TensorBoardMirror:
             if diskfull.classify(e, self.dir) is None:
                 raise
             self.dropped += 1  # no room now: this record goes, the next one tries again
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def _open(self, t: float) -> None:
         """This session's file, named as TensorBoard names its own: a reader takes a

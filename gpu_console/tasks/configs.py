@@ -63,7 +63,8 @@ class Autoencoder3DConfig:
     train_samples: int = opt(2048, "synthetic training volumes", min=1)
     eval_samples: int = opt(128, "synthetic held-out volumes", min=0)
     slice_png: bool = opt(
-        True, "each eval writes the middle slice of one held-out volume as a PNG (task/)"
+        True,
+        "each eval writes the fullest slice of one held-out volume as a labelled PNG (task/)",
     )
     data_seed: int = opt(1234, "seed of the synthetic data set (the same on every rank)")
 
