@@ -42,7 +42,7 @@ RECORD_BYTES = 512
 STEP_S_WEIGHT = 0.2
 # Phases between two steps that are not the step's own work: a gap spanning one is not
 # measured (a pause's minutes, an eval, a checkpoint would pass for a slow step).
-NOT_A_STEP = ("paused", "eval", "checkpoint")
+NOT_A_STEP = frozenset(("paused", "eval", "checkpoint"))
 
 
 def path_for(run_dir: Path, rank: int) -> Path:
@@ -84,14 +84,8 @@ class Heartbeat:
         """Where the loop is now. Cheap: called several times a step."""
         now = time.time()
         if step != self.step:
-            if step == self.step + 1 and self._measurable and self._step_t is not None:
-                took = now - self._step_t
-                s = self.step_s
-                self.step_s = took if s is None else s + STEP_S_WEIGHT * (took - s)
-            # A rank's first step (warm-up, a compile) is not its pace: measured from the next.
-            self._measurable = self._step_t is not None
-            self._step_t = self.moved = now
-        elif detail != self.detail and detail:  # the eval's next batch
+            self._advanced(step, now)
+        elif detail and detail != self.detail:  # the eval's next batch
             self.moved = now
         if phase in NOT_A_STEP:
             self._measurable = False
@@ -99,6 +93,16 @@ class Heartbeat:
         self.phase = phase
         self.detail = detail
         self.since = now
+
+    def _advanced(self, step: int, now: float) -> None:
+        """A new step began (once a step): the last one's time into ``step_s``."""
+        if step == self.step + 1 and self._measurable and self._step_t is not None:
+            took = now - self._step_t
+            s = self.step_s
+            self.step_s = took if s is None else s + STEP_S_WEIGHT * (took - s)
+        # A rank's first step (warm-up, a compile) is not its pace: measured from the next.
+        self._measurable = self._step_t is not None
+        self._step_t = self.moved = now
 
     def _record(self) -> bytes:
         doc = {
