@@ -302,7 +302,9 @@ def derived_state(
     :func:`.stall.stalled` decides, from status.json's signs (``step_time_s``: a reader's
     own median of the step times, else status.json's) and, with ``run_dir``, the ranks'
     heartbeats. ``fold``: a reader's own fold of the events, ahead of status.json (the
-    supervisor writes it a tick later): its state and signs are judged with status.json's.
+    supervisor writes it a tick later): its signs count with status.json's, and a run is
+    judged ``running`` only where its state says so too (a pause the supervisor has not
+    written yet is no stall).
     """
     state = status.get("state", "starting")
     if status.get("ended") or state in FINAL_STATES:
@@ -312,9 +314,10 @@ def derived_state(
         return "lost"
     view = status
     if fold is not None and fold.events:
-        state = fold.state
         view = {**status, **_signs(fold, status)}
-    if stalled(state, view, now, step_time_s or status.get("step_time_s"), run_dir):
+    # Running is judged where both say so: the engine's newer word (paused) vetoes it.
+    judged = fold.state if fold is not None and fold.events and state == "running" else state
+    if stalled(judged, view, now, step_time_s or status.get("step_time_s"), run_dir):
         return "stalled"
     return state
 
