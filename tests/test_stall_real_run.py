@@ -1,6 +1,7 @@
 """A real run's own heartbeats and events, judged as every view judges them, through a log
 interval twice the stall limit, a pause longer than it and the resume up to the first step
-event after it: never ``stalled`` (issue 42, point 8). One run in the engine harness.
+event after it: never ``stalled`` (issue 42, point 8). One run of two ranks in the engine
+harness: a stall is "no rank advanced", and a pause is the ranks' agreement.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def test_a_long_log_interval_and_a_pause_are_never_stalled_in_a_real_run(tmp_pat
     monkeypatch.setenv("GPU_CONSOLE_STALL_S", f"{limit:.2f}")
     pace = 0.02
     log_every = math.ceil(2 * limit / pace)  # a log interval of at least twice the limit
-    profile = paced_profile(tmp_path, max_steps=1_000_000)
+    profile = paced_profile(tmp_path, max_steps=1_000_000, ranks=2)
     runs = tmp_path / "runs"
     verdicts: list[tuple[str, str, str]] = []  # (what the run was doing, ls's, the consoles')
     errors: list[BaseException] = []
@@ -79,7 +80,7 @@ def test_a_long_log_interval_and_a_pause_are_never_stalled_in_a_real_run(tmp_pat
     driver = threading.Thread(target=drive, daemon=True)
     driver.start()
     run = run_engine(tmp_path, profile, f"train.log_every={log_every}", runs_dir=runs,
-                     env={"PACE_S": str(pace)})  # fmt: skip
+                     ranks=2, env={"PACE_S": str(pace)})  # fmt: skip
     driver.join()
     if errors:
         raise errors[0]
