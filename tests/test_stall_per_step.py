@@ -7,6 +7,7 @@ own record of progress on a fake clock; ``test_stall_real_run.py`` runs the engi
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -192,3 +193,27 @@ def test_the_heartbeat_record_with_its_new_fields_fits_its_fixed_size(tmp_path):
         assert hb._record().rstrip().endswith(b"}")  # whole, not cut
     finally:
         hb.close("done")
+
+
+def _write_beats(run, beats: list[dict]) -> None:
+    folder = run / "heartbeats"
+    folder.mkdir(parents=True, exist_ok=True)
+    for b in beats:
+        (folder / f"rank-{b['rank']:05d}.json").write_text(json.dumps(b))
+
+
+def test_ls_reads_the_heartbeat_files_and_says_how_long_the_run_was_quiet(tmp_path):
+    now = time.time()
+    # A step event 45 s ago (50 steps between them), the ranks advanced 0.2 s ago.
+    status = {**live(last_step_t=now - 45, step_time_s=0.1, log_steps=50), "started": now - 600}
+    _write_beats(tmp_path, [beat(r, 9_849, now - 0.2, 0.1, t=now - 0.3) for r in (0, 1)])
+    assert derived_state(status, now, run_dir=tmp_path) == "running"
+    assert stall.quiet_s(status, now, tmp_path) == pytest.approx(0.2, abs=0.01)
+    assert stall.quiet_s(status, now) == pytest.approx(45, abs=0.01)  # the events alone
+    # The ranks stopped advancing 40 s ago, their threads still beating: stalled, and the
+    # consoles' "no step for N s" counts from the ranks' last advance, not the step event.
+    _write_beats(tmp_path, [beat(r, 9_860, now - 40, 0.1, t=now - 0.3) for r in (0, 1)])
+    assert derived_state(status, now, run_dir=tmp_path) == "stalled"
+    assert stall.quiet_s(status, now, tmp_path) == pytest.approx(40, abs=0.01)
+    # An earlier session's records (older than this session's start) are not this run's.
+    assert stall.quiet_s({**status, "started": now}, now, tmp_path) == pytest.approx(45, abs=0.01)
