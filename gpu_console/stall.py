@@ -87,7 +87,7 @@ def session_beats(beats: list[dict[str, Any]], started: Any) -> list[dict[str, A
 
 def _paused_turns(beat: dict[str, Any], now: float, floor: float) -> bool:
     since = beat.get("since")
-    return not _number(since) or now - since <= floor
+    return not isinstance(since, (int, float)) or now - since <= floor
 
 
 def no_progress(
