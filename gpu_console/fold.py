@@ -8,11 +8,10 @@ show. One rule each, so that they never disagree on the same events:
   carries (log steps may be far apart), else a ``start``'s ``start_step``;
 - best loss: the lowest finite loss over every session of the run (a NaN is never best);
 - best checkpoint: the newest checkpoint event marked ``best`` (``checkpoint.keep_best``);
-- stall: no step for max(30 s, 10 × the median step time of the current torchrun group),
-  where an eval batch (a ``progress`` event of the eval in progress) counts as a step; or,
-  in any phase from the first heartbeat on, a live rank whose heartbeat thread has been
-  silent for 30 s (the thread writes every second whatever the rank does: see
-  :func:`.heartbeats.frozen_ranks`);
+- stall: decided in :mod:`.stall` for every reader (no rank advanced for max(30 s, 10 × the
+  time per step), judged from the ranks' heartbeats per step; or a frozen heartbeat); the
+  fold keeps the events' signs it reads: the newest step's and eval batch's time, an eval's
+  end, when the run last began or resumed ``running``, the steps between step events;
 - means (MFU, samples/s): over the current session (a resume may run on other hardware);
   a torchrun restart within a session continues its session;
 - restarts: the newest ``start``'s count (torchrun's, within the session);
@@ -26,17 +25,17 @@ Imports no torch and nothing heavy: the supervisor folds with it.
 from __future__ import annotations
 
 import math
-import os
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 from .events import KINDS
-from .heartbeats import elsewhere, frozen_ranks, pid_alive
+from .heartbeats import elsewhere, pid_alive
 from .runs import FINAL_STATES
 
-STALL_MIN_S = 30.0
-STALL_FACTOR = 10.0
+# The stall's rule lives in stall.py; its names stay importable from here.
+from .stall import STALL_FACTOR, STALL_MIN_S, stall_limit_s, stall_min_s, stalled  # noqa: F401
+
 STEP_TIMES = 50  # step events whose step time makes the median the stall limit uses
 
 
@@ -72,6 +71,10 @@ class RunFold:
         self.first_step_t: float | None = None  # this torchrun group's first step: its rate
         self.first_step = 0
         self.last_step_t: float | None = None
+        self.log_steps: int | None = None  # steps between the two newest step events
+        # When the run last became ``running`` (its start, a compile's end, a pause's end):
+        # a sign of life until the next step, which may be a log interval away.
+        self.running_since: float | None = None
         # The eval in progress (rank 0's ``progress`` events): its batches are signs of life.
         self.eval_progress: dict[str, Any] | None = None
         # The end of the newest eval: a sign of life too, until the next step (the time
@@ -104,6 +107,9 @@ class RunFold:
             step = e.get("step")
             if type(step) is not int:
                 return
+            before = self.last_step.get("step")
+            if type(before) is int and step > before:
+                self.log_steps = step - before
             self.step = step
             self.last_step = e
             self.last_step_t = t
@@ -145,7 +151,7 @@ class RunFold:
             self.restarts = int(e.get("restart") or 0)
             self.max_restarts = e.get("max_restarts")
             # A new torchrun group (restart or resume) has made no step yet: its own rate.
-            self.first_step_t = self.last_step_t = None
+            self.first_step_t = self.last_step_t = self.running_since = None
             self.step_times.clear()
             if not self.restarts:  # a new session (a launch or a resume)
                 self.mfu_sum, self.mfu_count = 0.0, 0
@@ -157,6 +163,8 @@ class RunFold:
             self.compiling_since = (
                 (since if type(since) in _NUM else t) if self.state == "compiling" else None
             )
+            if self.state == "running" and type(t) in _NUM:
+                self.running_since = t
             self.step = true_step(e, self.step)
             if self.state == "stopped":
                 self.checkpointed = e.get("checkpointed", True) is not False
@@ -236,6 +244,7 @@ class RunFold:
         if not self.events:
             return out
         out.update(step=self.step, loss=self.loss, last_step_t=self.last_step_t)
+        out.update(running_since=self.running_since, log_steps=self.log_steps)
         if self.step_times:
             out["step_time_s"] = self.step_time_s
         out["eval_progress"] = self.eval_progress
@@ -276,19 +285,6 @@ class RunFold:
 # -- the state a reader shows ------------------------------------------------------------------
 
 
-def stall_min_s() -> float:
-    """Seconds without a step before a running run is ``stalled`` (``$GPU_CONSOLE_STALL_S``)."""
-    try:
-        return max(0.1, float(os.environ.get("GPU_CONSOLE_STALL_S", STALL_MIN_S)))
-    except ValueError:
-        return STALL_MIN_S
-
-
-def stall_limit_s(step_time_s: float | None) -> float:
-    """max(30 s, 10× the median step time): a slow step is not a stall."""
-    return max(stall_min_s(), STALL_FACTOR * (step_time_s or 0.0))
-
-
 class StalledError(Exception):
     """A request that needs a step boundary, to a run that cannot reach one now."""
 
@@ -298,15 +294,17 @@ def derived_state(
     now: float,
     step_time_s: float | None = None,
     run_dir: Path | None = None,
+    fold: RunFold | None = None,
 ) -> str:
     """The state a reader shows: status.json's, or ``lost`` / ``stalled`` (DESIGN.md).
 
-    ``lost``: status says the run is live but its supervisor is gone. ``stalled``: running,
-    but no step (nor eval batch, nor an eval's end) for max(30 s, 10× the median step time,
-    which the supervisor keeps in status.json; a reader with its own :class:`RunFold` may
-    pass the same median); or, with ``run_dir``, in any live state, a rank whose heartbeat
-    has been silent for the stall minimum (a rank frozen in start-up has made no step to be
-    late for).
+    ``lost``: status says the run is live but its supervisor is gone. ``stalled``: as
+    :func:`.stall.stalled` decides, from status.json's signs (``step_time_s``: a reader's
+    own median of the step times, else status.json's) and, with ``run_dir``, the ranks'
+    heartbeats. ``fold``: a reader's own fold of the events, ahead of status.json (the
+    supervisor writes it a tick later): its signs count with status.json's, and a run is
+    judged ``running`` only where its state says so too (a pause the supervisor has not
+    written yet is no stall).
     """
     state = status.get("state", "starting")
     if status.get("ended") or state in FINAL_STATES:
@@ -314,18 +312,28 @@ def derived_state(
     # A session on another machine: its pids mean nothing here (its own host judges it).
     if not elsewhere(status) and not pid_alive(status.get("pids", {}).get("supervisor")):
         return "lost"
-    last = status.get("last_step_t")
-    evaluating = status.get("eval_progress") or {}
-    if type(evaluating.get("t")) in _NUM:  # an eval batch is a sign of life, like a step
-        last = max(last or 0.0, evaluating["t"])
-    if type(ended := status.get("eval_end_t")) in _NUM:  # and so is an eval's end
-        last = max(last or 0.0, ended)
-    limit = stall_limit_s(step_time_s or status.get("step_time_s"))
-    if state == "running" and last and now - last > limit:
-        return "stalled"
-    if run_dir is not None and frozen_ranks(run_dir, now, stall_min_s(), status.get("started")):
+    view = status
+    if fold is not None and fold.events:
+        view = {**status, **_signs(fold, status)}
+    # Running is judged where both say so: the engine's newer word (paused) vetoes it.
+    judged = fold.state if fold is not None and fold.events and state == "running" else state
+    if stalled(judged, view, now, step_time_s or status.get("step_time_s"), run_dir):
         return "stalled"
     return state
+
+
+def _signs(fold: RunFold, status: dict[str, Any]) -> dict[str, Any]:
+    """The fold's signs of progress where they are newer than status.json's."""
+    out: dict[str, Any] = {}
+    for key in ("last_step_t", "eval_end_t", "running_since"):
+        mine, theirs = getattr(fold, key), status.get(key)
+        if _number(mine) and not (_number(theirs) and theirs >= mine):
+            out[key] = mine
+    if fold.eval_progress is not None or fold.eval_end_t is not None:
+        out["eval_progress"] = fold.eval_progress
+    if fold.log_steps is not None:
+        out["log_steps"] = fold.log_steps
+    return out
 
 
 def shown_state(
@@ -341,5 +349,7 @@ def shown_state(
     state, _ = fold.session_state(status, started)
     if not status or status.get("ended"):
         return state
-    derived = derived_state(status, now, fold.step_time_s, run_dir)
+    # A resumed session whose engine has not spoken: the fold's events are an earlier one's.
+    own = None if fold.new_session(status, started) else fold
+    derived = derived_state(status, now, fold.step_time_s, run_dir, own)
     return derived if derived in ("lost", "stalled", *FINAL_STATES) else state

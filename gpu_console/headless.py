@@ -46,6 +46,7 @@ from .heartbeats import all_beating
 from .lost import settle
 from .resume_changes import line as change_line
 from .runs import EXIT_FAILED
+from .stall import quiet_s
 from .state import (
     HEARTBEAT_SILENT_S,
     RunFollower,
@@ -156,11 +157,11 @@ class Stalls:
         stalled = not st.done and st.shown_state(now) == "stalled"
         if stalled and not self.said:
             self.said = True
-            last = st.status.get("last_step_t")
-            self.stalled_since = last or now
+            quiet = quiet_s(st.status, now, self.run_dir)
+            self.stalled_since = now - quiet if quiet is not None else now
             who = describe_stopped(read_heartbeats(self.run_dir), now)
             # Frozen before its first step (a silent heartbeat): no step to be late for.
-            text = f"stalled: no step for {now - last:.0f} s" if last else f"stalled ({st.state})"
+            text = f"stalled: no step for {quiet:.0f} s" if quiet else f"stalled ({st.state})"
             if who:
                 text += f"; stopped: {who}"
             said = Text.assemble((text, "red"))

@@ -26,6 +26,7 @@ from ..fold import StalledError
 from ..lost import settle
 from ..runs import FINAL_STATES, RunDirError, find_run, read_json, read_status, status_exit_code
 from ..session_lock import is_held
+from ..stall import quiet_s
 from ..state import derived_state, describe_stopped, gpu_figures, read_heartbeats
 from .select import profile_name
 
@@ -178,8 +179,8 @@ def stalled_text(run: Path, cmd: str, sent: bool) -> str:
     now = time.time()
     status = read_status(run)
     who = describe_stopped(read_heartbeats(run), now)
-    if not who and status.get("last_step_t"):
-        who = f"no step for {now - status['last_step_t']:.0f} s"
+    if not who and (quiet := quiet_s(status, now, run)) is not None:
+        who = f"no step for {quiet:.0f} s"
     what = {"stop": "a graceful stop", "checkpoint": "a checkpoint"}.get(cmd, f"'{cmd}'")
     text = f"{run.name} is stalled: {who or 'no sign of life'}; {what} needs a step boundary"
     if sent:  # it stays queued: a run that moves again acts on it

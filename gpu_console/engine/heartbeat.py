@@ -12,6 +12,12 @@ place (one ``pwrite`` of a fixed-size record, so the file never shrinks or grows
   in progress in ``data``/``compute``/``update``, the step just completed in the later
   phases, so (step, phase) grows monotonically. In a hang, the rank furthest behind is the
   one that stopped; the others wait for it in a collective.
+- ``moved``: when the rank last advanced (a new step, or a new eval batch); null before it
+  has. ``step_s``: the rank's own time per step (a moving average of the time from one
+  step's start to the next's, left out for the rank's first step and where a pause, an eval
+  or a checkpoint came between them); null until it has a step to measure. A reader judges
+  a stall from these, per step, whatever the log interval (``gpu_console/stall.py``); both
+  are kept by :meth:`Heartbeat.set`, which the loop calls anyway: no write, no collective.
 
 This is not a writer of ``events.jsonl`` (rank 0 alone writes that). No torch here.
 """
@@ -31,6 +37,12 @@ from ..heartbeats import DIR, ENDED, PHASES  # noqa: F401 - the file's contract,
 
 INTERVAL_S = 1.0
 RECORD_BYTES = 512
+# A step's time reaches ``step_s`` at this weight: a few steps follow a change of pace, and
+# one slow step (a data loader's hiccup) moves it little.
+STEP_S_WEIGHT = 0.2
+# Phases between two steps that are not the step's own work: a gap spanning one is not
+# measured (a pause's minutes, an eval, a checkpoint would pass for a slow step).
+NOT_A_STEP = frozenset(("paused", "eval", "checkpoint"))
 
 
 def path_for(run_dir: Path, rank: int) -> Path:
@@ -54,6 +66,10 @@ class Heartbeat:
         self.phase = "starting"
         self.detail = ""  # within the phase: the eval's batch (``120/400``)
         self.since = time.time()
+        self.moved: float | None = None  # when the rank last advanced: a step, an eval batch
+        self.step_s: float | None = None  # the rank's time per step, measured
+        self._step_t: float | None = None  # when the step in progress began
+        self._measurable = False  # nothing but the step's own work since it began
         self._host = socket.gethostname()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -66,10 +82,27 @@ class Heartbeat:
 
     def set(self, step: int, phase: str, detail: str = "") -> None:
         """Where the loop is now. Cheap: called several times a step."""
+        now = time.time()
+        if step != self.step:
+            self._advanced(step, now)
+        elif detail and detail != self.detail:  # the eval's next batch
+            self.moved = now
+        if phase in NOT_A_STEP:
+            self._measurable = False
         self.step = step
         self.phase = phase
         self.detail = detail
-        self.since = time.time()
+        self.since = now
+
+    def _advanced(self, step: int, now: float) -> None:
+        """A new step began (once a step): the last one's time into ``step_s``."""
+        if step == self.step + 1 and self._measurable and self._step_t is not None:
+            took = now - self._step_t
+            s = self.step_s
+            self.step_s = took if s is None else s + STEP_S_WEIGHT * (took - s)
+        # A rank's first step (warm-up, a compile) is not its pace: measured from the next.
+        self._measurable = self._step_t is not None
+        self._step_t = self.moved = now
 
     def _record(self) -> bytes:
         doc = {
@@ -82,6 +115,8 @@ class Heartbeat:
             "phase": self.phase,
             "detail": self.detail,
             "since": round(self.since, 3),
+            "moved": None if self.moved is None else round(self.moved, 3),
+            "step_s": None if self.step_s is None else round(self.step_s, 4),
             "t": round(time.time(), 3),
         }
         data = strict_json.dumps(doc, separators=(",", ":")).encode()

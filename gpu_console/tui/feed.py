@@ -25,6 +25,7 @@ from ..format import human_bytes, optimizer_line, strategy_text
 from ..heartbeats import pid_alive
 from ..lost import settle
 from ..runs import FINAL_STATES, current_session, list_checkpoints, read_json, read_status
+from ..stall import quiet_s
 from . import reader
 from .devices import DeviceFeed, DeviceView
 from .series import Point, Series
@@ -360,8 +361,10 @@ class RunFeed:
         return self.state in LIVE_STATES
 
     def _stalled_because(self, now: float) -> str:
+        quiet = quiet_s(self.status, now, self.run_dir)
+        why = f"no step for {quiet:.0f} s" if quiet is not None else "no sign of life"
         stopped = _stalled_ranks(self.run_dir, now)
-        return f"no step for long; stopped: {stopped}" if stopped else "no step for long"
+        return f"{why}; stopped: {stopped}" if stopped else why
 
     def snapshot(self) -> RunSnapshot:
         m, st = self.model, self.status
