@@ -417,19 +417,31 @@ def _by_given_name(arg: str, runs_dir: Path) -> Path | None:
     except (OSError, ValueError, NotImplementedError):
         return None
     named = [p for p in found if _launched_name(p.name) == slug and _is_run(p)]
-    return next((p for p in reversed(named) if _given_name(p) == arg), None)
+    return next((p for p in reversed(named) if given_name(p) == arg), None)
 
 
-def _given_name(run: Path) -> str | None:
-    """The name the run was launched under (run.toml's ``profile.name``), if readable."""
+def given_name(run: Path) -> str | None:
+    """The name the run was launched under (``--name``, else its profile's), if readable:
+    meta.json's ``name``; a run launched before meta.json kept it had it in run.toml's
+    ``[profile] name`` (which ``--name`` overwrote then)."""
+    meta = read_json(Path(run) / "meta.json")
+    name = meta.get("name") if isinstance(meta, dict) else None
+    if isinstance(name, str) and name:
+        return name
+    return profile_name(run) or None
+
+
+def profile_name(run: Path) -> str:
+    """run.toml's ``[profile] name``: the profile the run was launched from ("" when it
+    cannot be read; a run launched before meta.json kept its own name: its ``--name``)."""
     from .toml_text import TOMLDecodeError, loads
 
     try:
-        table = loads((run / "run.toml").read_text(encoding="utf-8")).get("profile")
+        table = loads((Path(run) / "run.toml").read_text(encoding="utf-8")).get("profile")
     except (OSError, UnicodeDecodeError, TOMLDecodeError):
-        return None
+        return ""
     name = table.get("name") if isinstance(table, dict) else None
-    return name if isinstance(name, str) else None
+    return name if isinstance(name, str) else ""
 
 
 def _by_name(name: str, runs_dir: Path) -> Path | None:

@@ -24,10 +24,18 @@ from .. import strict_json
 from ..events import append_control, read_events
 from ..fold import StalledError
 from ..lost import settle
-from ..runs import FINAL_STATES, RunDirError, find_run, read_json, read_status, status_exit_code
+from ..runs import (
+    FINAL_STATES,
+    RunDirError,
+    find_run,
+    given_name,
+    profile_name,
+    read_json,
+    read_status,
+    status_exit_code,
+)
 from ..session_lock import is_held
 from ..state import derived_state, describe_stopped, gpu_figures, read_heartbeats
-from .select import profile_name
 
 DUMP_TIMEOUT_S = 30.0
 
@@ -71,6 +79,7 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
                 "name": run.name,
                 "path": str(run),
                 "profile": profile_name(run),  # run.toml's [profile] name: ls --profile
+                "run_name": given_name(run),  # --name's (meta.json), as the user spelled it
                 "state": state,
                 "reason": status.get("reason", ""),
                 "step": status.get("step"),
