@@ -27,11 +27,14 @@ from ..lost import settle
 from ..runs import (
     FINAL_STATES,
     RunDirError,
+    damage,
     find_run,
     given_name,
+    is_run,
     profile_name,
     read_json,
     read_status,
+    rebased,
     status_exit_code,
 )
 from ..session_lock import is_held
@@ -50,7 +53,7 @@ def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
     """Every run under ``runs_dir``, newest first: ``ls`` (and ``attach``, the runs screen)."""
     if not Path(runs_dir).is_dir():
         return []
-    runs = [run for run in sorted(Path(runs_dir).iterdir()) if (run / "run.toml").is_file()]
+    runs = [run for run in sorted(Path(runs_dir).iterdir()) if is_run(run)]
     rows = run_rows(runs)
     # The newest session first: a run resumed now is the one ``attach`` opens by default.
     rows.sort(key=lambda r: r["session_started"], reverse=True)
@@ -64,7 +67,8 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
     (:func:`lost.settle`), so status.json, ``ls`` and ``status`` give one state and step.
     ``started``: when the run began (its first session); ``session_started``: when its
     latest session (a resume) began; ``updated``: its newest word (the last step, or its
-    end); ``age_s``: seconds since ``updated``.
+    end); ``age_s``: seconds since ``updated``; ``damaged``: what the directory lacks
+    (:func:`runs.damage`). Paths are this directory's (a copied run names its own files).
     """
     now = time.time()
     rows = []
@@ -87,7 +91,7 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
                 "loss": status.get("loss"),
                 "best_loss": status.get("best_loss"),  # finite losses, every session's
                 "skipped_updates": status.get("skipped_updates"),  # nan_policy = "skip"
-                "best_checkpoint": status.get("best_checkpoint"),  # checkpoint.keep_best
+                "best_checkpoint": _here(run, status.get("best_checkpoint")),  # keep_best
                 "exit_code": status_exit_code(status, state),  # None while live
                 "restarts": status.get("restarts") or 0,
                 "mfu": status.get("mfu_mean"),  # the session's mean; None with the reason:
@@ -96,9 +100,18 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
                 "session_started": session_started,
                 "updated": last,
                 "age_s": round(now - last, 1),
+                "damaged": damage(run),
             }
         )
     return rows
+
+
+def _here(run: Path, recorded: Any) -> dict[str, Any] | None:
+    """A checkpoint status.json recorded, with its path as this run directory has it."""
+    if not isinstance(recorded, dict):
+        return None
+    path = rebased(run, recorded.get("path"))
+    return {**recorded, "path": str(path.absolute()) if path else None}
 
 
 def _first_start(run: Path) -> float | None:
@@ -300,8 +313,14 @@ def ls_main(
     for r in rows:
         step = steps_text(r["step"], r["max_steps"])
         started, updated = (human_duration(now - t) + " ago" for t in (r["started"], r["updated"]))
-        table.add_row(Text(r["name"]), r["state"], step, fmt(r["loss"]), started, updated)
-    uncut(Console()).print(table)
+        state = r["state"] + (" (damaged)" if r["damaged"] else "")
+        table.add_row(Text(r["name"]), state, step, fmt(r["loss"]), started, updated)
+    console = uncut(Console())
+    console.print(table)
+    for r in rows:
+        if r["damaged"]:
+            line = f"{r['name']}: damaged: {'; '.join(r['damaged'])}"
+            console.print(Text(line), soft_wrap=True, highlight=False)
 
 
 def py_spy() -> str | None:
