@@ -610,6 +610,7 @@ def prepare(
             resume, runs_dir, hold=not several
         )
         if profile_arg is None:
+            _intact_run_toml(resume_run)  # the profile it continues with: said as damaged
             profile_arg = str(resume_run / "run.toml")
     if profile_arg is None:
         raise LaunchError("PROFILE: give a profile name or file (or --resume RUN)")
@@ -830,7 +831,7 @@ def _intact_run_toml(run: Path) -> None:
     try:
         data = parse_toml(path)
     except ProfileError as e:
-        why = e.problems[0].removeprefix(f"{path}: ")
+        why = "missing" if not path.exists() else e.problems[0].removeprefix(f"{path}: ")
     else:
         missing = [t for t in RUN_TOML_TABLES if not isinstance(data.get(t), dict)]
         task = data.get("task")
@@ -846,7 +847,8 @@ def _intact_run_toml(run: Path) -> None:
         key=lambda p: int(p.stem[4:]),
     )
     fix = f"restore it from {copies[-1]}" if copies else "restore it from a backup"
-    raise LaunchError(f"--resume: {path} is damaged ({why}); {fix}, or start a new run")
+    what = "is missing" if why == "missing" else f"is damaged ({why})"
+    raise LaunchError(f"--resume: {path} {what}; {fix}, or start a new run")
 
 
 def _same_task_kind(run: Path, profile_arg: str, sets: list[str], bad) -> None:

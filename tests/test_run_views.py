@@ -150,3 +150,32 @@ def test_after_a_crash_status_names_the_newest_complete_checkpoint(
     assert shown["checkpoint"]["step"] == FAST_RUN_STEPS
     assert shown["checkpoint"]["path"] == str(ckpts / LATEST)
     assert lines_of(text)["checkpoint"].startswith(f"checkpoints/{LATEST} (step {FAST_RUN_STEPS}")
+
+
+def test_a_copied_runs_report_names_its_own_checkpoints(fast_run, tmp_path):
+    from gpu_console.results import report
+
+    run = fast_run.copy(tmp_path / "other")
+    shutil.rmtree(run / "checkpoints" / LATEST)  # and one deleted since: said, not named
+    html = report.page([report.load(run, run.parent)], [])
+    assert f"<td>checkpoints/{LATEST} (not on disk)</td>" in html
+    assert str(fast_run.run) not in html
+
+
+def test_resume_and_export_of_a_run_without_run_toml_are_one_line(fast_run, procs, tmp_path):
+    run = fast_run.copy(tmp_path / "runs")
+    (run / "run.toml").unlink()
+    resumed = procs.cli("run", "--resume", str(run), "--headless", "--devices", "cpu:1",
+                        "--set", "train.max_steps=20")  # fmt: skip
+    assert resumed.returncode == 2, resumed.stdout + resumed.stderr
+    assert resumed.stderr.strip() == (
+        f"gpu-console: --resume: {run}/run.toml is missing; restore it from a backup, or "
+        "start a new run"
+    )
+    exported = procs.cli("export", str(run), "--out", str(tmp_path / "w.pt"))
+    assert exported.returncode == 2, exported.stdout + exported.stderr
+    assert exported.stderr.strip() == (
+        f"gpu-console: {run}: run.toml is missing, and the model is built from it to load the "
+        "checkpoint; restore it (history/run-N.toml keeps each earlier session's)"
+    )
+    assert not (tmp_path / "w.pt").exists()
