@@ -313,11 +313,10 @@ def ls_main(
     for r in rows:
         step = steps_text(r["step"], r["max_steps"])
         started, updated = (human_duration(now - t) + " ago" for t in (r["started"], r["updated"]))
-        state = r["state"] + (" (damaged)" if r["damaged"] else "")
-        table.add_row(Text(r["name"]), state, step, fmt(r["loss"]), started, updated)
+        table.add_row(Text(r["name"]), r["state"], step, fmt(r["loss"]), started, updated)
     console = uncut(Console())
     console.print(table)
-    for r in rows:
+    for r in rows:  # below the table, whole: what each half-deleted run lacks
         if r["damaged"]:
             line = f"{r['name']}: damaged: {'; '.join(r['damaged'])}"
             console.print(Text(line), soft_wrap=True, highlight=False)
