@@ -178,3 +178,25 @@ def test_resume_and_export_of_a_run_without_run_toml_are_one_line(fast_run, proc
         "checkpoint; restore it (history/run-N.toml keeps each earlier session's)"
     )
     assert not (tmp_path / "w.pt").exists()
+
+
+def test_a_copied_runs_best_checkpoint_is_its_own(fast_run, tmp_path, capsys):
+    run = fast_run.copy(tmp_path / "copy")
+    status = json.loads((run / STATUS).read_text())
+    original = str(fast_run.run / "checkpoints" / LATEST)  # as checkpoint.keep_best records it
+    best = {"path": original, "step": FAST_RUN_STEPS, "metric": "eval/loss", "value": 1.5}
+    (run / STATUS).write_text(json.dumps(status | {"best_checkpoint": best}))
+    event = {"v": 1, "t": status["ended"], "kind": "checkpoint", "best": True, **best}
+    with open(run / "events.jsonl", "a") as f:
+        f.write(json.dumps(event) + "\n")
+    row, shown, text = views(run, capsys)
+    assert row["best_checkpoint"]["path"] == shown["best_checkpoint"]["path"]
+    assert row["best_checkpoint"]["path"] == str(run / "checkpoints" / LATEST)
+    assert lines_of(text)["best checkpoint"] == (
+        f"checkpoints/{LATEST} (step {FAST_RUN_STEPS}, eval/loss 1.5000)"
+    )
+    shutil.rmtree(run / "checkpoints" / LATEST)
+    _, _, text = views(run, capsys)
+    assert lines_of(text)["best checkpoint"] == (
+        f"none on disk (checkpoints/{LATEST}, step {FAST_RUN_STEPS}, is gone)"
+    )
