@@ -107,8 +107,9 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "slurm": _slurm(Path(run_dir), st.status),  # the job of the latest session, its requeue
         # RUN/tensorboard/ (results/tensorboard.py), where a session wrote it
         "tensorboard": str(tb) if (tb := Path(run_dir) / "tensorboard").is_dir() else None,
-        "profiles": [  # the profile command's traces, oldest first
-            {k: e.get(k) for k in ("path", "first_step", "last_step", "ended_by")}
+        "profiles": [  # the profile command's traces, oldest first, in this run directory
+            {k: e.get(k) for k in ("first_step", "last_step", "ended_by")}
+            | {"path": str(p.absolute()) if (p := rebased(Path(run_dir), e.get("path"))) else None}
             for e in st.profiles
         ],
     }
@@ -285,7 +286,8 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
         newest = profiles[-1]
         more = f"; {len(profiles)} captures in all" if len(profiles) > 1 else ""
         steps = f"steps {newest['first_step']}-{newest['last_step']}"
-        out.append(("profile", f"{newest['path']} ({steps}{more})"))
+        where = relative_text(run, Path(newest["path"])) if newest["path"] else "-"
+        out.append(("profile", f"{where} ({steps}{more})"))
     if failure := f["failure"]:
         out.append(("failure", failure.get("summary", "")))
         tb = (failure.get("traceback") or "").strip().splitlines()
