@@ -129,8 +129,7 @@ def _best(st: RunState, run_dir: Path) -> dict[str, Any] | None:
     if not isinstance(best, dict):
         return None
     path = rebased(run_dir, best.get("path"))
-    on_disk = path is not None and (path / "meta.json").is_file()
-    return {**best, "path": str(path.absolute()) if path else None, "on_disk": on_disk}
+    return {**best, "path": str(path.absolute()) if path else None}
 
 
 def _slurm(run_dir: Path, status: dict[str, Any]) -> dict[str, Any] | None:
@@ -270,7 +269,7 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
     if (b := f["best_checkpoint"]) is not None:
         shown = relative_text(run, Path(b["path"])) if b["path"] else "-"
         value = f"{b['metric']} {fmt(b['value'])}"
-        if b.get("on_disk") is False:
+        if not (b["path"] and (Path(b["path"]) / "meta.json").is_file()):
             out.append(("best checkpoint", f"none on disk ({shown}, step {b['step']}, is gone)"))
         else:
             out.append(("best checkpoint", f"{shown} (step {b['step']}, {value})"))
