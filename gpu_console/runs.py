@@ -500,6 +500,8 @@ def damage(run: Path) -> list[str]:
     from .toml_text import TOMLDecodeError, loads
 
     run = Path(run)
+    if not run.is_dir():
+        return []  # no run there at all: nothing half-deleted to say
     out = []
     try:
         loads((run / "run.toml").read_text(encoding="utf-8"))
