@@ -559,7 +559,7 @@ def shown_checkpoint(run: Path) -> dict[str, Any] | None:
         "path": str(Path(ckpt).absolute()),
         "step": step if type(step) is int else _step(ckpt),
         "reason": meta.get("reason"),
-        "note": note,
+        "note": note.replace("resuming from", "--resume and export take"),
     }
 
 

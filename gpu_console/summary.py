@@ -65,6 +65,9 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         return next((v for v in values if v is not None), None)
 
     failure = st.status.get("failure")
+    # The disk's, as --resume and export take it: never one deleted, nor an older one than
+    # LATEST's (a crash between LATEST and the checkpoint's event).
+    checkpoint = shown_checkpoint(Path(run_dir))
     return {
         "name": Path(run_dir).name,
         "path": str(run_dir),
@@ -96,10 +99,8 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "wall_s": st.elapsed_s(),
         "restarts": st.restarts,
         "max_restarts": st.max_restarts,
-        # The disk's, as --resume and export take it: never one deleted, nor an older one
-        # than LATEST's (a crash between LATEST and the checkpoint's event).
-        "checkpoint": shown_checkpoint(Path(run_dir)),
-        "checkpoint_gone": _gone(st, Path(run_dir)),
+        "checkpoint": checkpoint,
+        "checkpoint_gone": None if checkpoint else _gone(st, Path(run_dir)),
         "best_checkpoint": _best(st, Path(run_dir)),
         "checkpoint_failed": st.status.get("checkpoint_failed"),
         "failure": failure if isinstance(failure, dict) else None,
@@ -117,7 +118,7 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
 
 def _gone(st: RunState, run_dir: Path) -> str | None:
     """The newest checkpoint the run wrote, where none is on disk now (deleted): its path."""
-    if st.last_checkpoint is None or shown_checkpoint(run_dir) is not None:
+    if st.last_checkpoint is None:
         return None
     path = rebased(run_dir, st.last_checkpoint.get("path"))
     return str(path.absolute()) if path else None

@@ -149,6 +149,14 @@ def test_after_a_crash_status_names_the_newest_complete_checkpoint(
     assert shown["checkpoint"]["step"] == FAST_RUN_STEPS
     assert shown["checkpoint"]["path"] == str(ckpts / LATEST)
     assert lines_of(text)["checkpoint"].startswith(f"checkpoints/{LATEST} (step {FAST_RUN_STEPS}")
+    # LATEST lost too: the same one, as --resume would take it, saying why.
+    (ckpts / "LATEST").unlink()
+    _, shown, text = views(run, capsys)
+    assert shown["checkpoint"]["path"] == str(ckpts / LATEST)
+    assert lines_of(text)["checkpoint"].endswith(
+        f"checkpoints/LATEST is missing; --resume and export take {LATEST}, the newest "
+        "complete checkpoint that can be loaded)"
+    )
 
 
 def test_a_copied_runs_report_names_its_own_checkpoints(fast_run, tmp_path):
