@@ -386,7 +386,8 @@ def build(
         run_dir, creates = resume_run, False  # a resumed run continues in its own directory
     else:
         check_runs_dir(runs_dir)
-        run_dir, creates = runs_dir / runs.run_dir_name(profile.profile.name or "run"), True
+        name = profile.run_name or profile.profile.name or "run"
+        run_dir, creates = runs_dir / runs.run_dir_name(name), True
     why = placement.note
     auto = parse_devices(profile.hardware.devices).kind == "auto"
     if not why and auto and placement.device_type == "cpu":

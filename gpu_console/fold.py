@@ -92,6 +92,7 @@ class RunFold:
         self.checkpointed = True  # a stop's checkpoint was written (the engine's word)
         self.last_t = 0.0  # the newest event's time
         self.events = 0
+        self.carried = False  # an earlier session's step or loss stands (carry)
 
     def apply(self, e: dict[str, Any]) -> None:
         # Called for every event a reader folds (a long run has millions): kept to plain
@@ -241,6 +242,8 @@ class RunFold:
             out["best_loss"] = self.best_loss
         if self.skipped is not None:
             out["skipped_updates"] = self.skipped
+        if self.carried or self.max_steps is not None:
+            out.update(step=self.step, loss=self.loss, max_steps=self.max_steps)
         if not self.events:
             return out
         out.update(step=self.step, loss=self.loss, last_step_t=self.last_step_t)
@@ -268,9 +271,24 @@ class RunFold:
             out["best_checkpoint"] = self.best_checkpoint
         return out
 
-    def carry(self, previous: dict[str, Any]) -> None:
+    def carry(self, previous: dict[str, Any], resume_step: int | None = None) -> None:
         """What a run's earlier sessions leave to this one, from their last status.json
-        (a resumed session's supervisor does not reread their events)."""
+        (a resumed session's supervisor does not reread their events): the best loss, the
+        skipped updates, the best checkpoint, and where the run stands until this session's
+        engine says otherwise: the step it resumes at (``resume_step``, its checkpoint's,
+        else the last session's), its last loss and length. A session that fails before its
+        first step still shows the run's step and loss, not ``0/-``."""
+        step = resume_step if type(resume_step) is int else previous.get("step")
+        if type(step) is int and step > 0:
+            self.step = self.start_step = step
+            self.carried = True
+        loss = previous.get("loss")
+        if _number(loss):
+            self.loss = loss
+            self.carried = True
+        length = previous.get("max_steps")
+        if type(length) is int:
+            self.max_steps = length
         best = previous.get("best_loss")
         if _number(best) and math.isfinite(best):
             self.best_loss = best if self.best_loss is None else min(best, self.best_loss)

@@ -543,12 +543,8 @@ def _resume_point(run: Path) -> tuple[Path, Path, int, str]:
 
 
 def resumed_name(run: Path) -> str:
-    """The name a run was launched under (run.toml's ``profile.name``)."""
-    from .profile import parse_toml
-
-    meta = parse_toml(run / "run.toml").get("profile")
-    name = meta.get("name") if isinstance(meta, dict) else None
-    return name if isinstance(name, str) and name else run.name
+    """The name a run was launched under (:func:`runs.given_name`), else its directory's."""
+    return runs.given_name(run) or run.name
 
 
 def run_cwd(run: Path) -> str | None:
@@ -614,6 +610,7 @@ def prepare(
             resume, runs_dir, hold=not several
         )
         if profile_arg is None:
+            _intact_run_toml(resume_run)  # the profile it continues with: said as damaged
             profile_arg = str(resume_run / "run.toml")
     if profile_arg is None:
         raise LaunchError("PROFILE: give a profile name or file (or --resume RUN)")
@@ -641,14 +638,15 @@ def prepare(
         profile.notes.append(auto_note)
     task_cwd = None
     if resume_run is not None:
-        # The run continues in its own directory, under its own name.
+        # The run continues in its own directory, under its own name and its profile's.
         run_name = resumed_name(resume_run)
         if name and name != run_name:
             raise LaunchError(
                 f"--name: a resumed run continues in its own directory under its own name "
                 f"({run_name}); leave --name out (got {name!r})"
             )
-        profile.profile.name = run_name
+        profile.run_name = run_name
+        profile.profile.name = runs.profile_name(resume_run) or profile.profile.name
         task_cwd = run_cwd(resume_run)
         if resume_note:  # said at launch; the engine's resume line says it again (loop.py)
             profile.notes.append(f"--resume: {resume_run.name}: {resume_note}")
@@ -657,7 +655,7 @@ def prepare(
             # RUN arguments with a separator are paths (runs.find_run): such a name could
             # never find its run again.
             raise LaunchError(f"--name: a run's name cannot hold '/' (got {name!r})")
-        profile.profile.name = name
+        profile.run_name = name
     if profile.logging.tensorboard and not tensorboard.available():
         profile.notes.append(tensorboard.off_note())
     if profile.logging.wandb and not _importable("wandb"):
@@ -833,7 +831,7 @@ def _intact_run_toml(run: Path) -> None:
     try:
         data = parse_toml(path)
     except ProfileError as e:
-        why = e.problems[0].removeprefix(f"{path}: ")
+        why = "missing" if not path.exists() else e.problems[0].removeprefix(f"{path}: ")
     else:
         missing = [t for t in RUN_TOML_TABLES if not isinstance(data.get(t), dict)]
         task = data.get("task")
@@ -849,7 +847,8 @@ def _intact_run_toml(run: Path) -> None:
         key=lambda p: int(p.stem[4:]),
     )
     fix = f"restore it from {copies[-1]}" if copies else "restore it from a backup"
-    raise LaunchError(f"--resume: {path} is damaged ({why}); {fix}, or start a new run")
+    what = "is missing" if why == "missing" else f"is damaged ({why})"
+    raise LaunchError(f"--resume: {path} {what}; {fix}, or start a new run")
 
 
 def _same_task_kind(run: Path, profile_arg: str, sets: list[str], bad) -> None:
@@ -947,7 +946,8 @@ def start(
     if resume_from is not None:
         world = placement.nproc * (nodes.max_nodes if nodes else 1)
         changes = resume_changes(profile, resume_from.parent.parent, world)
-    run_dir = runs.create_run_dir(runs_dir, profile.profile.name or "run", exact_name)
+    name = profile.run_name or profile.profile.name or "run"
+    run_dir = runs.create_run_dir(runs_dir, name, exact_name)
     lock = None
     try:
         # Before the run is one (run.toml makes it so): its session holds it from the start.
@@ -960,6 +960,7 @@ def start(
         session["changes"] = [c.as_dict() for c in changes]
         meta = {
             "id": run_dir.name,
+            "name": name,  # the run's own: run.toml's [profile] name is the profile's
             "command": session["command"],
             "cwd": session["cwd"],
             "host": session["host"],

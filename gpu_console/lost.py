@@ -34,6 +34,7 @@ from .runs import (
     previous_status,
     read_json,
     read_status,
+    resume_step,
     write_status,
 )
 
@@ -91,7 +92,8 @@ def record_lost(run_dir: Path) -> dict[str, Any]:
     fold = RunFold()
     # What the earlier sessions left, as the supervisor carried it: their last status.json,
     # not this one (which already counts this session's skips, folded again below).
-    fold.carry(previous_status(run_dir, meta.get("sessions") if isinstance(meta, dict) else None))
+    sessions = meta.get("sessions") if isinstance(meta, dict) else None
+    fold.carry(previous_status(run_dir, sessions), resume_step(session))
     for e in JsonlTail(run_dir / "events.jsonl", start if isinstance(start, int) else 0).read():
         fold.apply(e)
     status.update(fold.to_status())

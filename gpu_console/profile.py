@@ -412,6 +412,9 @@ class Profile:
     # Lines the user should read about how the profile was resolved (the CLI prints them on
     # stderr); not part of run.toml.
     notes: list[str] = field(default_factory=list, compare=False)
+    # The run's own name (``--name``, or a resumed run's): its directory's and meta.json's
+    # ``name``, never run.toml's, whose ``[profile] name`` stays the profile's (``ls --profile``).
+    run_name: str = field(default="", compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"profile": schema.to_dict(self.profile)}

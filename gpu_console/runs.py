@@ -393,7 +393,7 @@ def find_run(arg: str, runs_dir: Path) -> Path:
         path = Path(arg).expanduser()
     except RuntimeError:  # ~user that does not exist, or no home directory
         path = Path(arg)
-    if _is_run(path):
+    if is_run(path):
         return path
     is_path = "/" in arg or arg in (".", "..") or arg.startswith("~")
     if not is_path:
@@ -416,30 +416,42 @@ def _by_given_name(arg: str, runs_dir: Path) -> Path | None:
         found = sorted(runs_dir.glob(f"{glob.escape(slug)}-*"), key=lambda p: p.name)
     except (OSError, ValueError, NotImplementedError):
         return None
-    named = [p for p in found if _launched_name(p.name) == slug and _is_run(p)]
-    return next((p for p in reversed(named) if _given_name(p) == arg), None)
+    named = [p for p in found if _launched_name(p.name) == slug and is_run(p)]
+    return next((p for p in reversed(named) if given_name(p) == arg), None)
 
 
-def _given_name(run: Path) -> str | None:
-    """The name the run was launched under (run.toml's ``profile.name``), if readable."""
+def given_name(run: Path) -> str | None:
+    """The name the run was launched under (``--name``, else its profile's), if readable:
+    meta.json's ``name``; a run launched before meta.json kept it had it in run.toml's
+    ``[profile] name`` (which ``--name`` overwrote then)."""
+    meta = read_json(Path(run) / "meta.json")
+    name = meta.get("name") if isinstance(meta, dict) else None
+    if isinstance(name, str) and name:
+        return name
+    return profile_name(run) or None
+
+
+def profile_name(run: Path) -> str:
+    """run.toml's ``[profile] name``: the profile the run was launched from ("" when it
+    cannot be read; a run launched before meta.json kept its own name: its ``--name``)."""
     from .toml_text import TOMLDecodeError, loads
 
     try:
-        table = loads((run / "run.toml").read_text(encoding="utf-8")).get("profile")
+        table = loads((Path(run) / "run.toml").read_text(encoding="utf-8")).get("profile")
     except (OSError, UnicodeDecodeError, TOMLDecodeError):
-        return None
+        return ""
     name = table.get("name") if isinstance(table, dict) else None
-    return name if isinstance(name, str) else None
+    return name if isinstance(name, str) else ""
 
 
 def _by_name(name: str, runs_dir: Path) -> Path | None:
     """The run ``name`` finds under ``runs_dir`` (see :func:`find_run`), or None."""
     candidate = runs_dir / name
-    if _is_run(candidate):
+    if is_run(candidate):
         return candidate
     try:
         found = runs_dir.glob(f"{glob.escape(name)}*")
-        matches = sorted((p for p in found if _is_run(p)), key=lambda p: p.name)
+        matches = sorted((p for p in found if is_run(p)), key=lambda p: p.name)
     except (OSError, ValueError, NotImplementedError):
         matches = []
     named = [p for p in matches if _launched_name(p.name) == name]
@@ -464,17 +476,103 @@ def _launched_name(directory: str) -> str:
     return _LAUNCH_STAMP.sub("", directory)
 
 
-def _is_run(path: Path) -> bool:
+# A run's own files beside run.toml. A directory holding two of them is a run whose run.toml
+# was lost (shown damaged, not hidden): a checkpoint directory has one (its meta.json), and a
+# run directory being created has only its control.jsonl until run.toml is written.
+RUN_FILES = ("meta.json", "events.jsonl", STATUS, "control.jsonl")
+
+
+def is_run(path: Path) -> bool:
+    """A run directory: its run.toml, or (run.toml lost) two of :data:`RUN_FILES`."""
     try:
-        return path.is_dir() and (path / "run.toml").is_file()
+        if not path.is_dir():
+            return False
+        if (path / "run.toml").is_file():
+            return True
+        return sum((path / name).is_file() for name in RUN_FILES) >= 2
     except (OSError, ValueError):
         return False
+
+
+def damage(run: Path) -> list[str]:
+    """What a run directory lacks of what every view reads, one phrase each ([] when whole):
+    every view shows a half-deleted run as what it is rather than hiding it or guessing."""
+    from .toml_text import TOMLDecodeError, loads
+
+    run = Path(run)
+    if not run.is_dir():
+        return []  # no run there at all: nothing half-deleted to say
+    out = []
+    try:
+        loads((run / "run.toml").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        out.append("run.toml is missing")
+    except (OSError, UnicodeDecodeError, TOMLDecodeError) as e:
+        out.append(f"run.toml cannot be read ({getattr(e, 'strerror', None) or e})")
+    for name in ("meta.json", "events.jsonl"):
+        if not (run / name).is_file():
+            out.append(f"{name} is missing")
+    if not (run / "checkpoints").is_dir():
+        out.append("checkpoints/ is missing")
+    return out
+
+
+def rebased(run: Path, stored: str | None) -> Path | None:
+    """A path a run's files recorded (absolute, where the run was then), as it is in ``run``
+    now: a copied or moved run directory names its own files, never the original's. The part
+    after the run's original directory name (meta.json's ``id``) is kept; a path outside the
+    run stays as it was."""
+    if not isinstance(stored, str) or not stored:
+        return None
+    run, path = Path(run), Path(stored)
+    meta = read_json(run / "meta.json")
+    names = {run.name, meta.get("id") if isinstance(meta, dict) else None} - {None}
+    parts = path.parts
+    at = max((i for i, part in enumerate(parts) if part in names), default=None)
+    if at is None:
+        return path if path.is_absolute() else run / path
+    return run.joinpath(*parts[at + 1 :])
+
+
+def relative_text(run: Path, path: Path | None) -> str:
+    """``checkpoints/step-00000012``: a path of the run as shown, relative to its directory."""
+    if path is None:
+        return "-"
+    try:
+        return str(Path(path).relative_to(run))
+    except ValueError:
+        return str(path)
+
+
+def shown_checkpoint(run: Path) -> dict[str, Any] | None:
+    """The checkpoint every view names for a run: the one ``--resume`` and ``export`` take
+    (:func:`resume_checkpoint`: LATEST's when complete and loadable, else the newest complete
+    one that is), as the disk has it now; None when there is none. ``path`` is absolute,
+    ``note`` says why it is not LATEST's ("" when it is)."""
+    ckpt, note = resume_checkpoint(run)
+    if ckpt is None:
+        return None
+    meta = read_json(ckpt / "meta.json")
+    meta = meta if isinstance(meta, dict) else {}
+    step = meta.get("step")
+    return {
+        "path": str(Path(ckpt).absolute()),
+        "step": step if type(step) is int else _step(ckpt),
+        "reason": meta.get("reason"),
+        "note": note.replace("resuming from", "--resume and export take"),
+    }
+
+
+def resume_step(session: dict[str, Any]) -> int | None:
+    """The step a session resumed from (its ``resume_from`` checkpoint's name), else None."""
+    found = session.get("resume_from") if isinstance(session, dict) else None
+    return _step(Path(found)) if isinstance(found, str) and found else None
 
 
 def _why_not_a_run(path: Path, is_path: bool, runs_dir: Path) -> str:
     try:
         for parent in path.resolve().parents:
-            if parent.name == "checkpoints" and _is_run(parent.parent):
+            if parent.name == "checkpoints" and is_run(parent.parent):
                 return f"a checkpoint, not a run: give its run, {parent.parent}"
         if path.is_file():
             return "a file, not a run directory"

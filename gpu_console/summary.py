@@ -17,7 +17,14 @@ from rich.table import Table
 from rich.text import Text
 
 from .format import fmt, human_bytes, human_duration, steps_text
-from .runs import current_session, read_json
+from .runs import (
+    current_session,
+    damage,
+    read_json,
+    rebased,
+    relative_text,
+    shown_checkpoint,
+)
 from .state import RunState
 
 # Rows whose value is a path: printed outside the table on a terminal, so none is ever folded.
@@ -57,13 +64,16 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
     def first(*values: Any) -> Any:
         return next((v for v in values if v is not None), None)
 
-    checkpoint = st.last_checkpoint
     failure = st.status.get("failure")
+    # The disk's, as --resume and export take it: never one deleted, nor an older one than
+    # LATEST's (a crash between LATEST and the checkpoint's event).
+    checkpoint = shown_checkpoint(Path(run_dir))
     return {
         "name": Path(run_dir).name,
         "path": str(run_dir),
         "state": st.state,
         "reason": st.reason,
+        "damaged": damage(run_dir),  # what the directory lacks: ls shows the same
         "step": st.step,
         "max_steps": first(st.max_steps, st.status.get("max_steps"), known["max_steps"]),
         "loss": st.loss,
@@ -89,21 +99,38 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "wall_s": st.elapsed_s(),
         "restarts": st.restarts,
         "max_restarts": st.max_restarts,
-        "checkpoint": (
-            {k: checkpoint.get(k) for k in ("path", "step", "reason")} if checkpoint else None
-        ),
-        "best_checkpoint": st.best_checkpoint,
+        "checkpoint": checkpoint,
+        "checkpoint_gone": None if checkpoint else _gone(st, Path(run_dir)),
+        "best_checkpoint": _best(st, Path(run_dir)),
         "checkpoint_failed": st.status.get("checkpoint_failed"),
         "failure": failure if isinstance(failure, dict) else None,
         "wandb": _wandb(Path(run_dir)),  # RUN/wandb.json (results/wandb_follower.py)
         "slurm": _slurm(Path(run_dir), st.status),  # the job of the latest session, its requeue
         # RUN/tensorboard/ (results/tensorboard.py), where a session wrote it
         "tensorboard": str(tb) if (tb := Path(run_dir) / "tensorboard").is_dir() else None,
-        "profiles": [  # the profile command's traces, oldest first
-            {k: e.get(k) for k in ("path", "first_step", "last_step", "ended_by")}
+        "profiles": [  # the profile command's traces, oldest first, in this run directory
+            {k: e.get(k) for k in ("first_step", "last_step", "ended_by")}
+            | {"path": str(p.absolute()) if (p := rebased(Path(run_dir), e.get("path"))) else None}
             for e in st.profiles
         ],
     }
+
+
+def _gone(st: RunState, run_dir: Path) -> str | None:
+    """The newest checkpoint the run wrote, where none is on disk now (deleted): its path."""
+    if st.last_checkpoint is None:
+        return None
+    path = rebased(run_dir, st.last_checkpoint.get("path"))
+    return str(path.absolute()) if path else None
+
+
+def _best(st: RunState, run_dir: Path) -> dict[str, Any] | None:
+    """checkpoint.keep_best's newest, its path as this run directory has it."""
+    best = st.best_checkpoint
+    if not isinstance(best, dict):
+        return None
+    path = rebased(run_dir, best.get("path"))
+    return {**best, "path": str(path.absolute()) if path else None}
 
 
 def _slurm(run_dir: Path, status: dict[str, Any]) -> dict[str, Any] | None:
@@ -204,6 +231,8 @@ def gpu_rows(gpus: list[dict[str, Any]]) -> list[tuple[str, str]]:
 def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
     """(what, value) rows of :func:`summary_fields`, in the order they are shown."""
     out = [("state", f["state"] + (f" ({f['reason']})" if f["reason"] else ""))]
+    if f.get("damaged"):
+        out.append(("damaged", "; ".join(f["damaged"])))
     out.append(("steps", steps_text(f["step"], f["max_steps"])))
     if f["task"]:
         params = f" ({f['params']:,} parameters)" if isinstance(f["params"], int) else ""
@@ -231,12 +260,20 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
     out.append(("wall time", human_duration(f["wall_s"])))
     if f["restarts"]:
         out.append(("restarts", f"{f['restarts']} of {f['max_restarts']}"))
+    run = Path(f["path"]).absolute()
     if (c := f["checkpoint"]) is not None:
-        out.append(("checkpoint", f"{c['path']} (step {c['step']}, {c['reason']})"))
+        shown = relative_text(run, Path(c["path"]))
+        note = f"; {c['note']}" if c.get("note") else ""
+        out.append(("checkpoint", f"{shown} (step {c['step']}, {c['reason']}{note})"))
+    elif gone := f.get("checkpoint_gone"):
+        out.append(("checkpoint", f"none on disk ({relative_text(run, Path(gone))} is gone)"))
     if (b := f["best_checkpoint"]) is not None:
-        out.append(
-            ("best checkpoint", f"{b['path']} (step {b['step']}, {b['metric']} {fmt(b['value'])})")
-        )
+        shown = relative_text(run, Path(b["path"])) if b["path"] else "-"
+        value = f"{b['metric']} {fmt(b['value'])}"
+        if not (b["path"] and (Path(b["path"]) / "meta.json").is_file()):
+            out.append(("best checkpoint", f"none on disk ({shown}, step {b['step']}, is gone)"))
+        else:
+            out.append(("best checkpoint", f"{shown} (step {b['step']}, {value})"))
     if failed := f["checkpoint_failed"]:
         out.append(
             (
@@ -249,7 +286,8 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
         newest = profiles[-1]
         more = f"; {len(profiles)} captures in all" if len(profiles) > 1 else ""
         steps = f"steps {newest['first_step']}-{newest['last_step']}"
-        out.append(("profile", f"{newest['path']} ({steps}{more})"))
+        where = relative_text(run, Path(newest["path"])) if newest["path"] else "-"
+        out.append(("profile", f"{where} ({steps}{more})"))
     if failure := f["failure"]:
         out.append(("failure", failure.get("summary", "")))
         tb = (failure.get("traceback") or "").strip().splitlines()

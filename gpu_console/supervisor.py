@@ -117,7 +117,9 @@ class Supervisor:
         self.reap: set[int] = set()  # peers of a crashed rank, killed at reap_at
         self.fold = RunFold()
         # A resumed run's earlier sessions: their best loss, from their last status.json.
-        self.fold.carry(runs.previous_status(run_dir, self.meta.get("sessions")))
+        self.fold.carry(
+            runs.previous_status(run_dir, self.meta.get("sessions")), runs.resume_step(self.meta)
+        )
         self.engine_checkpointed = True
         self.recorder = Recorder(run_dir)  # telemetry.jsonl, from start to the final status
         self.profile_text = profile_text

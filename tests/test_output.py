@@ -44,9 +44,14 @@ def long_run(tmp_path: Path) -> tuple[RunState, Path]:
     st.apply({"kind": "start", "t": 10.0, "world_size": 2, "device_type": "cpu"}
              | {"precision": "fp32", "task": "mlp", "params": 76810, "max_steps": 300})  # fmt: skip
     st.apply({"kind": "step", "t": 11.0, "step": 100, "loss": 0.5, "samples_per_s": 10.0})
-    checkpoint = str(run / "checkpoints" / "step-00000100")
+    checkpoint = run / "checkpoints" / "step-00000100"
     st.apply({"kind": "checkpoint", "t": 12.0, "step": 100, "reason": "interval"}
-             | {"path": checkpoint, "bytes": 1, "seconds": 0.1})  # fmt: skip
+             | {"path": str(checkpoint), "bytes": 1, "seconds": 0.1})  # fmt: skip
+    # On disk, as the summary names it from there (an empty zip: state.pt looks whole).
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "state.pt").write_bytes(b"PK\x05\x06" + b"\0" * 18)
+    (checkpoint / "meta.json").write_text(json.dumps({"step": 100, "reason": "interval"}))
+    (checkpoint.parent / "LATEST").write_text("step-00000100\n")
     why = "rank 1 failed: RuntimeError: " + " ".join(f"word{i}" for i in range(30))
     failure = {"summary": why, "traceback": f"Traceback\n  x\n{why}"}
     st.apply_status({"state": "failed", "reason": why, "started": 10.0, "ended": 20.0,
@@ -68,8 +73,8 @@ def test_on_a_terminal_the_summary_wraps_and_every_path_is_one_whole_line(tmp_pa
     lines = text.splitlines()
     assert "…" not in text
     assert any(c in BOX for c in text), "a terminal gets the table"
-    checkpoint = str(run / "checkpoints" / "step-00000100")
-    assert f"checkpoint: {checkpoint} (step 100, interval)" in lines
+    # Named relative to the run directory, which is printed whole below it.
+    assert "checkpoint: checkpoints/step-00000100 (step 100, interval)" in lines
     assert f"run dir: {run}" in lines
     # Long values (the failure) fold onto more lines of the table: every word is there.
     flat = words_of(text)
@@ -91,7 +96,7 @@ def test_off_a_terminal_the_summary_is_key_value_lines(tmp_path, width):
     pairs = [ln.split(": ", 1) for ln in lines[1:] if not ln.startswith("  ")]
     assert all(len(p) == 2 or p[0].endswith(":") for p in pairs), lines
     values = {p[0]: p[1] for p in pairs if len(p) == 2}
-    assert values["checkpoint"] == f"{run / 'checkpoints' / 'step-00000100'} (step 100, interval)"
+    assert values["checkpoint"] == "checkpoints/step-00000100 (step 100, interval)"
     assert values["run dir"] == str(run)
     assert values["failure"] == st.reason
     assert values["steps"] == "100/300" and values["devices"] == "2 × cpu, fp32"
@@ -226,7 +231,7 @@ def test_a_fast_profile_summary_off_a_terminal_has_the_checkpoint_whole(fast_run
     result, run = fast_run.result, fast_run.run
     assert result.returncode == 0, result.stderr
     assert run == only_run(fast_run.runs_dir)
-    latest = run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip()
+    latest = Path("checkpoints") / (run / "checkpoints" / "LATEST").read_text().strip()
     assert re.search(rf"^checkpoint: {re.escape(str(latest))} \(step {FAST_RUN_STEPS}, \w+\)$",
                      result.stdout, re.M), result.stdout  # fmt: skip
     assert f"run dir: {run}" in result.stdout.splitlines()

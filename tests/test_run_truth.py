@@ -161,6 +161,14 @@ def test_the_name_a_user_gave_finds_the_run(procs, runs_dir, tmp_path):
         status = procs.cli("status", name, "--json", "--runs-dir", str(runs_dir))
         assert status.returncode == 0, status.stdout + status.stderr
         assert json.loads(status.stdout)["state"] == "finished"
+    # Both are runs of the profile "fast", whatever their names, and --name is no difference.
+    listed = procs.cli("ls", "--json", "--profile", "fast", "--runs-dir", str(runs_dir))
+    rows = json.loads(listed.stdout)
+    assert sorted(r["run_name"] for r in rows) == sorted(["my run", "ünïcødé-✓"])
+    assert {r["profile"] for r in rows} == {"fast"}
+    diff = procs.cli("diff", *(r["path"] for r in rows), "--json")
+    assert diff.returncode == 0, diff.stdout + diff.stderr
+    assert "profile.name" not in [c["key"] for c in json.loads(diff.stdout)["profile"]]
     refused = procs.cli("run", str(profile), "--headless", "--name", "a/b", "--runs-dir",
                         str(runs_dir), cwd=tmp_path)  # fmt: skip
     assert refused.returncode == 2

@@ -81,6 +81,11 @@ def check_out(out: Path) -> Path:
 def export(run_arg: str, runs_dir: Path, out: Path, best: bool, step: int | None) -> dict:
     """Export; return what was written (path, bytes, step, checkpoint, keys per state_dict)."""
     run = find_run(run_arg, runs_dir)
+    if not (run / "run.toml").is_file():  # a half-deleted run (runs.damage)
+        raise ExportError(
+            f"{run}: run.toml is missing, and the model is built from it to load the "
+            "checkpoint; restore it (history/run-N.toml keeps each earlier session's)"
+        )
     out = check_out(Path(out))
     # Held while it is read: a live run does not prune it under the export.
     with hold_checkpoints(run):

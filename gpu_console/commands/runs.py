@@ -24,11 +24,22 @@ from .. import strict_json
 from ..events import append_control, read_events
 from ..fold import StalledError
 from ..lost import settle
-from ..runs import FINAL_STATES, RunDirError, find_run, read_json, read_status, status_exit_code
+from ..runs import (
+    FINAL_STATES,
+    RunDirError,
+    damage,
+    find_run,
+    given_name,
+    is_run,
+    profile_name,
+    read_json,
+    read_status,
+    rebased,
+    status_exit_code,
+)
 from ..session_lock import is_held
 from ..stall import quiet_s
 from ..state import derived_state, describe_stopped, gpu_figures, read_heartbeats
-from .select import profile_name
 
 DUMP_TIMEOUT_S = 30.0
 
@@ -43,7 +54,7 @@ def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
     """Every run under ``runs_dir``, newest first: ``ls`` (and ``attach``, the runs screen)."""
     if not Path(runs_dir).is_dir():
         return []
-    runs = [run for run in sorted(Path(runs_dir).iterdir()) if (run / "run.toml").is_file()]
+    runs = [run for run in sorted(Path(runs_dir).iterdir()) if is_run(run)]
     rows = run_rows(runs)
     # The newest session first: a run resumed now is the one ``attach`` opens by default.
     rows.sort(key=lambda r: r["session_started"], reverse=True)
@@ -57,7 +68,8 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
     (:func:`lost.settle`), so status.json, ``ls`` and ``status`` give one state and step.
     ``started``: when the run began (its first session); ``session_started``: when its
     latest session (a resume) began; ``updated``: its newest word (the last step, or its
-    end); ``age_s``: seconds since ``updated``.
+    end); ``age_s``: seconds since ``updated``; ``damaged``: what the directory lacks
+    (:func:`runs.damage`). Paths are this directory's (a copied run names its own files).
     """
     now = time.time()
     rows = []
@@ -72,6 +84,7 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
                 "name": run.name,
                 "path": str(run),
                 "profile": profile_name(run),  # run.toml's [profile] name: ls --profile
+                "run_name": given_name(run),  # --name's (meta.json), as the user spelled it
                 "state": state,
                 "reason": status.get("reason", ""),
                 "step": status.get("step"),
@@ -79,7 +92,7 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
                 "loss": status.get("loss"),
                 "best_loss": status.get("best_loss"),  # finite losses, every session's
                 "skipped_updates": status.get("skipped_updates"),  # nan_policy = "skip"
-                "best_checkpoint": status.get("best_checkpoint"),  # checkpoint.keep_best
+                "best_checkpoint": _here(run, status.get("best_checkpoint")),  # keep_best
                 "exit_code": status_exit_code(status, state),  # None while live
                 "restarts": status.get("restarts") or 0,
                 "mfu": status.get("mfu_mean"),  # the session's mean; None with the reason:
@@ -88,9 +101,18 @@ def run_rows(runs: list[Path]) -> list[dict[str, Any]]:
                 "session_started": session_started,
                 "updated": last,
                 "age_s": round(now - last, 1),
+                "damaged": damage(run),
             }
         )
     return rows
+
+
+def _here(run: Path, recorded: Any) -> dict[str, Any] | None:
+    """A checkpoint status.json recorded, with its path as this run directory has it."""
+    if not isinstance(recorded, dict):
+        return None
+    path = rebased(run, recorded.get("path"))
+    return {**recorded, "path": str(path.absolute()) if path else None}
 
 
 def _first_start(run: Path) -> float | None:
@@ -293,7 +315,12 @@ def ls_main(
         step = steps_text(r["step"], r["max_steps"])
         started, updated = (human_duration(now - t) + " ago" for t in (r["started"], r["updated"]))
         table.add_row(Text(r["name"]), r["state"], step, fmt(r["loss"]), started, updated)
-    uncut(Console()).print(table)
+    console = uncut(Console())
+    console.print(table)
+    for r in rows:  # below the table, whole: what each half-deleted run lacks
+        if r["damaged"]:
+            line = f"{r['name']}: damaged: {'; '.join(r['damaged'])}"
+            console.print(Text(line), soft_wrap=True, highlight=False)
 
 
 def py_spy() -> str | None:

@@ -9,10 +9,8 @@ import re
 import time
 from collections.abc import Callable
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-from ..profile import ProfileError, parse_toml
 from ..runs import FINAL_STATES, RunDirError
 
 # Every state a row of ``ls`` can show (the engine's, the supervisor's end, and the two a
@@ -88,17 +86,6 @@ def parse_since(text: str, now: float | None = None) -> float:
         ) from None
 
 
-def profile_name(run: Path) -> str:
-    """The run's ``[profile] name`` (the profile it was launched from, or its ``--name``)."""
-    try:
-        data = parse_toml(run / "run.toml")
-    except ProfileError:
-        return ""
-    meta = data.get("profile")
-    name = meta.get("name") if isinstance(meta, dict) else None
-    return name if isinstance(name, str) else ""
-
-
 def select(
     rows: list[dict[str, Any]],
     states: set[str] | None = None,
@@ -106,7 +93,8 @@ def select(
     profile: str | None = None,
 ) -> list[dict[str, Any]]:
     """The rows that pass every filter given: state, started at or after ``since``, and a
-    profile name (or run name) matching ``profile`` (a shell pattern: ``cvrp*``)."""
+    profile name (or the run's own name, or its directory's) matching ``profile`` (a shell
+    pattern: ``cvrp*``)."""
     out = []
     for r in rows:
         if states is not None and r["state"] not in states:
@@ -114,7 +102,7 @@ def select(
         if since is not None and (r["started"] or 0.0) < since:
             continue
         if profile is not None:
-            names = (r.get("profile") or "", r["name"])
+            names = (r.get("profile") or "", r.get("run_name") or "", r["name"])
             if not any(fnmatch.fnmatchcase(n, profile) for n in names):
                 continue
         out.append(r)

@@ -23,7 +23,14 @@ def status(run_arg: str, runs_dir: Path) -> tuple[Path, RunFollower, dict[str, A
     (row,) = run_rows([run])
     follower = RunFollower(run)
     follower.poll()
-    follower.state.state, follower.state.reason = row["state"], row["reason"]
+    st = follower.state
+    st.state, st.reason = row["state"], row["reason"]
+    if not st.events:
+        # No events to fold (events.jsonl deleted, or none written yet): status.json's
+        # figures are all the run directory still holds, and what ``ls`` shows.
+        st.step = row["step"] if isinstance(row["step"], int) else st.step
+        st.max_steps = row["max_steps"] if isinstance(row["max_steps"], int) else st.max_steps
+        st.loss, st.best_loss = row["loss"], row["best_loss"]
     return run, follower, row
 
 

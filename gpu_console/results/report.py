@@ -28,7 +28,7 @@ from typing import Any
 from .. import strict_json
 from ..events import JsonlTail, read_events
 from ..fold import RunFold
-from ..runs import RunDirError
+from ..runs import RunDirError, rebased, relative_text
 from ..telemetry.fold import TELEMETRY_FILE
 from .curves import Telemetry
 
@@ -203,18 +203,28 @@ def _sessions(d: RunData) -> str:
         else:
             what = "launch"
         rows.append([what, _when(s.get("t")), str(s.get("start_step") or 0),
-                     str(s.get("resumed_from") or "-"),
+                     _here(d.run, s.get("resumed_from")),
                      f"{s.get('world_size', '-')} × {s.get('device_type', '-')}"])  # fmt: skip
     if not rows:
         return '<p class="muted">no session started training</p>'
     return _table(["session", "started", "at step", "from", "ranks"], rows)
 
 
+def _here(run: Path, recorded: Any) -> str:
+    """A path the events recorded, as this run directory has it, relative to it (a copied
+    run names its own files); ``(not on disk)`` where it is gone (pruned, deleted)."""
+    path = rebased(run, recorded)
+    if path is None:
+        return "-"
+    return relative_text(run, path) + ("" if path.exists() else " (not on disk)")
+
+
 def _checkpoints(d: RunData) -> str:
     rows = [
-        [str(c.get("step")), str(c.get("reason") or ""), str(c.get("path")), _when(c.get("t"))]
+        [str(c.get("step")), str(c.get("reason") or ""), _here(d.run, c.get("path")),
+         _when(c.get("t"))]
         for c in d.series.checkpoints
-    ]
+    ]  # fmt: skip
     if not rows:
         return '<p class="muted">no checkpoint</p>'
     return _table(["step", "reason", "path", "written"], rows)

@@ -98,3 +98,18 @@ async def test_space_marks_two_runs_and_x_compares_them(tmp_path, monkeypatch):
         assert app.screen is screen
         await pilot.press("space")  # the cursor's run again: unmarked
         assert screen.marked == [str(new)]
+
+
+async def test_a_run_without_run_toml_is_listed_damaged(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runs, old, new = _two_runs(tmp_path)
+    (old / "run.toml").unlink()  # half-deleted: listed as ls lists it, not hidden
+    app = ConsoleApp(runs_dir=runs, telemetry=False, refresh_s=0.05)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, LaunchScreen), 5, "the launch screen")
+        await pilot.press("r")
+        await until(pilot, lambda: app.screen.listed, 5, "the list")
+        await pilot.pause()
+        assert [r["name"] for r in app.screen.rows] == [new.name, old.name]
+        text = screen_text(app)
+        assert "failed (damaged)" in text and "finished (damaged)" not in text

@@ -68,7 +68,8 @@ class RunsScreen(Screen):
         now = time.time()
         for r in message.rows:
             step = steps_text(r["step"], r["max_steps"], commas=True)
-            state = Text(r["state"], style=STATE_STYLE.get(r["state"], ""))
+            damaged = " (damaged)" if r.get("damaged") else ""  # ls says what it lacks
+            state = Text(r["state"] + damaged, style=STATE_STYLE.get(r["state"], ""))
             mark = "● " if r["path"] in self.marked else ""
             table.add_row(
                 Text(mark + r["name"], style="bold" if mark else ""),
