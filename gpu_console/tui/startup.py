@@ -41,8 +41,8 @@ def startup_stage(
     ``mark``: the newest of the engine's marks of this session, in file order
     (``"stepped"``, ``"started"``, ``"building"``; ``""`` before its engine spoke).
     """
-    if state not in SHOWN_IN or status.get("ended"):
-        return ""
+    if state not in SHOWN_IN or status.get("ended") or not session:
+        return ""  # (no meta.json: not a run this console launched or can tell about)
     if mark in MARKS:
         resuming = mark == "building" and session.get("resume_from")
         return MARKS[mark] + (" and loading the checkpoint" if resuming else "")

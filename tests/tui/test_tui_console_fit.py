@@ -32,7 +32,7 @@ def app_on(run_dir, **kw) -> ConsoleApp:
     return ConsoleApp(runs_dir=run_dir.parent, run_dir=run_dir, **kw)
 
 
-def moe_run(tmp_path, keep_best: str = ""):
+def moe_run(tmp_path, keep_best: str = "", shares=SHARES, dropped=0.0123, aux=1.5):
     """A live mixture of experts' run at step 320: eight experts, three checkpoints on disk."""
     run = synthetic.write_run(tmp_path / "runs" / "moe-20260101-000000", state="running",
                               steps=300, max_steps=1000, supervisor_pid=os.getpid(),
@@ -42,9 +42,9 @@ def moe_run(tmp_path, keep_best: str = ""):
             f.write(f'\n[checkpoint]\nkeep_best = "{keep_best}"\nbest_mode = "max"\n')
     out = EventWriter(run / "events.jsonl")
     for step in range(310, 321, 10):
-        metrics = {f"expert_load/{i}": share for i, share in enumerate(SHARES)}
+        metrics = {f"expert_load/{i}": share for i, share in enumerate(shares)}
         out.emit("step", step=step, loss=2.0, lr=1e-3, samples_per_s=100.0, step_time_s=0.1,
-                 memory=[], metrics={**metrics, "dropped": 0.0123, "aux_loss": 1.5})  # fmt: skip
+                 memory=[], metrics={**metrics, "dropped": dropped, "aux_loss": aux})  # fmt: skip
     out.close()
     return run
 
@@ -92,6 +92,22 @@ async def test_a_moe_run_keeps_a_log_of_40_columns_and_every_expert_in_view(tmp_
         else:  # a title and legend that fit, not cut
             assert "checkpoints on disk ─" in text and "▶ LATEST  ★ BEST" in text
             assert screen.query_one("#checkpoints-box").region.width >= 30
+
+
+@pytest.mark.asyncio
+async def test_a_long_first_row_of_the_experts_panel_is_shortened_never_wrapped(tmp_path):
+    # What a real moe run of four experts showed at 80×24: "dropped 22.4%  aux_loss 1.088"
+    # wrapped onto a second row, and the last expert went out of view.
+    run = moe_run(tmp_path, shares=[0.355, 0.432, 0.057, 0.156], dropped=0.224, aux=1.088)
+    app = app_on(run)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await shown(pilot, app)
+        box = screen.query_one("#experts-box")
+        rows = screen.query_one("#experts").render().plain.splitlines()
+        assert rows[0] == "drop 22.4%  aux 1.088", rows
+        assert [row.split()[0] for row in rows[1:]] == ["e0", "e1", "e2", "e3"]
+        assert len(rows) <= box.scrollable_content_region.height
+        assert "e3 " in screen_text(app) and "43.2%" in screen_text(app)
 
 
 @pytest.mark.asyncio

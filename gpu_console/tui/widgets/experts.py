@@ -3,9 +3,9 @@
 A task reports it as train metrics named ``expert_load/<i>`` (the built-in ``moe`` does);
 the run screen shows this panel only for a run that reports them. Every number is a percent
 of the tokens: each share, and ``dropped`` (the share past capacity) where the task reports
-it, with ``aux_loss`` in the panel's first row. Each bar spans twice the even share
-(1/experts) with a ``│`` at the even share: blue up to it, orange past it, so a collapsing
-router shows as a few orange bars and empty ones.
+it, with ``aux_loss`` in the panel's first row (``drop`` and ``aux`` where the row is short).
+Each bar spans twice the even share (1/experts) with a ``│`` at the even share: blue up to
+it, orange past it, so a collapsing router shows as a few orange bars and empty ones.
 
 A panel too short for a row per expert puts several experts on a row with shorter bars
 (eight experts in four rows at 80×24); one too short even then scrolls.
@@ -71,11 +71,14 @@ def experts_text(
         return t
     head = []
     if isinstance(dropped := metrics.get("dropped"), (int, float)):
-        head.append(f"dropped {dropped:.1%}")
+        head.append(("dropped", "drop", f"{dropped:.1%}"))
     if "aux_loss" in metrics:
-        head.append(f"aux_loss {num(metrics['aux_loss'])}")
+        head.append(("aux_loss", "aux", num(metrics["aux_loss"])))
     if head:
-        t.append("  ".join(head) + "\n", style="dim")
+        line = "  ".join(f"{name} {value}" for name, _, value in head)
+        if width is not None and len(line) > width:  # short names before a cut number
+            line = "  ".join(f"{short} {value}" for _, short, value in head)
+        t.append(line + "\n", style="dim")
     even = 1 / len(loads)
     label = len(str(loads[-1][0])) + 2  # "e7 ", "e12 "
     full = label + BAR + 1 + PERCENT
