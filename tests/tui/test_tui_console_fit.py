@@ -95,6 +95,27 @@ async def test_a_moe_run_keeps_a_log_of_40_columns_and_every_expert_in_view(tmp_
 
 
 @pytest.mark.asyncio
+async def test_the_panels_follow_a_resized_terminal(tmp_path):
+    run = moe_run(tmp_path)
+    app = app_on(run)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await shown(pilot, app)
+        log, checkpoints = screen.query_one("#log"), screen.query_one("#checkpoints-box")
+
+        def expert_rows() -> int:
+            return len(screen.query_one("#experts").render().plain.splitlines())
+
+        assert "▶ ckpt 300" in str(log.border_subtitle) and expert_rows() == 1 + EXPERTS // 2
+        await pilot.resize_terminal(120, 40)
+        await until(pilot, lambda: checkpoints.display, 10, "the checkpoints panel")
+        await until(pilot, lambda: not log.border_subtitle, 10, "the log's subtitle cleared")
+        await until(pilot, lambda: expert_rows() == 1 + EXPERTS, 10, "a row per expert")
+        await pilot.resize_terminal(80, 24)
+        await until(pilot, lambda: "▶ ckpt 300" in str(log.border_subtitle), 10, "the subtitle")
+        await until(pilot, lambda: expert_rows() == 1 + EXPERTS // 2, 10, "two to a row")
+
+
+@pytest.mark.asyncio
 async def test_a_long_first_row_of_the_experts_panel_is_shortened_never_wrapped(tmp_path):
     # What a real moe run of four experts showed at 80×24: "dropped 22.4%  aux_loss 1.088"
     # wrapped onto a second row, and the last expert went out of view.
@@ -340,3 +361,18 @@ async def test_the_lr_field_says_whether_the_task_takes_train_lr(here):
             assert str(label.render()) == expected
             if name == "own":  # not the profile's train.lr, as if it applied
                 assert screen.query_one("#set-lr").placeholder == "its own optimizer"
+
+
+def test_every_share_draws_a_bar_of_its_width():
+    # A share a hair under a whole cell rounded up to the ninth eighth and failed the
+    # panel (and the console with it) on a real moe run: e.g. 0.2083 of the tokens for four.
+    from gpu_console.tui.widgets.experts import experts_text
+
+    for k in range(0, 1001):
+        shares = [k / 1000, 0.25, 0.25, 0.25]
+        metrics = {f"expert_load/{i}": s for i, s in enumerate(shares)}
+        for width, height in ((None, None), (27, 5), (27, 3)):
+            rows = experts_text(metrics, width, height).plain.splitlines()
+            assert all(len(row) <= (width or 24) for row in rows), rows
+            marks = [row.index("│") for row in rows]  # every bar as wide: the mark in line
+            assert len(set(marks)) == 1, rows

@@ -162,8 +162,17 @@ class RunScreen(Screen):
 
     def _refit(self, s: RunSnapshot) -> None:
         self.query_one("#checkpoints", CheckpointList).show(s.checkpoints, s.now)
-        if expert_loads(s.train_metrics):
+        routed = bool(expert_loads(s.train_metrics))
+        if routed:
             self.query_one("#experts", ExpertPanel).show(s.train_metrics)
+        self._newest_checkpoint(s, routed)
+
+    def _newest_checkpoint(self, s: RunSnapshot, routed: bool) -> None:
+        """Where the checkpoints panel gave way (app.tcss), the log's subtitle names the
+        newest checkpoint."""
+        hidden = self.has_class("-narrow") and routed
+        log = self.query_one("#log", RichLog)
+        log.border_subtitle = newest_line(s.checkpoints, s.now) if hidden else ""
 
     # -- the feed (a thread) -----------------------------------------------------------------
     @work(thread=True, exclusive=True, group="feed", name="run feed", exit_on_error=False)
@@ -222,10 +231,8 @@ class RunScreen(Screen):
         if routed:
             self.query_one("#experts", ExpertPanel).show(s.train_metrics)
             self.query_one("#experts-box").border_subtitle = even_share_text(s.train_metrics)
+        self._newest_checkpoint(s, routed)
         log = self.query_one("#log", RichLog)
-        # Where the checkpoints panel gave way (app.tcss), the log's subtitle names the newest.
-        hidden = self.has_class("-narrow") and routed
-        log.border_subtitle = newest_line(s.checkpoints, s.now) if hidden else ""
         for line in s.new_logs:
             log.write(Text(line.text, style=LOG_STYLE.get(line.level, "")))
         failed = bool(s.failure) and s.state == "failed"

@@ -44,10 +44,8 @@ def expert_loads(metrics: dict[str, float]) -> list[tuple[int, float]]:
 
 def _cells(fill: float, cells: int) -> str:
     """``fill`` cells (clamped to ``cells``) as blocks to an eighth, padded to ``cells``."""
-    fill = min(max(fill, 0.0), float(cells))
-    whole = int(fill)
-    part = EIGHTHS[round((fill - whole) * 8)] if whole < cells and round((fill - whole) * 8) else ""
-    return ("█" * whole + part).ljust(cells)
+    whole, part = divmod(round(min(max(fill, 0.0), float(cells)) * 8), 8)
+    return ("█" * whole + (EIGHTHS[part] if part else "")).ljust(cells)
 
 
 def _bar(t: Text, share: float, even: float, cells: int) -> None:
