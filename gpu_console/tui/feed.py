@@ -26,9 +26,10 @@ from ..heartbeats import pid_alive
 from ..lost import settle
 from ..runs import FINAL_STATES, current_session, list_checkpoints, read_json, read_status
 from ..stall import quiet_s
-from . import reader
+from . import rank_log, reader
 from .devices import DeviceFeed, DeviceView
 from .series import Point, Series
+from .startup import startup_stage
 
 LIVE_STATES = ("starting", "compiling", "running", "paused", "stopping", "stalled", "restarting")
 LOG_LINES = 500
@@ -92,6 +93,8 @@ class RunSnapshot:
     compiling_since: float | None = None  # train.compile: when the first step's compile began
     strategy: str | None = None  # "fsdp (2 blocks + root)"; None under DDP (format.py)
     skipped: int | None = None  # updates skipped for a non-finite gradient (nan_policy skip)
+    startup: str = ""  # before the session's first step: what it is doing (startup.py)
+    keep_best: str = ""  # checkpoint.keep_best: the eval metric the best checkpoint is kept by
 
     @property
     def ended(self) -> bool:
@@ -113,6 +116,9 @@ class RunModel(RunFold):
         self.controls: dict[str, dict[str, Any]] = {}
         self.logs: deque[LogLine] = deque(maxlen=LOG_LINES)
         self.log_count = 0  # lines ever appended to ``logs``
+        # The newest of the engine's marks of a session's start-up, in file order (startup.py):
+        # "building" (its first status), "started" (the start event), "stepped" (a step).
+        self.startup_mark = ""
 
     def _log(self, line: LogLine) -> None:
         self.logs.append(line)
@@ -123,6 +129,7 @@ class RunModel(RunFold):
         kind = e.get("kind")
         if kind == "step":
             if self.last_step is e:  # the fold took it (its step is a number)
+                self.startup_mark = "stepped"
                 step = e["step"]
                 self.loss_series.append(step, e.get("loss"))
                 self.lr_series.append(step, e.get("lr"))
@@ -132,9 +139,12 @@ class RunModel(RunFold):
                 for name, value in metrics.items() if isinstance(metrics, dict) else ():
                     self.metric_series.setdefault(name, Series(1024, 1024)).append(step, value)
         elif kind == "start" and self.start is e:  # what was built, as the headless run says
+            self.startup_mark = "started"
             for o in e.get("optimizers") or []:
                 self._log(LogLine("info", optimizer_line(o), e.get("t")))
         elif kind == "status":
+            if e.get("state") == "starting":
+                self.startup_mark = "building"
             text = f"state: {self.state}" + (f" ({self.reason})" if self.reason else "")
             self._log(LogLine("state", text, e.get("t")))
         elif kind == "eval":
@@ -160,7 +170,9 @@ class RunModel(RunFold):
         elif kind == "control":
             self._add_control(e, older=True)
         elif kind == "start" and not self.start:
+            mark = self.startup_mark
             self.apply(e)
+            self.startup_mark = mark  # older than every event applied
 
     def _add_eval(self, e: dict[str, Any]) -> None:
         metrics = {
@@ -220,11 +232,13 @@ class RunFeed:
         self._tail = JsonlTail(self.events_path)
         self._gap: tuple[int, int] | None = None
         self._log_offset: int | None = None
-        self._seen_logs: deque[str] = deque(maxlen=64)
+        self._echoes = rank_log.Echoes()  # log events whose echo in the ranks' output is due
+        self._profiler_said = False
         self._new_logs: list[LogLine] = []
         self._log_mark = 0
         self.devices = DeviceFeed(self.run_dir, interval_s=sample_interval_s, enabled=telemetry)
         self.meta = read_json(self.run_dir / "meta.json") or {}
+        self.keep_best = _keep_best(self.run_dir)
         self.sampled = False
         # What checkpoints/ holds (pruning removes what events once announced), read again
         # when the directory changes or a checkpoint event says a write (and prune) is done.
@@ -241,9 +255,9 @@ class RunFeed:
         self._gap = quick.gap
         self.sampled = quick.sampled
         self._read_status()
+        self._take_model_logs()  # before the ranks' output: it holds their events' echoes
         self._read_logs()
         self._read_checkpoints(True)
-        self._take_model_logs()
         self.devices.update(self.live, self.model.last_step)
 
     def backfill(self) -> bool:
@@ -269,8 +283,8 @@ class RunFeed:
         if self._supervisor_gone():
             settle(self.run_dir)  # records lost in status.json (lost.py): every view agrees
             changed |= self._read_status()
+        self._take_model_logs()  # before the ranks' output: it holds their events' echoes
         changed |= self._read_logs()
-        self._take_model_logs()
         changed |= self.devices.update(self.live, self.model.last_step)
         return changed or bool(self._new_logs)
 
@@ -318,10 +332,15 @@ class RunFeed:
             self.run_dir / "logs" / "torchrun.log", self._log_offset
         )
         for line in lines:
-            text = _rank_prefix(line)
-            if not text.strip() or _strip_rank(text) in self._seen_logs:
+            text = rank_log.shown_as(line)
+            if not text.strip() or self._echoes.is_echo(rank_log.without_rank(text)):
                 continue
-            self._new_logs.append(LogLine(_level_of(text), text))
+            if rank_log.profiler_noise(text):
+                if not self._profiler_said:
+                    self._profiler_said = True
+                    self._new_logs.append(LogLine("info", rank_log.PROFILER_FOLDED))
+                continue
+            self._new_logs.append(LogLine(rank_log.level_of(text), text))
         return bool(lines)
 
     def _take_model_logs(self) -> None:
@@ -331,8 +350,8 @@ class RunFeed:
         fresh = list(logs)[len(logs) - n :] if n > 0 else []
         self._log_mark = self.model.log_count
         for line in fresh:
-            if line.level in ("info", "warning", "error", "debug"):
-                self._seen_logs.append(line.text)
+            if line.text.startswith(f"[{line.level}] "):  # a log event: the ranks echo it
+                self._echoes.shown(line.text)
         self._new_logs.extend(fresh)
 
     def close(self) -> None:
@@ -428,6 +447,14 @@ class RunFeed:
             train_metrics=dict(m.train_metrics),
             compiling_since=m.compiling_since if state == "compiling" else None,
             skipped=_skipped(m.skipped, st.get("skipped_updates")),
+            startup=startup_stage(
+                self.run_dir,
+                state=state,
+                status=st,
+                session=self.session,
+                mark="" if new_session else m.startup_mark,
+            ),
+            keep_best=self.keep_best,
         )
 
 
@@ -456,23 +483,14 @@ def _frozen(s: Series) -> Series:
     return copy
 
 
-def _rank_prefix(line: str) -> str:
-    """torchrun's ``[default3]:text`` (its --tee prefix) shown as ``r3│ text``."""
-    if line.startswith("[default") and "]:" in line[:16]:
-        rank, _, rest = line[8:].partition("]:")
-        if rank.isdigit():
-            return f"r{rank}│ {rest}"
-    return line
+def _keep_best(run_dir: Path) -> str:
+    """run.toml's ``checkpoint.keep_best`` (``""``: none, or run.toml unreadable)."""
+    from ..toml_text import loads
 
-
-def _strip_rank(text: str) -> str:
-    return text.split("│ ", 1)[1] if text.startswith("r") and "│ " in text[:8] else text
-
-
-def _level_of(text: str) -> str:
-    low = text.lower()
-    if any(w in low for w in ("error", "traceback", "exception", "failed", "fatal")):
-        return "error"
-    if "warn" in low:
-        return "warning"
-    return "info"
+    try:
+        doc = loads((run_dir / "run.toml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return ""
+    section = doc.get("checkpoint")
+    value = section.get("keep_best") if isinstance(section, dict) else None
+    return value if isinstance(value, str) else ""

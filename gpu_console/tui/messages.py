@@ -38,7 +38,7 @@ class Notice(Message):
 class ProfileInfo:
     path: Path
     name: str
-    origin: str  # "local" or "built-in"
+    origin: str  # "local" (./profiles), "here" (the working directory) or "built-in"
     description: str
 
 
@@ -58,6 +58,9 @@ class Preview:
     devices: str = "auto"
     values: dict[str, Any] = field(default_factory=dict)  # the override fields' profile values
     sets: list[str] = field(default_factory=list)  # the overrides this preview resolved
+    # Whether the task takes its lr from train.lr: True (a built-in), False (it builds its
+    # own optimizer), None (a user task the console cannot tell: task_source.py).
+    uses_train_lr: bool | None = True
 
 
 class PreviewReady(Message):

@@ -361,12 +361,18 @@ async def test_a_mixture_of_experts_run_shows_each_experts_share_of_the_tokens(t
         assert screen.query_one("#experts-box").display
         text = screen.query_one("#experts").render().plain
         lines = text.splitlines()
-        assert lines[0] == "dropped 0.0123  aux_loss 1.5"
+        # One unit for every share: dropped is a percent of the tokens as the experts' are.
+        assert lines[0] == "dropped 1.2%  aux_loss 1.5"
         assert [line.split()[0] for line in lines[1:]] == ["e0", "e1", "e2", "e3"]
         assert lines[1].endswith("50.0%") and lines[3].endswith("12.5%")
-        # Bars against the even share (25 %): twice it fills the bar, half of it a quarter.
+        # Bars against the even share (25 %), marked │: twice it fills the bar (blue to the
+        # mark, orange past it), half of it a quarter.
         assert lines[1].count("█") == 12 and lines[2].count("█") == 6
         assert lines[3].count("█") == 3
+        assert lines[2].index("│") == lines[2].index("█") + 6  # the even share: at the mark
+        assert all(line.count("│") == 1 for line in lines[1:])
+        subtitle = str(screen.query_one("#experts-box").border_subtitle)
+        assert subtitle == "│ even share 25.0%"
     app = app_on(plain)
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await loaded(pilot, app)

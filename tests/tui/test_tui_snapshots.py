@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import synthetic
 from test_telemetry_fake import FakeGpu, FakeNvml, install
-from tui_support import assert_svg, picture_telemetry, until
+from tui_support import assert_svg, picture_telemetry, screen_text, until
 
 from gpu_console.tui.app import ConsoleApp
 from gpu_console.tui.screens.launch import LaunchScreen
@@ -53,6 +53,8 @@ async def test_snapshot_run_screen_with_gpu_cards(tmp_path, monkeypatch):
         await until(pilot, lambda: isinstance(app.screen, RunScreen), 5, "the screen")
         screen = app.screen
         await until(pilot, lambda: screen.snapshot and screen.snapshot.devices.cards, 10, "cards")
+        # The footer's keys may come a frame after the snapshot on a busy machine.
+        await until(pilot, lambda: "report" in screen_text(app), 10, "the footer's keys")
         await pilot.pause()
         assert "A100" in str(screen.query_one("#devices").render())
         assert_svg(app, "run-gpu")

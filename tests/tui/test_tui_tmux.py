@@ -82,8 +82,8 @@ def wait_for_pane(tmux: Tmux, text: str, timeout: float) -> str | None:
         return None
 
 
-def console(tmp_path, *args: str) -> tuple[Tmux, Path]:
-    """``gpu-console ARGS`` in a new tmux session of 100×32; the file its exit code goes to."""
+def console(tmp_path, *args: str, size: tuple[int, int] = (100, 32)) -> tuple[Tmux, Path]:
+    """``gpu-console ARGS`` in a new tmux session (100×32); the file its exit code goes to."""
     exit_file = tmp_path / f"exit-code-{uuid.uuid4().hex[:8]}"
     command = (
         f"cd {shlex.quote(str(tmp_path))} && {shlex.quote(sys.executable)} -m gpu_console "
@@ -91,7 +91,7 @@ def console(tmp_path, *args: str) -> tuple[Tmux, Path]:
     )
     env = environment(PYTHONPATH=repo_pythonpath())
     tmux = Tmux(str(tmp_path / f"tmux-{uuid.uuid4().hex[:8]}.sock"), env)
-    tmux("new-session", "-d", "-x", "100", "-y", "32", "-s", "console", command)
+    tmux("new-session", "-d", "-x", str(size[0]), "-y", str(size[1]), "-s", "console", command)
     return tmux, exit_file
 
 
@@ -217,17 +217,23 @@ def test_run_without_headless_opens_the_console_and_attach_shows_a_failure(tmp_p
 
 
 def test_a_mixture_of_experts_run_shows_its_experts_in_the_console(tmp_path):
-    """The built-in moe with its experts spread over 2 CPU ranks, in the real console: the
-    experts panel shows each expert's share of the tokens as the run trains."""
+    """The built-in moe with its experts spread over 2 CPU ranks, in the real console at
+    80×24: the experts panel shows each expert's share of the tokens as the run trains, and
+    the log keeps 40 columns beside it."""
     runs = tmp_path / "runs"
     sets = ["task.d_model=32", "task.n_heads=2", "task.num_experts=4", "task.seq_len=32",
             "data.batch_size=16", "train.max_steps=30", "train.log_every=5", "train.eval_every=0",
             "checkpoint.every_steps=0", "task.expert_parallel=true"]  # fmt: skip
     args = ["run", "moe", "--devices", "cpu:2", "--runs-dir", str(runs)]
-    tmux, exit_file = console(tmp_path, *args, *[x for s in sets for x in ("--set", s)])
+    tmux, exit_file = console(
+        tmp_path, *args, *[x for s in sets for x in ("--set", s)], size=(80, 24)
+    )
     try:
         pane = tmux.wait(" finished ", 120)
-        assert "experts (share of tokens)" in pane and "e0" in pane and "%" in pane, pane
+        assert "experts · % of tokens" in pane and "│ even share 25.0%" in pane, pane
+        assert all(f"e{i} " in pane for i in range(4)), pane
+        top = next(line for line in pane.splitlines() if "╭─ log " in line)
+        assert len(top[top.index("╭─ log ") :].rstrip()) >= 40, pane  # the log's width
         run = only_run(runs)
         assert events_of(run, "start")[0]["strategy"] == "expert"
         tmux.keys("q")

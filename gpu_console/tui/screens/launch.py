@@ -71,6 +71,40 @@ FIELDS = (
 CPU = "cpu"
 
 
+class DeviceList(SelectionList[str]):
+    """The devices: Space toggles one, Enter launches as it does in every other control
+    (the list's own Enter toggled the highlighted device, and did nothing before one was)."""
+
+    BINDINGS = [Binding("enter", "screen.launch", "launch", show=False)]
+
+
+class PrecisionSet(RadioSet):
+    """The precisions: Space or the arrows choose, Enter launches (as in the device list)."""
+
+    BINDINGS = [Binding("enter", "screen.launch", "launch", show=False)]
+
+
+def here_profiles(folder: Path) -> list[Path]:
+    """The TOML files of ``folder`` (the working directory) that are profiles: every top-level
+    table a profile section, at least one of them (``pyproject.toml`` is not one)."""
+    from ...profile import SECTIONS, ProfileError, parse_toml
+
+    known = {*SECTIONS, "task"}
+    out = []
+    for path in sorted(folder.glob("*.toml")):
+        try:
+            doc = parse_toml(path)
+        except ProfileError:
+            continue
+        if doc and set(doc) <= known and all(isinstance(v, dict) for v in doc.values()):
+            out.append(path)
+    return out
+
+
+# The lr field's label: whether the task takes train.lr (task_source.py).
+LR_LABELS = {True: "lr", False: "lr unused", None: "lr if used"}
+
+
 def _gpu_prompt(g: dict[str, Any]) -> Text:
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append(f"GPU {g['index']} ", style="bold")
@@ -155,13 +189,13 @@ class LaunchScreen(Screen):
         self._start_workers()
         try:
             with self.app.batch_update():  # one frame with all of them
-                await self.mount(SelectionList[str](id="device-list"), after="#devices-title")
+                await self.mount(DeviceList(id="device-list"), after="#devices-title")
                 buttons = [RadioButton(p, id=f"prec-{p}", value=p == "auto") for p in PRECISIONS]
-                await self.mount(RadioSet(*buttons, id="precision"), after="#precision-title")
+                await self.mount(PrecisionSet(*buttons, id="precision"), after="#precision-title")
                 for row, fields in enumerate((FIELDS[:2], FIELDS[2:])):
                     widgets: list[Widget] = []
                     for fid, _, label in fields:
-                        widgets.append(Label(label, classes="field-label"))
+                        widgets.append(Label(label, classes="field-label", id=f"label-{fid}"))
                         widgets.append(Input(id=f"set-{fid}", compact=True, classes="field"))
                     await self.query_one(f"#fields-{row}").mount_all(widgets)
                 await self.mount(Footer(compact=True))
@@ -180,8 +214,13 @@ class LaunchScreen(Screen):
         from ...profile import ProfileError, list_profiles, parse_toml
         from ..messages import ProfileInfo, ProfilesListed
 
+        listed = list_profiles()
+        # A profile in the working directory, beside ./profiles: after them, before built-ins.
+        seen = {p.resolve() for p, _ in listed}
+        here = [(p, "here") for p in here_profiles(Path.cwd()) if p.resolve() not in seen]
+        at = sum(1 for _, origin in listed if origin == "local")
         out = []
-        for path, origin in list_profiles():
+        for path, origin in listed[:at] + here + listed[at:]:
             try:
                 meta = parse_toml(path).get("profile", {})
                 desc = str(meta.get("description", "")) if isinstance(meta, dict) else ""
@@ -201,11 +240,13 @@ class LaunchScreen(Screen):
             prompt.append(f" {p.description}", style="dim")
             if p.origin == "local":
                 prompt.append(" (local)", style="italic dim")
+            elif p.origin == "here":
+                prompt.append(f" (./{p.path.name})", style="italic dim")
             ol.add_option(Option(prompt, id=str(p.path)))
         if self.profiles:
             ol.highlighted = 0
         else:
-            self._problems(["no profiles found (./profiles or the built-ins)"])
+            self._problems(["no profiles found (./profiles, ./*.toml or the built-ins)"])
 
     @on(OptionList.OptionHighlighted, "#profiles")
     def _highlighted(self, event: OptionList.OptionHighlighted) -> None:
@@ -238,6 +279,7 @@ class LaunchScreen(Screen):
     def _resolve(self, path: Path, sets: list[str]) -> None:
         from ...profile import ProfileError, load_profile
         from ..messages import Preview, PreviewReady
+        from ..task_source import uses_train_lr
 
         preview = Preview(path, sets=list(sets))
         try:
@@ -250,6 +292,7 @@ class LaunchScreen(Screen):
             }
             preview.precision = base.train.precision
             preview.devices = base.hardware.devices
+            preview.uses_train_lr = uses_train_lr(base.task_kind)
             prof = load_profile(str(path), sets) if sets else base
             preview.toml = prof.to_toml()
             preview.notes = list(prof.notes)
@@ -275,6 +318,10 @@ class LaunchScreen(Screen):
             field = self.query_one(f"#set-{fid}", Input)
             field.placeholder = str(p.values.get(fid, ""))
             field.set_class(any(f"{key}:" in problem for problem in p.problems), "-bad")
+        # A task that builds its own optimizer ignores train.lr: the field says so.
+        self.query_one("#label-lr", Label).update(LR_LABELS[p.uses_train_lr])
+        if p.uses_train_lr is False:
+            self.query_one("#set-lr", Input).placeholder = "its own optimizer"
         self._problems(p.problems, p.notes)
         toml = self.query_one("#toml", Static)
         if p.toml:

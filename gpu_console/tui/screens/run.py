@@ -33,10 +33,11 @@ from ...session_lock import is_held
 from ..feed import RunFeed, RunSnapshot
 from ..messages import ControlSent, Notice, RunUpdated
 from ..widgets.chart import BrailleChart, Line
+from ..widgets.checkpoints import LEGEND as CHECKPOINTS_LEGEND
 from ..widgets.checkpoints import TITLE as CHECKPOINTS_TITLE
-from ..widgets.checkpoints import CheckpointList
+from ..widgets.checkpoints import CheckpointList, newest_line
 from ..widgets.devices import DevicePanel
-from ..widgets.experts import ExpertPanel, expert_loads
+from ..widgets.experts import ExpertPanel, even_share_text, expert_loads
 from ..widgets.failure import FailurePanel
 from ..widgets.header import RunHeader
 from ..widgets.text import num
@@ -72,6 +73,9 @@ def exit_code_of(s: RunSnapshot | None, status_checkpointed: bool | None = None)
 
 
 class RunScreen(Screen):
+    # The panels beside the log give way below these widths (app.tcss): the log keeps 40
+    # columns at 80.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-medium"), (120, "-wide")]
     BINDINGS = [
         Binding("c", "checkpoint", "ckpt"),
         Binding("p", "pause", "pause"),
@@ -141,7 +145,8 @@ class RunScreen(Screen):
         self.query_one("#lr").border_title = "lr"
         self.query_one("#devices-box").border_title = "devices"
         self.query_one("#checkpoints-box").border_title = CHECKPOINTS_TITLE
-        self.query_one("#experts-box").border_title = "experts (share of tokens)"
+        self.query_one("#checkpoints-box").border_subtitle = CHECKPOINTS_LEGEND
+        self.query_one("#experts-box").border_title = "experts · % of tokens"
         self.query_one("#log").border_title = "log"
         self.query_one("#failure-box").border_title = "failure"
         self.query_one("#header", RunHeader).update(Text(f"{self.run_dir.name}  loading…"))
@@ -149,6 +154,25 @@ class RunScreen(Screen):
 
     def on_unmount(self) -> None:
         self._stop.set()
+
+    def on_resize(self) -> None:
+        # The panels' columns (and the experts' rows) follow their new size once laid out.
+        if self.snapshot is not None:
+            self.call_after_refresh(self._refit, self.snapshot)
+
+    def _refit(self, s: RunSnapshot) -> None:
+        self.query_one("#checkpoints", CheckpointList).show(s.checkpoints, s.now)
+        routed = bool(expert_loads(s.train_metrics))
+        if routed:
+            self.query_one("#experts", ExpertPanel).show(s.train_metrics)
+        self._newest_checkpoint(s, routed)
+
+    def _newest_checkpoint(self, s: RunSnapshot, routed: bool) -> None:
+        """Where the checkpoints panel gave way (app.tcss), the log's subtitle names the
+        newest checkpoint."""
+        hidden = self.has_class("-narrow") and routed
+        log = self.query_one("#log", RichLog)
+        log.border_subtitle = newest_line(s.checkpoints, s.now) if hidden else ""
 
     # -- the feed (a thread) -----------------------------------------------------------------
     @work(thread=True, exclusive=True, group="feed", name="run feed", exit_on_error=False)
@@ -206,6 +230,8 @@ class RunScreen(Screen):
         self.set_class(routed, "-experts")
         if routed:
             self.query_one("#experts", ExpertPanel).show(s.train_metrics)
+            self.query_one("#experts-box").border_subtitle = even_share_text(s.train_metrics)
+        self._newest_checkpoint(s, routed)
         log = self.query_one("#log", RichLog)
         for line in s.new_logs:
             log.write(Text(line.text, style=LOG_STYLE.get(line.level, "")))
@@ -222,15 +248,19 @@ class RunScreen(Screen):
         """The charts' numbers: the same snapshot's as the header's (the lines may lag)."""
         window = WINDOWS[self.window]
         span = "whole run" if window is None else f"last {window:,} steps"
-        sampled = " · sampled" if s.sampled and window is None else ""
+        subtitle = span + (" · sampled" if s.sampled and window is None else "")
         name = self.series if self.series in s.metric_series else "loss"
+        if s.keep_best and s.keep_best != (s.eval_name if name == "loss" else name):
+            # The best checkpoint is kept by another metric than the one drawn: say which.
+            value = num(s.eval_latest.get(s.keep_best))
+            subtitle = f"[{EVAL}]★[/] best by {escape(s.keep_best)} {value} · {subtitle}"
         if name != "loss":  # a task metric: its newest value; m cycles back to the loss
             value = num(s.train_metrics.get(name))
             self.query_one("#loss", BrailleChart).titles(
-                f"{escape(name)}  [{TRAIN}]━ train {value}[/]", span + sampled
+                f"{escape(name)}  [{TRAIN}]━ train {value}[/]", subtitle
             )
         else:
-            self._loss_title(s, span + sampled)
+            self._loss_title(s, subtitle)
         unit, now = "samples/s", s.samples_per_s
         if s.tokens_points:
             unit, now = "tokens/s", s.tokens_per_s
@@ -252,7 +282,10 @@ class RunScreen(Screen):
             chart.plot([Line(self.series, metric.view(window), TRAIN)])
         else:
             evals = [p for p in s.eval_points if lo is None or p[0] >= lo]
-            chart.plot([Line("train", train, TRAIN), Line("eval", evals, EVAL, marker=True)])
+            chart.plot(
+                [Line("train", train, TRAIN), Line("eval", evals, EVAL, marker=True)],
+                empty=s.startup or "waiting for the first step…",
+            )
         rate = self.query_one("#throughput", BrailleChart)
         # Tokens/s where the task reports tokens (sequence models), else samples/s.
         unit, pts = "samples/s", s.throughput_points

@@ -17,6 +17,8 @@ def header_text(s: RunSnapshot, command: Text | None = None, readonly: bool = Fa
     t.append(f" {s.state} ", style=STATE_STYLE.get(s.state, "bold") + " reverse")
     if s.state == "compiling":  # train.compile's first step: how long so far
         t.append(" " + compiling_text(s.compiling_since, s.now).removeprefix("compiling "))
+    if s.startup:  # launch to first step: which stage (startup.py)
+        t.append(f" {s.startup}", style=STATE_STYLE["starting"].replace("bold ", ""))
     if s.state in ("stalled", "lost", "stopping", "restarting") and s.reason:
         t.append(f" {s.reason}", style=STATE_STYLE.get(s.state, ""))
     if readonly:
