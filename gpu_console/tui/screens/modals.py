@@ -89,9 +89,10 @@ Anywhere
 
 Every command goes through the run's control.jsonl; its acknowledgement
 (received, done or rejected) shows in the header and the log.
-States: starting compiling running paused stopping finished stopped failed,
+States: starting compiling running paused stopping finished stopped failed refused,
 interrupted and killed (ended at once, no checkpoint),
-and two a reader derives: stalled (no step for long) and lost (no supervisor)."""
+and two a reader derives: stalled (no rank advanced for 10 steps' time, 30 s at least;
+never while paused) and lost (no supervisor)."""
 
 
 class HelpScreen(ModalScreen[None]):
