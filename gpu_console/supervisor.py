@@ -48,7 +48,6 @@ from . import diskfull, proc_tree, runs, session_lock, slurm, timings, toml_text
 from .events import JsonlTail
 from .exit_watch import ExitWatch
 from .fold import RunFold
-from .plain_copy import PlainCopy
 from .state import read_heartbeats
 from .telemetry.fold import TELEMETRY_FILE
 from .telemetry.recorder import Recorder
@@ -57,7 +56,6 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 TICK_S = 0.2
 WANDB_GRACE_S = 15.0  # for the W&B follower to finish its run once the run's end is recorded
-LOG_COPY_GRACE_S = 5.0  # for what the follower's children still write once it has ended
 KILL_AFTER_TERM_S = 5.0
 COALESCE_S = 5.0
 REAP_PEERS_AFTER_S = 2.0
@@ -127,7 +125,6 @@ class Supervisor:
         # opened in run() once torchrun is on its way (its import is not on the start path).
         self.tensorboard: Any = None
         self.follower: subprocess.Popen | None = None  # [logging] wandb (results/wandb_follower)
-        self.follower_log: PlainCopy | None = None  # its output into logs/wandb.log
         telemetry = run_dir / TELEMETRY_FILE
         self.telemetry = JsonlTail(telemetry, telemetry.stat().st_size if telemetry.exists() else 0)
         self.torchrun_log_offset = 0
@@ -358,8 +355,6 @@ class Supervisor:
         self.follower = start_wandb_follower(self.run_dir, self.profile_text)
         if self.follower is not None:
             self.status["pids"]["wandb"] = self.follower.pid
-            assert self.follower.stdout is not None
-            self.follower_log = PlainCopy(self.follower.stdout, self.run_dir / "logs" / "wandb.log")
         torchrun_exit = ExitWatch(self.proc.pid)  # a tick, or torchrun's exit if sooner
         while self.proc.poll() is None:
             torchrun_exit.sleep(TICK_S)
@@ -509,17 +504,16 @@ class Supervisor:
             return
         try:
             f.wait(WANDB_GRACE_S)
+            return
         except subprocess.TimeoutExpired:
-            victims = _children(f.pid)
-            with contextlib.suppress(psutil.Error):
-                victims.insert(0, psutil.Process(f.pid))
-            for p in victims:
-                _send(p, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                f.wait(5)
-        # Its last lines (wandb's core writes them as it ends, after the follower).
-        if self.follower_log is not None:
-            self.follower_log.join(LOG_COPY_GRACE_S)
+            pass
+        victims = _children(f.pid)
+        with contextlib.suppress(psutil.Error):
+            victims.insert(0, psutil.Process(f.pid))
+        for p in victims:
+            _send(p, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            f.wait(5)
 
     def _write_final(self) -> None:
         """The run's end must land: a full disk gets :data:`FINAL_TRIES_S` to free room (the
@@ -587,17 +581,17 @@ def start_wandb_follower(run_dir: Path, profile_text: str) -> subprocess.Popen |
     except (ImportError, ValueError):
         return None
     try:
-        follower = subprocess.Popen(
-            [sys.executable, "-m", "gpu_console.results.wandb_follower", str(run_dir)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,  # logs/wandb.log through PlainCopy: wandb colours lines
-            stderr=subprocess.STDOUT,
-            preexec_fn=_follower_preexec,
-        )
+        with open(run_dir / "logs" / "wandb.log", "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "gpu_console.results.wandb_follower", str(run_dir)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_follower_preexec,
+            )
     except (OSError, subprocess.SubprocessError) as e:
         _log_line(f"supervisor: W&B off: cannot start its follower: {_one_line(e)}")
         return None
-    return follower
 
 
 def _follower_preexec() -> None:

@@ -1,14 +1,15 @@
-"""A child's output into a log file without a terminal's control sequences, including what a
-process it started writes after it has ended (wandb's core after the W&B follower)."""
+"""A process's output into its log file without a terminal's control sequences, its children's
+included (wandb's core, started by the W&B follower)."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 from conftest import deadline
 
-from gpu_console.plain_copy import PlainCopy, strip_control
+from gpu_console.plain_copy import strip_control
 
 pytestmark = pytest.mark.quick
 
@@ -21,17 +22,31 @@ def test_colours_links_and_titles_are_taken_out_and_the_text_kept():
     assert strip_control(raw) == b"wandb: Find logs at: runs/x/logs\nlink and done \xe2\x9c\x93\n"
 
 
-def test_the_copy_keeps_what_a_grandchild_writes_after_the_child_ended(tmp_path):
+# As the W&B follower runs: its stdout the log file (the supervisor's), children writing to
+# the fds they inherited, one of them still running when this process leaves plain_stdio.
+PROCESS = r"""
+import subprocess, sys
+from gpu_console.plain_copy import plain_stdio
+with plain_stdio(grace_s=float(sys.argv[1])):
+    print("\x1b[1;34mwandb\x1b[0m: mine")
+    print("\x1b[31mto stderr\x1b[0m", file=sys.stderr)
+    subprocess.run(["sh", "-c", r"printf '\033[1mchild\033[0m\n'"], check=True)
+    late = subprocess.Popen(["sh", "-c", r"read x; printf '\033[35mlast\033[0m\n'"],
+                            stdin=subprocess.PIPE)
+    late.stdin.close()  # it writes once it reads the end of its input, perhaps after the block
+print("after: nowhere")
+"""
+
+
+def test_this_process_and_its_children_reach_the_file_plain(tmp_path):
     log = tmp_path / "wandb.log"
     log.write_bytes(b"earlier session\n")
-    script = (
-        r"printf '\033[1;34mwandb\033[0m: first\n'; "
-        # A process of its own that outlives the shell and writes once the shell has gone.
-        r"(while kill -0 $$ 2>/dev/null; do :; done; printf '\033[35mlast\033[0m\n') &"
-    )
-    child = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    assert child.stdout is not None
-    copy = PlainCopy(child.stdout, log)
-    child.wait(timeout=deadline(60))
-    copy.join(deadline(60))
-    assert log.read_bytes() == b"earlier session\nwandb: first\nlast\n"
+    with open(log, "ab") as out:
+        done = subprocess.run(
+            [sys.executable, "-c", PROCESS, str(deadline(60))],
+            stdout=out, stderr=subprocess.STDOUT, timeout=deadline(120),
+        )  # fmt: skip
+    assert done.returncode == 0
+    lines = log.read_bytes().splitlines()
+    assert lines[:4] == [b"earlier session", b"wandb: mine", b"to stderr", b"child"]
+    assert lines[4:] == [b"last"]

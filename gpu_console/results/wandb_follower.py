@@ -29,6 +29,7 @@ from typing import Any
 from .. import runs
 from ..commands.diff import flatten
 from ..events import JsonlTail
+from ..plain_copy import plain_stdio
 from ..telemetry.fold import TELEMETRY_FILE
 from ..toml_text import loads_or_empty
 from . import scalars
@@ -36,6 +37,7 @@ from . import scalars
 STATUS_FILE = "wandb.json"
 ID_FILE = "wandb_id"
 POLL_S = 1.0
+LOG_COPY_GRACE_S = 5.0  # for what wandb's core still writes once this process is done
 INIT_TIMEOUT_S = float(os.environ.get("GPU_CONSOLE_WANDB_INIT_TIMEOUT_S") or 60.0)
 
 
@@ -167,5 +169,20 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _teardown_wandb() -> None:
+    """wandb's core ends here, not in an exit handler after :func:`plain_stdio`: its last
+    lines (``Find logs at: ...``) go through the copy."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None:
+        with contextlib.suppress(Exception):  # its own teardown failing changes nothing now
+            wandb.teardown()
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    # The supervisor made stdout logs/wandb.log; wandb colours lines whatever it writes to.
+    with plain_stdio(LOG_COPY_GRACE_S):
+        try:
+            code = main(sys.argv)
+        finally:
+            _teardown_wandb()
+    sys.exit(code)
