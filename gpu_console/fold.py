@@ -276,8 +276,8 @@ class RunFold:
         (a resumed session's supervisor does not reread their events): the best loss, the
         skipped updates, the best checkpoint, and where the run stands until this session's
         engine says otherwise: the step it resumes at (``resume_step``, its checkpoint's,
-        else the last session's), its last loss and length. A session that fails before its
-        first step still shows the run's step and loss, not ``0/-``."""
+        else the last session's), its last loss, length and log interval. A session that
+        fails before its first step still shows the run's step and loss, not ``0/-``."""
         step = resume_step if type(resume_step) is int else previous.get("step")
         if type(step) is int and step > 0:
             self.step = self.start_step = step
@@ -298,6 +298,11 @@ class RunFold:
         kept = previous.get("best_checkpoint")
         if self.best_checkpoint is None and isinstance(kept, dict):
             self.best_checkpoint = kept
+        # The log interval until this session's second step event measures its own: a
+        # reader without heartbeats judges a stall by it (stall.py) from the first one on.
+        every = previous.get("log_steps")
+        if self.log_steps is None and type(every) is int and every > 0:
+            self.log_steps = every
 
 
 # -- the state a reader shows ------------------------------------------------------------------

@@ -131,6 +131,21 @@ def test_the_fold_keeps_the_log_interval_and_when_running_began():
     assert (out["log_steps"], out["running_since"]) == (50, 9.0)
 
 
+def test_a_resumed_session_judges_by_the_runs_log_interval_before_it_measures_its_own():
+    """The supervisor of a resumed session folds only its own events: until its second step
+    event, the log interval is the run's, from the last status.json (carry)."""
+    fold = RunFold()
+    fold.carry({"step": 300, "loss": 0.5, "log_steps": 50}, resume_step=300)
+    fold.apply({"kind": "start", "start_step": 300, "t": NOW - 120})
+    fold.apply({"kind": "status", "state": "running", "t": NOW - 110})
+    fold.apply({"kind": "step", "step": 350, "step_time_s": 1.0, "t": NOW - 100})
+    status = {**live(), **fold.to_status(), "state": "running"}
+    assert status["log_steps"] == 50
+    assert derived_state(status, NOW) == "running"  # 100 s quiet < 10 × 50 steps × 1 s
+    fold.apply({"kind": "step", "step": 360, "step_time_s": 1.0, "t": NOW - 90})
+    assert fold.to_status()["log_steps"] == 10  # its own interval, once it has two
+
+
 # -- the heartbeat's record ---------------------------------------------------------------------
 
 

@@ -50,11 +50,21 @@ def profiler_noise(text: str) -> bool:
     return _KINETO.match(without_rank(text)) is not None
 
 
+_ECHO = re.compile(r"\[(info|warning|error|debug)\] ")
+
+
+def looks_like_echo(text: str) -> bool:
+    """A line of the ranks' output in the shape the engine echoes a log event in."""
+    return _ECHO.match(text) is not None
+
+
 class Echoes:
     """The lines of log events the pane showed, until the rank's echo of each arrives.
 
     The echo is printed after the event is written, so a reader that takes events before
-    the ranks' output meets the event first; a line is hidden once for each event.
+    the ranks' output meets the event first, unless the event was written between its two
+    reads: then the echo comes first, and the feed keeps an echo-like line back for one read
+    (:func:`looks_like_echo`) before it shows it. A line is hidden once for each event.
     """
 
     def __init__(self) -> None:

@@ -261,6 +261,9 @@ def test_a_log_line_of_the_task_shows_once_and_the_profilers_chatter_folds(tmp_p
     try:
         feed.load()
         lines = logged(feed)
+        assert "r1│ [info] rank 1: its own line" not in lines  # kept back a read: an echo?
+        feed.poll()
+        lines += logged(feed)
         assert lines.count("[info] hello from the task") == 1, lines
         assert not any("hello from the task" in line for line in lines if line.startswith("r0│"))
         assert "r1│ [info] rank 1: its own line" in lines  # not an event: shown
@@ -276,8 +279,24 @@ def test_a_log_line_of_the_task_shows_once_and_the_profilers_chatter_folds(tmp_p
             f.write("[default0]:[warning] a second one\n[default0]:[warning] a second one\n")
         feed.poll()
         lines = logged(feed)
+        feed.poll()
+        lines += logged(feed)
         # One event, two lines printed: the second is the rank's own, and shows.
         assert lines == ["[warning] a second one", "r0│ [warning] a second one"], lines
+
+        # The event written between the feed's two reads: its echo is read first.
+        with open(run / "logs" / "torchrun.log", "a") as f:
+            f.write("[default1]:[info] written between the reads\n")
+        feed.poll()
+        lines = logged(feed)
+        with open(run / "events.jsonl", "a") as f:
+            f.write(json.dumps({"v": 1, "t": synthetic.T0 + 11, "kind": "log", "level": "info",
+                                "message": "written between the reads"}) + "\n")  # fmt: skip
+        feed.poll()
+        lines += logged(feed)
+        feed.poll()
+        lines += logged(feed)
+        assert lines == ["[info] written between the reads"], lines
     finally:
         feed.close()
 
