@@ -345,6 +345,12 @@ def derived_state(
     return state
 
 
+def with_signs(fold: RunFold, status: dict[str, Any]) -> dict[str, Any]:
+    """status.json with a reader's own fold's newer signs of progress: what the stall
+    verdict judged, so "no step for N s" counts from the same sign."""
+    return {**status, **_signs(fold, status)}
+
+
 def _signs(fold: RunFold, status: dict[str, Any]) -> dict[str, Any]:
     """The fold's signs of progress where they are newer than status.json's."""
     out: dict[str, Any] = {}

@@ -31,6 +31,7 @@ from rich.text import Text
 
 from .events import append_control
 from .exit_watch import ExitWatch
+from .fold import with_signs
 from .format import (
     compiling_text,
     eval_progress_text,
@@ -157,7 +158,7 @@ class Stalls:
         stalled = not st.done and st.shown_state(now) == "stalled"
         if stalled and not self.said:
             self.said = True
-            quiet = quiet_s(st.status, now, self.run_dir)
+            quiet = quiet_s(with_signs(st, st.status), now, self.run_dir)
             self.stalled_since = now - quiet if quiet is not None else now
             who = describe_stopped(read_heartbeats(self.run_dir), now)
             # Frozen before its first step (a silent heartbeat): no step to be late for.

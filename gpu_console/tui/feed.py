@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..events import JsonlTail
-from ..fold import RunFold, shown_state
+from ..fold import RunFold, shown_state, with_signs
 from ..format import human_bytes, optimizer_line, strategy_text
 from ..heartbeats import pid_alive
 from ..lost import settle
@@ -389,7 +389,7 @@ class RunFeed:
         return self.state in LIVE_STATES
 
     def _stalled_because(self, now: float) -> str:
-        quiet = quiet_s(self.status, now, self.run_dir)
+        quiet = quiet_s(with_signs(self.model, self.status), now, self.run_dir)
         why = f"no step for {quiet:.0f} s" if quiet is not None else "no sign of life"
         stopped = _stalled_ranks(self.run_dir, now)
         return f"{why}; stopped: {stopped}" if stopped else why
