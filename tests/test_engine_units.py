@@ -808,6 +808,13 @@ def finished_state() -> RunState:
 
 
 def test_summary_table_of_a_finished_run(tmp_path):
+    # The end checkpoint on disk (the summary names the one the disk has, as --resume takes
+    # it): complete (its meta.json) and a whole torch file (a zip).
+    ckpt = tmp_path / "quick-1" / "checkpoints" / "step-00000050"
+    ckpt.mkdir(parents=True)
+    torch.save({"step": 50}, ckpt / "state.pt")
+    (ckpt / "meta.json").write_text(json.dumps({"step": 50, "reason": "end"}))
+    (ckpt.parent / "LATEST").write_text(ckpt.name)
     text = render(summary.summary_table(finished_state(), tmp_path / "quick-1"))
     assert "quick-1: finished" in text
     lines = {line.strip() for line in text.splitlines()}
