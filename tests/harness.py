@@ -342,16 +342,24 @@ def _torch_flags() -> Iterator[None]:
 @contextlib.contextmanager
 def _user_modules(cwd: Path) -> Iterator[None]:
     """A user task's module imported from ``cwd`` (as the engine puts it on sys.path) is
-    forgotten afterwards: the next test's module of the same name is another file."""
+    forgotten afterwards: the next test's module of the same name is another file.
+
+    Only new top-level modules (and their submodules) go: a submodule of a package loaded
+    before (``torch._dynamo``, first imported by a compiled task) stays, even where the
+    virtualenv lies under ``cwd``, as it does when a test runs from the project root. Torch
+    cannot import such a module twice (its operator libraries register once a process)."""
     path = list(sys.path)
     if str(cwd) not in sys.path:
         sys.path.insert(0, str(cwd))
     before = set(sys.modules)
+    tops = {mod.partition(".")[0] for mod in before}
     try:
         yield
     finally:
         sys.path[:] = path
         for mod in set(sys.modules) - before:
+            if mod.partition(".")[0] in tops:
+                continue
             file = getattr(sys.modules[mod], "__file__", None) or ""
             if file.startswith(str(cwd) + os.sep):
                 del sys.modules[mod]

@@ -233,7 +233,7 @@ class RunFeed:
         self._gap: tuple[int, int] | None = None
         self._log_offset: int | None = None
         self._echoes = rank_log.Echoes()  # log events whose echo in the ranks' output is due
-        self._held: list[str] = []  # echo-like ranks' lines kept back a read (_read_logs)
+        self._held: list[tuple[str, str]] = []  # rank 0's echo-like lines kept back a read
         self._profiler_said = False
         self._new_logs: list[LogLine] = []
         self._log_mark = 0
@@ -334,15 +334,17 @@ class RunFeed:
         )
         # An echo-like line of the last read whose event had not been read then: it may be now.
         held, self._held = self._held, []
-        for text in held:
-            if not self._echoes.is_echo(rank_log.without_rank(text)):
+        for text, bare in held:
+            if not self._echoes.is_echo(bare):
                 self._new_logs.append(LogLine(rank_log.level_of(text), text))
         for line in lines:
             text = rank_log.shown_as(line)
-            if not text.strip() or self._echoes.is_echo(bare := rank_log.without_rank(text)):
+            if not text.strip():
                 continue
-            if rank_log.looks_like_echo(bare):  # its event may be written after our events read
-                self._held.append(text)
+            bare = rank_log.echo_candidate(text)
+            if bare is not None:
+                if not self._echoes.is_echo(bare):  # its event may be written after our read
+                    self._held.append((text, bare))
                 continue
             if rank_log.profiler_noise(text):
                 if not self._profiler_said:

@@ -53,9 +53,16 @@ def profiler_noise(text: str) -> bool:
 _ECHO = re.compile(r"\[(info|warning|error|debug)\] ")
 
 
-def looks_like_echo(text: str) -> bool:
-    """A line of the ranks' output in the shape the engine echoes a log event in."""
-    return _ECHO.match(text) is not None
+def echo_candidate(text: str) -> str | None:
+    """A shown line's ``[level] message`` if it may be the echo of a log event, else None.
+
+    Only the rank that writes the run's events echoes them: the node's first (torchrun's
+    prefix is the local rank, so ``r0│``), or a line with no prefix. Another rank's line in
+    the same shape is that rank's own (a task's ``ctx.log`` on rank 1), never an echo."""
+    if text.startswith("r") and "│ " in text[:8] and not text.startswith("r0│ "):
+        return None
+    bare = without_rank(text)
+    return bare if _ECHO.match(bare) is not None else None
 
 
 class Echoes:
@@ -64,7 +71,7 @@ class Echoes:
     The echo is printed after the event is written, so a reader that takes events before
     the ranks' output meets the event first, unless the event was written between its two
     reads: then the echo comes first, and the feed keeps an echo-like line back for one read
-    (:func:`looks_like_echo`) before it shows it. A line is hidden once for each event.
+    (:func:`echo_candidate`) before it shows it. A line is hidden once for each event.
     """
 
     def __init__(self) -> None:
