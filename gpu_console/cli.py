@@ -211,6 +211,9 @@ def run(
             print(note, file=sys.stderr)
     if dry_run:
         from . import dry_run as plan
+        from .held_signals import release
+
+        release()  # a dry run starts nothing a signal should wait for
 
         said = len(prof.notes)
         try:
@@ -237,8 +240,10 @@ def run(
     if headless or not (sys.stdin.isatty() and sys.stdout.isatty()):
         # Without a terminal (a pipe, CI, nohup) the console reports as text.
         raise typer.Exit(reporter.follow(launched.run_dir, launched.supervisor))
+    from .held_signals import release
     from .tui.app import ConsoleApp
 
+    release()  # the console's own: a signal meant for the run reaches its supervisor directly
     tui = ConsoleApp(runs_dir=folder, run_dir=launched.run_dir, owner=True,
                      supervisor=launched.supervisor)  # fmt: skip
     raise typer.Exit(_run_tui(tui))

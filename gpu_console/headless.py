@@ -6,8 +6,11 @@ event; never a flood of carriage returns, never a line cut at a width.
 Ctrl-C: first a graceful stop (checkpoint, exit 0); the second kills the run now, no
 checkpoint (the supervisor records ``interrupted``, exit 130); a third, should the supervisor
 not answer, kills the run's processes from here.
-SIGTERM/SIGUSR1 to this process (a scheduler signalling the job's script): the run's
-graceful stop, as if the supervisor had been signalled; the console follows it to its end.
+SIGTERM/SIGUSR1 to this process (a scheduler signalling every process of the job step, this
+console with them): the run's graceful stop, as if the supervisor had been signalled; the
+console follows it to its end. One that came while the command was still starting was held
+(held_signals.py) and is passed on here. A requeue's end waits for scontrol's answer, so the
+summary says what SLURM did.
 SIGHUP (the terminal went away) ends this console only: the run goes on, and its run
 directory keeps the whole history for a later ``attach`` or ``ls``.
 A run with no step for too long is shown ``stalled``, naming the ranks that stopped.
@@ -29,6 +32,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
+from . import held_signals
 from .events import append_control
 from .exit_watch import ExitWatch
 from .fold import with_signs
@@ -55,7 +59,7 @@ from .state import (
     describe_stopped,
     read_heartbeats,
 )
-from .summary import env_text, print_summary
+from .summary import env_text, print_summary, requeue_unanswered
 
 POLL_S = 0.2
 
@@ -118,8 +122,9 @@ def stop_checkpoint(st: RunState) -> dict | None:
 class SchedulerSignals:
     """SIGTERM/SIGUSR1 to the console → the supervisor's graceful stop (it coalesces)."""
 
-    def __init__(self, follower: RunFollower, console: Console):
+    def __init__(self, follower: RunFollower, console: Console, supervisor: int | None = None):
         self.follower, self.console = follower, console
+        self.supervisor = supervisor  # its pid, before status.json names it
         self.received: list[int] = []
         self.acted = 0
 
@@ -130,7 +135,7 @@ class SchedulerSignals:
         while self.acted < len(self.received):
             signum = self.received[self.acted]
             self.acted += 1
-            sup = self.follower.state.status.get("pids", {}).get("supervisor")
+            sup = self.follower.state.status.get("pids", {}).get("supervisor") or self.supervisor
             if sup:  # the same signal: SIGUSR1 may mean "requeue the job" (cluster.requeue_signal)
                 _signal(sup, signum)
             if self.acted == 1:
@@ -255,7 +260,7 @@ def follow(
         plain_every_s = plain_beat_s()
     follower = RunFollower(run_dir)
     interrupts = Interrupts(run_dir, follower, console)
-    scheduler = SchedulerSignals(follower, console)
+    scheduler = SchedulerSignals(follower, console, supervisor.pid if supervisor else None)
     stalls = Stalls(run_dir, follower, console)
     watch = Watch(interrupts, scheduler, stalls)
     previous = {
@@ -266,6 +271,7 @@ def follow(
             (signal.SIGUSR1, scheduler),
         )
     }
+    held_signals.release()  # held since the command began (entry.py): handled from here on
     if resumed := _resumed_line(run_dir):
         console.print(resumed, highlight=False)
     console.print(Text.assemble("run ", (run_dir.name, "bold"), f"  ({run_dir})"))
@@ -327,7 +333,9 @@ def _tick(
         else:
             _notable(e, console)
     st = follower.state
-    if st.done:
+    # A requeue that scontrol refuses ends the run stopped: its answer is waited for.
+    waiting = requeue_unanswered(st.status) and not _supervisor_gone(follower, supervisor)
+    if st.done and not waiting:
         return True
     watch.stalls.check()
     if _supervisor_gone(follower, supervisor):

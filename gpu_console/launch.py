@@ -15,6 +15,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from . import diskfull, lost, runs, session_lock, slurm, torchrun
+from . import diskfull, held_signals, lost, runs, session_lock, slurm, torchrun
 from .batching import IN_EPOCHS, batch_problem, epochs_to_steps
 from .devices import (
     FUSED_UNDER_SHARDED_SCALER,
@@ -51,7 +52,7 @@ class LaunchError(Exception):
 
 # torchrun's default (SIGTERM, SIGINT, SIGHUP, SIGQUIT) plus SIGUSR1, which SLURM sends
 # before a time limit (`--signal=USR1@120`): without it SIGUSR1 kills torchrun outright.
-TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # SIGUSR1: held (held_signals.py)
 # One rendezvous per endpoint: every node must give torchrun the same id.
 MULTINODE_RDZV_ID = "gpu-console"
 
@@ -942,6 +943,8 @@ def start(
             profile, placement, resume_from.parent.parent, resume_from, argv, launched
         )
     release_resumes()  # several nodes: a run directory of its own, with a lock of its own
+    if nodes is not None and nodes.node_rank not in (None, 0) and (job := slurm.job()):
+        wait_for_head(runs_dir, job)
     changes = []
     if resume_from is not None:
         world = placement.nproc * (nodes.max_nodes if nodes else 1)
@@ -984,6 +987,51 @@ def start(
         if lock is not None:
             lock.release()  # the supervisor holds it now (or the run is gone)
     return Launched(run_dir, proc, placement)
+
+
+HEAD_WAIT_S = 600.0
+
+
+def wait_for_head(runs_dir: Path, job: slurm.Job, timeout_s: float = HEAD_WAIT_S) -> None:
+    """A SLURM job's other nodes write nothing until the head node has started its run: the
+    head makes checks no other node can (its rendezvous port), and a job it refuses must
+    leave no run behind on any node (``srun --kill-on-bad-exit`` ends the others while they
+    wait here). The head's run is in the shared runs directory (docs/clusters.md): a run
+    whose latest session is this job's start on node 0."""
+    deadline = time.monotonic() + timeout_s
+    while not _head_started(runs_dir, job):
+        if signal.SIGTERM in held_signals.pending():
+            raise LaunchError(
+                f"SLURM job {job.job_id}, node {job.node_id}: cancelled (SIGTERM) while waiting "
+                "for the head node's run; nothing written"
+            )
+        if time.monotonic() > deadline:
+            raise LaunchError(
+                f"SLURM job {job.job_id}, node {job.node_id}: the head node (node 0) started no "
+                f"run in {runs_dir} within {timeout_s:.0f} s: it refused (its output says why), "
+                "or that directory is not shared by the job's nodes (it must be: "
+                "docs/clusters.md); nothing written"
+            )
+        time.sleep(0.2)
+
+
+def _head_started(runs_dir: Path, job: slurm.Job) -> bool:
+    recent = time.time() - 24 * 3600  # a run directory's mtime: it was made for this start
+    with contextlib.suppress(OSError):
+        for run in Path(runs_dir).iterdir():
+            with contextlib.suppress(OSError):
+                if run.stat().st_mtime < recent or not (run / "meta.json").is_file():
+                    continue
+            meta = runs.read_json(run / "meta.json")
+            started = runs.current_session(meta).get("slurm") if isinstance(meta, dict) else None
+            if (
+                isinstance(started, dict)
+                and started.get("job_id") == job.job_id
+                and started.get("node_id") == 0
+                and started.get("restart_count") == job.restart_count
+            ):
+                return True
+    return False
 
 
 def _session(
@@ -1161,16 +1209,18 @@ def spawn_supervisor(
     log = open(run_dir / "logs" / "supervisor.log", "ab")  # noqa: SIM115 - handed to the child
     held = [] if lock is None else ["--lock-fd", str(lock.fd)]
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gpu_console.supervisor", str(run_dir.absolute()), *held],
-            pass_fds=() if lock is None else (lock.fd,),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=worker_env(placement),
-            cwd=os.getcwd(),
-        )
+        # It starts with the scheduler's signals held, until its handlers are in place.
+        with held_signals.held_for_child():
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gpu_console.supervisor", str(run_dir.absolute()), *held],
+                pass_fds=() if lock is None else (lock.fd,),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=worker_env(placement),
+                cwd=os.getcwd(),
+            )
     finally:
         log.close()
     return proc

@@ -85,6 +85,21 @@ def job(env: Mapping[str, str] | None = None) -> Job | None:
     )
 
 
+def grant_text(env: Mapping[str, str]) -> str:
+    """What the job has on this node, as SLURM says: ``8 CPUs, GPUs 0,1`` (the host's cores
+    are not the job's)."""
+    cpus = _int(env.get("SLURM_CPUS_ON_NODE"), 0)
+    gpus = env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS")
+    parts = [f"{cpus} CPUs" if cpus else "CPUs not said (SLURM_CPUS_ON_NODE unset)"]
+    if gpus:
+        parts.append(f"GPUs {gpus}")
+    elif n := _int(env.get("SLURM_GPUS_ON_NODE"), 0):
+        parts.append(f"{n} GPUs")
+    else:
+        parts.append("no GPU")
+    return ", ".join(parts)
+
+
 def expand_hostlist(nodelist: str) -> list[str]:
     """SLURM's host list syntax (``gpu[01-03,07],rack[1-2]-n[01-02]``) as hosts, in order,
     by python-hostlist (the syntax has corners: several brackets in one name, zero padding);
@@ -148,20 +163,33 @@ def port_free(port: int) -> bool:
     return True
 
 
+def node_address(name: str) -> str:
+    """The address SLURM reaches node ``name`` at (its ``NodeAddr``): a site's node names
+    need not resolve (``NodeName=gpu01 NodeAddr=10.1.0.1``). The name itself where scontrol
+    cannot say."""
+    try:
+        proc = _scontrol("show", "node", name)
+    except (OSError, subprocess.SubprocessError):
+        return name
+    m = re.search(r"\bNodeAddr=(\S+)", proc.stdout) if proc.returncode == 0 else None
+    return m.group(1) if m else name
+
+
 def head_endpoint(j: Job) -> str:
-    """``HEAD:PORT`` of the job's rendezvous: the node list's first host, the job's port.
-    On the head node the port is checked free (another program may hold it)."""
+    """``HEAD:PORT`` of the job's rendezvous: the address of the node list's first node, the
+    job's port. On the head node the port is checked free (another program may hold it)."""
     hosts = hostnames(j.nodelist) if j.nodelist else []
     if not hosts:
         raise SlurmError(
             "SLURM_JOB_NODELIST is empty, so the head node is unknown; give --rdzv-endpoint"
         )
+    head = node_address(hosts[0])
     if j.node_id == 0 and not port_free(j.rdzv_port):
         raise SlurmError(
             f"port {j.rdzv_port} (job {j.job_id}'s rendezvous port) is in use on {hosts[0]}; "
-            f"give another with --rdzv-endpoint {hosts[0]}:PORT on every node"
+            f"give another with --rdzv-endpoint {head}:PORT on every node"
         )
-    return f"{hosts[0]}:{j.rdzv_port}"
+    return f"{head}:{j.rdzv_port}"
 
 
 def requeue_signal(setting: str) -> int | None:

@@ -147,10 +147,19 @@ def slurm_text(j: dict[str, Any]) -> str:
     text = f"job {j.get('job_id')}, node {j.get('node_id')} of {j.get('nnodes')}"
     if j.get("restart_count"):
         text += f", started {j['restart_count'] + 1} times (requeued)"
-    if (r := j.get("requeue")) is not None:
-        done = "requeued" if r.get("exit_code") == 0 else f"NOT requeued ({r.get('error')})"
+    r = j.get("requeue")
+    if r is not None and r.get("exit_code") in (0, None):  # a failure: the run's reason says it
+        # No answer recorded: SLURM ends the job's processes as it requeues it, often before
+        # scontrol returns to the supervisor.
+        done = "requeued" if r.get("exit_code") == 0 else "requeue asked"
         text += f"; {done}: {' '.join(r.get('command') or [])}"
     return text
+
+
+def requeue_unanswered(status: dict[str, Any]) -> bool:
+    """The run ended ``requeued`` and its supervisor still waits for scontrol's answer."""
+    r = status.get("requeue")
+    return status.get("state") == "requeued" and isinstance(r, dict) and "exit_code" not in r
 
 
 def _wandb(run_dir: Path) -> dict[str, Any] | None:

@@ -10,10 +10,12 @@ it), torchrun dies with it (PDEATHSIG), workers die with torchrun (PDEATHSIG, se
 engine), and when torchrun exits it kills whatever of the run is left.
 
 Signals: SIGTERM/SIGUSR1 (a scheduler) → SIGUSR1 to the workers, which checkpoint and stop
-at the next step (reason ``signal``); after ``shutdown_grace_s`` the tree is killed. Signals
-that arrive within :data:`COALESCE_S` of the first are the same request (a scheduler often
-signals every process of a job at once); a later SIGTERM → terminate the tree. SIGHUP is
-ignored.
+at the next step (reason ``signal``); ``shutdown_grace_s`` after the first rank was asked
+(a signal may come before the ranks exist: they are asked as each starts), the tree is
+killed. Signals that arrive within :data:`COALESCE_S` of the first are the same request (a
+scheduler often signals every process of a job at once), and so is any later SIGUSR1; a
+later SIGTERM → terminate the tree. SIGHUP is ignored. Both are held from this process's
+start until its handlers are in (:mod:`.held_signals`); torchrun never gets SIGUSR1.
 
 Kill on request (:data:`KILLS`): SIGUSR2 (``stop --now``, the console's kill) ends the run
 ``killed`` (exit 137), SIGINT (the headless console's second Ctrl-C) ``interrupted`` (exit
@@ -44,7 +46,7 @@ from typing import Any
 
 import psutil
 
-from . import diskfull, proc_tree, runs, session_lock, slurm, timings, toml_text
+from . import diskfull, held_signals, proc_tree, runs, session_lock, slurm, timings, toml_text
 from .events import JsonlTail
 from .exit_watch import ExitWatch
 from .fold import RunFold
@@ -76,6 +78,9 @@ def _prctl(option: int, value: int) -> None:
 
 def _torchrun_preexec() -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # torchrun never acts on the scheduler's SIGUSR1 (it would end the ranks without a
+    # checkpoint); its ranks inherit the mask and let it through once their handler is in.
+    held_signals.hold(held_signals.TORCHRUN_HOLDS)
 
 
 class Supervisor:
@@ -138,9 +143,10 @@ class Supervisor:
         if self.graceful_since is None:
             self.signal_stop = True
             self.first_signal = signum
-            self.graceful_since = now
-            self.graceful_deadline = now + self.grace_s  # the loop asks the ranks
-        elif now - self.graceful_since > COALESCE_S:
+            self.graceful_since = now  # the loop asks the ranks (_ask_workers)
+        elif signum == signal.SIGTERM and now - self.graceful_since > COALESCE_S:
+            # A later SIGTERM: the graceful path is stuck, end it. A repeated SIGUSR1 is the
+            # same warning (the console passes on the one it held while the run started).
             self.on_terminate(signum, frame)
 
     def on_kill(self, signum: int, frame) -> None:
@@ -200,6 +206,10 @@ class Supervisor:
             if p.pid in ready and p.pid not in self.asked:
                 self.asked.add(p.pid)
                 _send(p, signal.SIGUSR1)
+                if self.graceful_deadline is None:
+                    # The grace counts from a rank being asked: a signal that came before the
+                    # ranks existed (a job's first seconds) gives them the whole of it.
+                    self.graceful_deadline = time.monotonic() + self.grace_s
 
     def _watch_workers(self, now: float) -> None:
         """Record the ranks' pids; a rank gone without ending cleanly dooms its peers."""
@@ -328,6 +338,7 @@ class Supervisor:
         signal.signal(signal.SIGUSR1, self.on_graceful)
         for sig in KILLS:
             signal.signal(sig, self.on_kill)
+        held_signals.release()  # one that came while this process started is handled now
 
     def run(self) -> int:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -365,7 +376,7 @@ class Supervisor:
             now = time.monotonic()
             self._watch_workers(now)
             self._watch_torchrun_stop(now)
-            if self.graceful_deadline is not None and self.terminate_at is None:
+            if self.graceful_since is not None and self.terminate_at is None:
                 self._ask_workers()  # ranks that were still starting when the signal came
             if self.graceful_deadline is not None and now > self.graceful_deadline:
                 self.on_terminate(signal.SIGTERM, None)

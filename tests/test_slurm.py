@@ -25,13 +25,17 @@ from conftest import test_env as cli_env
 from gpu_console import launch, slurm
 
 FAKE_SCONTROL = """#!/bin/sh
-# scontrol, as far as gpu-console asks it: host lists and requeue (logged, answered).
+# scontrol, as far as gpu-console asks it: host lists, a node's address, requeue (logged,
+# answered). The node names do not resolve (NodeName=node01 NodeAddr=127.0.0.1), as at sites.
 echo "$*" >> "$FAKE_SLURM_LOG"
-case "$1" in
-  show) for h in $FAKE_SLURM_HOSTS; do echo "$h"; done ;;
-  requeue) if [ -n "$FAKE_SCONTROL_FAIL" ]; then
-             echo "scontrol: error: $FAKE_SCONTROL_FAIL" >&2; exit 1
-           fi ;;
+case "$1 $2" in
+  "show hostnames") for h in $FAKE_SLURM_HOSTS; do echo "$h"; done ;;
+  "show node") echo "NodeName=$3 Arch=x86_64 CoresPerSocket=1"
+               echo "   CPUAlloc=0 CPUTot=2 CPULoad=0.00"
+               echo "   NodeAddr=127.0.0.1 NodeHostName=$3 Version=22.05.8" ;;
+  "requeue "*) if [ -n "$FAKE_SCONTROL_FAIL" ]; then
+                 echo "scontrol: error: $FAKE_SCONTROL_FAIL" >&2; exit 1
+               fi ;;
   *) exit 1 ;;
 esac
 """
@@ -65,7 +69,7 @@ def job_env(tmp_path: Path, job_id: str, *, nnodes: int = 1, node: int = 0, **ex
     return cli_env(
         PATH=f"{tmp_path / 'slurm-bin'}{os.pathsep}{os.environ['PATH']}",
         FAKE_SLURM_LOG=str(tmp_path / "scontrol.log"),
-        FAKE_SLURM_HOSTS=" ".join(["127.0.0.1"] * nnodes),
+        FAKE_SLURM_HOSTS=" ".join(f"node{i + 1:02d}" for i in range(nnodes)),
         **(slurm_vars | extra),
     )
 
@@ -131,7 +135,8 @@ def test_two_jobs_get_two_rendezvous(scontrol, tmp_path, monkeypatch):
         assert nodes.nnodes == "2" and nodes.node_rank == 0
         seen.append((nodes.endpoint, nodes.rdzv_id))
     assert seen == [("127.0.0.1:20001", "slurm-700001"), ("127.0.0.1:20002", "slurm-700002")]
-    assert calls(scontrol) == ["show hostnames node[01-02]"] * 2, "the host list from scontrol"
+    # The host list from scontrol, and the head node's address (its name does not resolve).
+    assert calls(scontrol) == ["show hostnames node[01-02]", "show node node01"] * 2
 
 
 def test_a_taken_port_on_the_head_node_is_refused_in_one_line(procs, runs_dir, scontrol, tmp_path):
@@ -256,6 +261,9 @@ def test_no_requeue_when_not_wanted_or_refused(procs, runs_dir, tmp_path, scontr
     if fail:
         assert calls(scontrol) == ["requeue 99"]
         assert "NOT requeued: scontrol: error: Requeue of job 99 not allowed" in status["reason"]
+        # The console waited for scontrol's answer: its output says what happened, once.
+        assert out.count("NOT requeued") == 1 and "; requeue" not in out, out
+        assert "state: stopped" in out and "state: requeued" not in out, out
     else:
         assert calls(scontrol) == [] and "requeue" not in status
 
@@ -329,13 +337,15 @@ def test_check_names_the_job_and_its_rendezvous(scontrol, tmp_path, monkeypatch)
     from gpu_console.commands.check import FAIL, PASS, SKIP, WARN, slurm_check
 
     assert slurm_check({}).status == SKIP
-    env = job_env(tmp_path, "734567", nnodes=2, SLURM_RESTART_COUNT="2")
+    env = job_env(tmp_path, "734567", nnodes=2, SLURM_RESTART_COUNT="2",
+                  SLURM_CPUS_ON_NODE="8", SLURM_JOB_GPUS="2,3")  # fmt: skip
     for var in ("PATH", "FAKE_SLURM_LOG", "FAKE_SLURM_HOSTS"):  # scontrol, as check runs it
         monkeypatch.setenv(var, env[var])
     row = slurm_check(env)
     assert row.status == PASS, row
     assert row.detail == (
-        "job 734567: node 0 of 2, requeued 2×; rendezvous 127.0.0.1:24567 (slurm-734567)"
+        "job 734567: node 0 of 2, requeued 2×; granted 8 CPUs, GPUs 2,3; "
+        "rendezvous 127.0.0.1:24567 (slurm-734567)"
     )
     crowded = slurm_check(job_env(tmp_path, "5", SLURM_STEP_TASKS_PER_NODE="4(x2)"))
     assert crowded.status == WARN and "--ntasks-per-node=1" in crowded.detail

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import termios
 import time
+from pathlib import Path
 
 import conftest
 import pytest
@@ -145,10 +146,31 @@ def test_sigterm_to_torchrun_checkpoints_with_reason_signal(procs, runs_dir, tmp
     assert read_status(run)["exit_code"] == 0 and read_status(run)["torchrun_exit"] == 1
 
 
-def test_sigusr1_to_torchrun_is_forwarded_not_fatal(procs, runs_dir, tmp_path):
-    # By default SIGUSR1 kills torchrun (and with it every rank, checkpoint lost).
+def _blocked(pid: int) -> int:
+    """The process's blocked-signal mask (/proc's SigBlk)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            return int(line.split()[1], 16)
+    raise AssertionError("no SigBlk")
+
+
+def test_sigusr1_is_held_by_torchrun_and_let_through_by_every_rank(procs, runs_dir, tmp_path):
+    # SIGUSR1's default action kills, and torchrun's own handler ends the ranks: torchrun
+    # holds it for its life (held_signals.py). The scheduler's warning reaches the ranks and
+    # the supervisor themselves (SLURM signals every process of the step).
     console, run, status = _start(procs, runs_dir, tmp_path, ranks=2)
-    os.kill(status["pids"]["torchrun"], signal.SIGUSR1)
+    usr1 = 1 << (signal.SIGUSR1 - 1)
+    torchrun = status["pids"]["torchrun"]
+    assert _blocked(torchrun) & usr1
+    for pid in [status["pids"]["supervisor"], *status["pids"]["workers"]]:
+        assert not _blocked(pid) & usr1, pid
+    at = events_of(run, "step")[-1]["step"]
+    os.kill(torchrun, signal.SIGUSR1)
+    wait_for(lambda: events_of(run, "step")[-1]["step"] >= at + 3, what="training on")
+    assert pid_alive(torchrun)
+    assert not [c for c in events_of(run, "checkpoint") if c["reason"] == "signal"]
+    for pid in status["pids"]["workers"]:  # the warning as SLURM sends it: to each
+        os.kill(pid, signal.SIGUSR1)
     _stopped_by_signal(run, console, status)
 
 
@@ -258,6 +280,8 @@ def test_signals_together_are_one_request_and_a_late_one_escalates(monkeypatch):
         signals._on_signal(signal.SIGUSR1, None)  # the supervisor
         assert signals.signalled() and exits == []
         clock[0] += signals.COALESCE_S + 1
+        signals._on_signal(signal.SIGUSR1, None)  # a warning again: the same request
+        assert exits == []
         signals._on_signal(signal.SIGTERM, None)  # the graceful stop is stuck: leave now
         assert exits == [128 + signal.SIGTERM]
         signals.reset()

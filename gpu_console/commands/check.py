@@ -472,6 +472,7 @@ def slurm_check(environ: dict[str, str] | None = None) -> Check:
     where = f"job {job.job_id}: node {job.node_id} of {job.nnodes}"
     if job.restart_count:
         where += f", requeued {job.restart_count}×"
+    where += f"; granted {slurm.grant_text(os.environ if environ is None else environ)}"
     try:
         slurm.check_one_console_per_node(job)
         if job.nnodes < 2:

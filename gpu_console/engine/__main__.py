@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from .. import network
+from .. import held_signals, network
 from ..devices import RANK_DEVICES
 from ..frozen_imports import frozen_imports
 from ..timings import Stopwatch
@@ -30,6 +30,7 @@ def main(argv: list[str]) -> None:
     watch.mark("rank")
     signals.die_with_parent()
     signals.install()
+    held_signals.release()  # torchrun started this rank with SIGUSR1 held (held_signals.py)
     run_dir = Path(argv[0])
     heartbeat = Heartbeat(
         run_dir,

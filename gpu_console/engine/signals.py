@@ -6,8 +6,9 @@ rank at its next control check and stops there with a checkpoint (reason ``signa
 
 A scheduler often signals every process of a job at once, so a rank may get the same request
 two or three times within a moment (from the scheduler, from torchrun, from the supervisor):
-those are one request. A signal that comes more than :data:`COALESCE_S` after the first one,
-while the graceful stop is still under way, means "the graceful path is stuck: leave now".
+those are one request. A SIGTERM that comes more than :data:`COALESCE_S` after the first
+signal, while the graceful stop is still under way, means "the graceful path is stuck: leave
+now"; a repeated SIGUSR1 (a scheduler's warning) is the same warning.
 
 No torch here: a signal that arrives while torch is still importing must already be caught
 (SIGUSR1's default action would kill the rank without a checkpoint).
@@ -42,8 +43,8 @@ def _on_signal(signum: int, frame) -> None:
         _state.signum = signum
         return
     _state.signalled = True
-    if now - _state.since > COALESCE_S:
-        os._exit(128 + signum)
+    if signum == signal.SIGTERM and now - _state.since > COALESCE_S:
+        os._exit(128 + signum)  # a repeated SIGUSR1 is the same warning, never "leave now"
 
 
 def install() -> None:

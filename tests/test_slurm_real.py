@@ -1,0 +1,200 @@
+"""SLURM for real: the project's own ``examples/slurm/train.sbatch`` submitted to a real
+scheduler (tests/slurm_cluster.py: munged, slurmctld and two slurmd on this machine).
+
+The script runs as a user would submit it, with its GPU lines removed (these nodes have
+none; ``CUDA_VISIBLE_DEVICES=""`` pins the CPU where a test machine has GPUs). What only a
+real scheduler shows: its signals reach every process of the job step at once, at a moment
+nobody picks (the console still importing, torchrun before its workers); ``scontrol
+requeue`` ends the job's processes, the supervisor included, before it answers; a requeued
+job is held before it may start again; the node names do not resolve. The fake ``scontrol``
+of test_slurm.py stays for what a real one cannot produce (a refused requeue).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import slurm_cluster
+from conftest import (
+    DEADLINE_S,
+    deadline,
+    events_of,
+    paced_profile,
+    pinned_env,
+    read_status,
+    run_dirs,
+)
+
+from gpu_console import slurm
+
+REPO = Path(__file__).resolve().parents[1]
+WHY_NOT = slurm_cluster.missing()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+
+STEPS = 40
+PACE_S = "0.25"  # a step's time: the run outlasts what a job gets before its warning
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm"), nodes=2, cpus=2)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """The user's directory: the batch script as the example has it (GPU lines removed),
+    the paced task's profile, and the runs directory every node shares."""
+    tmp = tmp_path_factory.mktemp("work")
+    lines = (REPO / "examples" / "slurm" / "train.sbatch").read_text().splitlines()
+    gpu_lines = ("--gpus-per-node", "--cpus-per-task")
+    kept = [line for line in lines if not any(g in line for g in gpu_lines)]
+    assert len(kept) == len(lines) - 2, "the example's GPU lines"
+    (tmp / "train.sbatch").write_text("\n".join(kept) + "\n")
+    paced_profile(tmp, max_steps=STEPS, extra="[checkpoint]\nevery_steps = 1000\n")
+    return tmp
+
+
+def job_env(work: Path, runs: Path, **extra: str) -> dict[str, str]:
+    """The submitting shell's environment (the job inherits it)."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return pinned_env(GPU_CONSOLE_RUNS=str(runs), PATH=path, PACE_S=PACE_S, **extra)
+
+
+def submit(cluster, work: Path, runs: Path, *options: str, **env: str) -> str:
+    profile = work / "fast.toml"  # paced_profile's
+    runs.mkdir(parents=True, exist_ok=True)  # the job's output file is written there
+    return cluster.sbatch(
+        work / "train.sbatch", str(profile), options=(f"--output={runs}/job-%j.out", *options),
+        env=job_env(work, runs, **env), cwd=work,
+    )  # fmt: skip
+
+
+def ended(job: dict[str, str]) -> bool:
+    return job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in events_of(run, "step")}
+
+
+def job_output(runs: Path, job_id: str) -> str:
+    return (runs / f"job-{job_id}.out").read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, work, tmp_path_factory):
+    """One node, no time limit to speak of: the losses an uninterrupted run logs."""
+    runs = tmp_path_factory.mktemp("reference")
+    job_id = submit(cluster, work, runs, "--nodes=1", "--time=10")
+    job = cluster.wait_job(job_id, ended, deadline(300), "end")
+    assert job["JobState"] == "COMPLETED", (job, job_output(runs, job_id), cluster.logs())
+    (run,) = run_dirs(runs)
+    assert read_status(run)["state"] == "finished"
+    got = losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    return got
+
+
+def sessions(run: Path) -> list[dict]:
+    """Every session's status.json, the ended ones (history/) and the last."""
+    import json
+
+    old = [json.loads(p.read_text()) for p in sorted((run / "history").glob("status-*.json"))]
+    return [*old, read_status(run)]
+
+
+@pytest.mark.timeout(900)
+def test_a_time_limit_requeues_and_the_run_resumes_exactly(cluster, work, reference, tmp_path):
+    """The example script with a one-minute limit: the warning (SIGUSR1, 50 s before the
+    limit, which SLURM sends up to half a minute early) lands wherever it lands; each job
+    checkpoints, records ``requeued`` and requeues itself; the next one resumes."""
+    runs = tmp_path / "runs"
+    job_id = submit(cluster, work, runs, "--nodes=1", "--time=1", "--signal=USR1@50")
+    job = cluster.wait_job(job_id, ended, deadline(600), "end")
+    out = job_output(runs, job_id)
+    assert job["JobState"] == "COMPLETED", (job, out, cluster.logs())
+    assert int(job["Restarts"]) >= 1, ("the limit came before the run's end", job, out)
+    (run,) = run_dirs(runs)
+    states = [s["state"] for s in sessions(run)]
+    assert states == ["requeued"] * (len(states) - 1) + ["finished"], (states, out)
+    assert len(states) == int(job["Restarts"]) + 1
+    assert losses(run) == reference, "every logged loss equal to the uninterrupted run's"
+    assert "NOT requeued" not in out and "failed" not in out, out
+    assert (
+        out.count(f"requeue asked: scontrol requeue {job_id}")
+        + out.count(f"requeued: scontrol requeue {job_id}")
+        == len(states) - 1
+    ), out
+
+
+@pytest.mark.timeout(600)
+def test_a_signal_in_the_jobs_first_second_requeues_and_the_run_goes_on(
+    cluster, work, reference, tmp_path
+):
+    """``scancel --signal=USR1`` as soon as the run directory exists: the console is still
+    starting, torchrun's workers do not exist. The job is requeued and the run continues."""
+    runs = tmp_path / "runs"
+    job_id = submit(cluster, work, runs, "--nodes=1", "--time=10")
+    cluster.wait_job(job_id, lambda j: run_dirs(runs) or ended(j), deadline(120), "run dir")
+    signalled = cluster.run("scancel", "--signal=USR1", job_id, check=False)
+    assert signalled.returncode == 0, signalled.stderr
+    (run,) = run_dirs(runs)
+    assert not (run / "events.jsonl").exists() or not events_of(run, "step"), "too late"
+    job = cluster.wait_job(job_id, ended, deadline(300), "end")
+    out = job_output(runs, job_id)
+    assert job["JobState"] == "COMPLETED" and int(job["Restarts"]) == 1, (job, out)
+    assert [s["state"] for s in sessions(run)] == ["requeued", "finished"], out
+    assert "failed" not in out and "NOT requeued" not in out, out
+    assert losses(run) == reference
+
+
+@pytest.mark.timeout(900)
+def test_a_two_node_job_stopped_by_its_limit_resumes_exactly(cluster, work, tmp_path):
+    """Two nodes (two slurmd on this host): the uninterrupted two-node run, then the same
+    with a one-minute limit; every node resumes from rank 0's checkpoint."""
+    reference_runs = tmp_path / "reference"
+    job_id = submit(cluster, work, reference_runs, "--nodes=2", "--time=10")
+    job = cluster.wait_job(job_id, ended, deadline(300), "end")
+    assert job["JobState"] == "COMPLETED", (job, job_output(reference_runs, job_id))
+    head = [r for r in run_dirs(reference_runs) if events_of(r, "step")]
+    assert len(head) == 1 and len(run_dirs(reference_runs)) == 2, "one run dir per node"
+    uninterrupted = losses(head[0])
+    assert sorted(uninterrupted) == list(range(1, STEPS + 1))
+
+    runs = tmp_path / "runs"
+    job_id = submit(cluster, work, runs, "--nodes=2", "--time=1", "--signal=USR1@50")
+    job = cluster.wait_job(job_id, ended, deadline(600), "end")
+    out = job_output(runs, job_id)
+    assert job["JobState"] == "COMPLETED" and int(job["Restarts"]) >= 1, (job, out)
+    assert "NOT requeued" not in out and "failed" not in out, out
+    got: dict[int, float] = {}
+    for run in sorted(run_dirs(runs), key=lambda r: read_status(r).get("started") or 0):
+        got.update(losses(run))  # node 0's runs, one per job start; a later word wins
+    assert got == uninterrupted, "a two-node resume is exact"
+
+
+def test_a_two_node_job_refused_for_a_taken_port_leaves_no_run_on_any_node(cluster, work, tmp_path):
+    runs = tmp_path / "runs"
+    job_id = submit(cluster, work, runs, "--nodes=2", "--time=10", "--hold")
+    taken = socket.socket()
+    try:
+        taken.bind(("", slurm.PORT_BASE + int(job_id) % slurm.PORT_SPAN))
+        taken.listen()
+        cluster.run("scontrol", "release", job_id)
+        job = cluster.wait_job(job_id, ended, deadline(DEADLINE_S), "end")
+    finally:
+        taken.close()
+    out = job_output(runs, job_id)
+    assert job["JobState"] == "FAILED", (job, out)
+    assert f"port {slurm.PORT_BASE + int(job_id) % slurm.PORT_SPAN}" in out, out
+    assert "Traceback" not in out, out
+    assert run_dirs(runs) == [], "nothing written on either node"
