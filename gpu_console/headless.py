@@ -312,6 +312,7 @@ class Watch:
     def __init__(self, interrupts: Interrupts, scheduler: SchedulerSignals, stalls: Stalls):
         self.interrupts, self.scheduler, self.stalls = interrupts, scheduler, stalls
         self.supervisor_exit = ExitWatch(None)
+        self.requeue_said = False
 
 
 def _tick(
@@ -333,8 +334,15 @@ def _tick(
         else:
             _notable(e, console)
     st = follower.state
-    # A requeue that scontrol refuses ends the run stopped: its answer is waited for.
+    # A requeue that scontrol refuses ends the run stopped: its answer is waited for. One it
+    # grants ends this console with the job's other processes, often before the answer: the
+    # line is said first.
     waiting = requeue_unanswered(st.status) and not _supervisor_gone(follower, supervisor)
+    if waiting and not watch.requeue_said:
+        watch.requeue_said = True
+        command = " ".join(st.status["requeue"].get("command") or [])
+        console.print(f"requeue asked: {command} (the next start continues the run)",
+                      highlight=False)  # fmt: skip
     if st.done and not waiting:
         return True
     watch.stalls.check()

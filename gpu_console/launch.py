@@ -247,8 +247,8 @@ TORCHRUN_FALLBACKS = {
     ),
     "monitor_interval": "torchrun's default interval (a rank's exit is seen later)",
     "signals_to_handle": (
-        "not provided: torchrun handles only its default signals (SIGUSR1 to torchrun ends it; "
-        "signal the supervisor instead)"
+        "not provided: torchrun handles its default signals (SIGTERM, SIGINT, SIGHUP, "
+        "SIGQUIT); SIGUSR1 it holds either way"
     ),
 }
 

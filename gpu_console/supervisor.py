@@ -60,6 +60,7 @@ TICK_S = 0.2
 WANDB_GRACE_S = 15.0  # for the W&B follower to finish its run once the run's end is recorded
 KILL_AFTER_TERM_S = 5.0
 COALESCE_S = 5.0
+REQUEUE_SAY_S = 1.0  # the console polls status.json every 0.2 s (headless.POLL_S)
 REAP_PEERS_AFTER_S = 2.0
 # The reserves (diskfull.make_reserve), one per writer so that neither takes the other's room.
 RESERVES = ("supervisor", "engine")
@@ -497,6 +498,9 @@ class Supervisor:
             requeue={"job_id": job.job_id, "command": ["scontrol", "requeue", job.job_id]},
         )
         self._write_final()
+        # scontrol's requeue ends the job's processes, the console too, often before it
+        # answers: a moment for the console to read the requeue and say so in the job's output.
+        time.sleep(REQUEUE_SAY_S)
         outcome = slurm.requeue(job.job_id)
         self.status["requeue"] = outcome
         if outcome.get("exit_code") != 0:

@@ -35,8 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 WHY_NOT = slurm_cluster.missing()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 
-STEPS = 40
-PACE_S = "0.25"  # a step's time: the run outlasts what a job gets before its warning
+STEPS = 300
+# A step's time where a time limit must come before the end: 120 s of steps, more than a job
+# with a three-minute limit and a 70 s warning gets (SLURM signals it up to 30 s early).
+PACED = {"PACE_S": "0.4"}
+LIMITED = ("--time=3", "--signal=USR1@70")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def work(tmp_path_factory):
 def job_env(work: Path, runs: Path, **extra: str) -> dict[str, str]:
     """The submitting shell's environment (the job inherits it)."""
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return pinned_env(GPU_CONSOLE_RUNS=str(runs), PATH=path, PACE_S=PACE_S, **extra)
+    return pinned_env(GPU_CONSOLE_RUNS=str(runs), PATH=path, **extra)
 
 
 def submit(cluster, work: Path, runs: Path, *options: str, **env: str) -> str:
@@ -112,14 +115,14 @@ def sessions(run: Path) -> list[dict]:
     return [*old, read_status(run)]
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_a_time_limit_requeues_and_the_run_resumes_exactly(cluster, work, reference, tmp_path):
-    """The example script with a one-minute limit: the warning (SIGUSR1, 50 s before the
+    """The example script with a three-minute limit: the warning (SIGUSR1, 70 s before the
     limit, which SLURM sends up to half a minute early) lands wherever it lands; each job
     checkpoints, records ``requeued`` and requeues itself; the next one resumes."""
     runs = tmp_path / "runs"
-    job_id = submit(cluster, work, runs, "--nodes=1", "--time=1", "--signal=USR1@50")
-    job = cluster.wait_job(job_id, ended, deadline(600), "end")
+    job_id = submit(cluster, work, runs, "--nodes=1", *LIMITED, **PACED)
+    job = cluster.wait_job(job_id, ended, deadline(1000), "end")
     out = job_output(runs, job_id)
     assert job["JobState"] == "COMPLETED", (job, out, cluster.logs())
     assert int(job["Restarts"]) >= 1, ("the limit came before the run's end", job, out)
@@ -129,11 +132,8 @@ def test_a_time_limit_requeues_and_the_run_resumes_exactly(cluster, work, refere
     assert len(states) == int(job["Restarts"]) + 1
     assert losses(run) == reference, "every logged loss equal to the uninterrupted run's"
     assert "NOT requeued" not in out and "failed" not in out, out
-    assert (
-        out.count(f"requeue asked: scontrol requeue {job_id}")
-        + out.count(f"requeued: scontrol requeue {job_id}")
-        == len(states) - 1
-    ), out
+    # Said before the requeue ends the console (a busy machine may end it first).
+    assert out.count(f"requeue asked: scontrol requeue {job_id}") <= len(states) - 1, out
 
 
 @pytest.mark.timeout(600)
@@ -153,14 +153,17 @@ def test_a_signal_in_the_jobs_first_second_requeues_and_the_run_goes_on(
     out = job_output(runs, job_id)
     assert job["JobState"] == "COMPLETED" and int(job["Restarts"]) == 1, (job, out)
     assert [s["state"] for s in sessions(run)] == ["requeued", "finished"], out
+    # torchrun never acted on the warning: it exited 0 after its ranks, both times.
+    assert [s["torchrun_exit"] for s in sessions(run)] == [0, 0]
     assert "failed" not in out and "NOT requeued" not in out, out
+    assert out.count(f"requeue asked: scontrol requeue {job_id}") <= 1, out
     assert losses(run) == reference
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_a_two_node_job_stopped_by_its_limit_resumes_exactly(cluster, work, tmp_path):
     """Two nodes (two slurmd on this host): the uninterrupted two-node run, then the same
-    with a one-minute limit; every node resumes from rank 0's checkpoint."""
+    with a three-minute limit; every node resumes from rank 0's checkpoint."""
     reference_runs = tmp_path / "reference"
     job_id = submit(cluster, work, reference_runs, "--nodes=2", "--time=10")
     job = cluster.wait_job(job_id, ended, deadline(300), "end")
@@ -171,8 +174,8 @@ def test_a_two_node_job_stopped_by_its_limit_resumes_exactly(cluster, work, tmp_
     assert sorted(uninterrupted) == list(range(1, STEPS + 1))
 
     runs = tmp_path / "runs"
-    job_id = submit(cluster, work, runs, "--nodes=2", "--time=1", "--signal=USR1@50")
-    job = cluster.wait_job(job_id, ended, deadline(600), "end")
+    job_id = submit(cluster, work, runs, "--nodes=2", *LIMITED, **PACED)
+    job = cluster.wait_job(job_id, ended, deadline(1000), "end")
     out = job_output(runs, job_id)
     assert job["JobState"] == "COMPLETED" and int(job["Restarts"]) >= 1, (job, out)
     assert "NOT requeued" not in out and "failed" not in out, out
