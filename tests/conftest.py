@@ -260,10 +260,13 @@ def start_nodes(
     node_ranks: bool = False,
     envs: list[dict] | None = None,
     cwd: Path | None = None,
+    devices: str = "cpu:1",
+    extra: tuple[str, ...] = (),
 ) -> tuple[list[subprocess.Popen], str]:
-    """A run over len(runs_dirs) one-rank "nodes" on loopback, started as a user starts one: the
-    same command on every node, each with its runs directory (the same one where the file
-    system is shared), through one c10d rendezvous endpoint. Returns the consoles and it."""
+    """A run over len(runs_dirs) "nodes" on loopback (one rank each unless ``devices`` says
+    more), started as a user starts one: the same command on every node (``extra``: more of
+    it, as ``--resume RUN``), each with its runs directory (the same one where the file system
+    is shared), through one c10d rendezvous endpoint. Returns the consoles and it."""
     endpoint = f"127.0.0.1:{rendezvous_port()}"
     consoles = []
     for node, runs in enumerate(runs_dirs):
@@ -274,7 +277,7 @@ def start_nodes(
                 str(profile),
                 "--headless",
                 "--devices",
-                "cpu:1",
+                devices,
                 "--nnodes",
                 str(len(runs_dirs)),
                 *where,
@@ -282,6 +285,7 @@ def start_nodes(
                 endpoint,
                 "--runs-dir",
                 str(runs),
+                *extra,
                 env=envs[node] if envs else None,
                 cwd=cwd,
             )  # fmt: skip

@@ -2,9 +2,11 @@
 
 Checked three ways: the table's encoding survives the sum exactly; under real torchrun
 (3 ranks, so the world size is not a power of two), the hook's gradients are bit for bit
-plain DDP's and every rank's row arrives; and in runs, log steps make no collective of their
-own (the harness, tests/harness.py) while control checks between sparse log steps of a live
-run still answer (real torchrun).
+every rank's own added in rank order, with a table or without and in DDP's first buckets as
+in its rebuilt ones (plain DDP's ring all-reduce: the same to rounding), and every rank's row
+arrives; and in runs, log steps make no collective of their own (the harness,
+tests/harness.py) while control checks between sparse log steps of a live run still answer
+(real torchrun).
 """
 
 from __future__ import annotations
@@ -71,21 +73,36 @@ out = {}
     + DDP_STEP
     + r"""
 
+def in_rank_order(seed, dtype):
+    # every rank's own gradients, scaled as DDP scales them, added in rank order
+    mine = grads(model(dtype), seed, dtype) * (1.0 / world)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    total = every[0].clone()
+    for part in every[1:]:
+        total.add_(part)
+    return total
+
 for dtype, name in ((torch.float32, "f32"), (torch.float64, "f64")):
     plain = DDP(model(dtype))
     hooked = DDP(model(dtype))
     ex = Exchange(rank, world, torch.device("cpu"))
     hooked.register_comm_hook(None, ex.hook)
-    # A step without a table: the hook must be plain DDP, bit for bit.
-    same = torch.equal(grads(plain, 1, dtype), grads(hooked, 1, dtype))
-    # A step with a table: gradients still right, and every rank's row arrives.
+    # A step without a table (DDP's first buckets, in parameter order): the rank-ordered sum,
+    # bit for bit, and plain DDP's to rounding.
+    plain_1, hooked_1 = grads(plain, 1, dtype), grads(hooked, 1, dtype)
+    ordered = torch.equal(hooked_1, in_rank_order(1, dtype))
+    close = torch.allclose(plain_1, hooked_1, rtol=1e-6, atol=0)
+    # A step with a table (DDP's rebuilt buckets, in arrival order, the table after them):
+    # still the same bits, and every rank's row arrives.
     ref = grads(plain, 2, dtype)
     ex.prepare([torch.tensor(0.5 + rank), torch.tensor(10.0 * rank)],
                [100 + rank, 2**40 + rank, rank, 2 * rank, 3 * rank, rank % 2, 0, 0, 0])
     got = grads(hooked, 2, dtype)
     rows = ex.gather()
     out[name] = {
-        "bitwise_without_table": same,
+        "bitwise_without_table": ordered and close,
+        "bitwise_with_table": torch.equal(got, in_rank_order(2, dtype)),
         "close_with_table": torch.allclose(ref, got, rtol=1e-6, atol=0),
         "rows": [[r.last_loss, r.loss_sum, r.samples, r.tokens, r.reserved, r.cmd] for r in rows],
         "counts": ex.counts(),
@@ -115,7 +132,8 @@ def test_hook_matches_plain_ddp_and_gathers_every_rank(tmp_path):
         result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
         f32, f64 = result["f32"], result["f64"]
         for res in (f32, f64):
-            assert res["bitwise_without_table"] and res["close_with_table"]
+            assert res["bitwise_without_table"] and res["bitwise_with_table"]
+            assert res["close_with_table"]
             assert res["rows"] == expected_rows
         assert f32["counts"] == {"carried": 1, "separate": 0}
         # float64 gradients cannot carry the float32 table: one collective of its own.

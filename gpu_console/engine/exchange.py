@@ -10,10 +10,16 @@ the engine's main overhead against a plain loop (benchmarks/overhead.py).
 
 Every other step the hook does what DDP's built-in all-reduce does (scale by 1/world_size
 while the gradients are in the bucket, then sum), so gradients are bit for bit those of
-plain DDP. CPU ranks on one machine sum through shared memory instead (shared_reduce.py):
-the same bits at two ranks, and the same bits on every rank at any number. Where no
-bucket can carry the table (no float32 gradients, or DDP never calls the hook),
-:meth:`Exchange.gather` makes one collective of its own instead.
+plain DDP at two ranks. CPU ranks on one machine sum through shared memory instead
+(shared_reduce.py): the same bits at two ranks, and the same bits on every rank at any
+number. Over gloo (CPU ranks on several machines) three ranks or more sum in rank order too
+(:func:`ordered_sum`), the shared-memory sum's bits: gloo's ring all-reduce adds each element
+in an order set by its place in the bucket and the bucket's length, and DDP lays its buckets
+out anew after each session's first step (parameter order, then the order the gradients
+arrived), so a resumed session's first update would differ from the uninterrupted run's in
+the last bits, and the run from there on (issue 43). Where no bucket can carry the table
+(no float32 gradients, or DDP never calls the hook), :meth:`Exchange.gather` makes one
+collective of its own instead.
 
 Integers (sample counts, memory bytes, step numbers) travel as two float32 halves, each
 exact, so nothing is rounded on the way. After them, a run may add extra float columns (the
@@ -137,6 +143,11 @@ class Exchange:
             fut = torch.futures.Future()
             fut.set_result(self.shared.all_reduce(t))
             return fut
+        if self.world_size > 2 and t.device.type == "cpu":
+            # Two ranks' a + b is b + a: gloo's own all-reduce is exact there, in one call.
+            fut = torch.futures.Future()
+            fut.set_result(ordered_sum(t, self.world_size))
+            return fut
         return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
 
     # -- a step's exchange -------------------------------------------------------------------
@@ -203,3 +214,28 @@ class Exchange:
         ints = [0] * (len(INTS) - CONTROL) + list(proposal)
         self.prepare([zero] * len(FLOATS), ints, [zero] * self.extra)
         return self.gather()
+
+
+def ordered_sum(t: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Collective: the sum over ranks of ``t``, every element added in rank order
+    (``((x0 + x1) + x2) + …``), in a new tensor: the same bits wherever the element sits in
+    ``t`` and however long ``t`` is, and the bits of the shared-memory sum (shared_reduce.py).
+
+    Rank r adds every rank's r-th slice (an all-to-all), then every rank gathers the sums:
+    what a ring all-reduce moves, 2 (n - 1) / n of ``t`` in and out of each rank.
+    """
+    flat = t.reshape(-1)
+    n = flat.numel()
+    per = -(-n // world_size)
+    send = (
+        flat if n == per * world_size else torch.cat([flat, flat.new_zeros(per * world_size - n)])
+    )
+    got = torch.empty_like(send)
+    dist.all_to_all_single(got, send)
+    parts = got.view(world_size, per)
+    mine = parts[0].clone()
+    for j in range(1, world_size):
+        mine.add_(parts[j])
+    out = torch.empty_like(send)
+    dist.all_gather_into_tensor(out, mine)
+    return out[:n].view_as(t)
