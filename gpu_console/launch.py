@@ -50,8 +50,8 @@ class LaunchError(Exception):
     """A run that cannot start as asked (bad device, resume target, runs directory)."""
 
 
-# torchrun's default (SIGTERM, SIGINT, SIGHUP, SIGQUIT) plus SIGUSR1, which SLURM sends
-# before a time limit (`--signal=USR1@120`): without it SIGUSR1 kills torchrun outright.
+# torchrun's default set. Not SIGUSR1, which SLURM sends every process of the step before a
+# time limit (`--signal=USR1@120`): torchrun holds it, for the supervisor and the ranks.
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # SIGUSR1: held (held_signals.py)
 # One rendezvous per endpoint: every node must give torchrun the same id.
 MULTINODE_RDZV_ID = "gpu-console"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import shutil
 import signal
@@ -85,6 +86,9 @@ class Cluster:
         host = socket.gethostname()
         lines = [
             "ClusterName=gctest",
+            # A job's rendezvous port follows its id (slurm.rdzv_port): ids from a random
+            # start, so that two clusters, or test_slurm.py's fake jobs, rarely share one.
+            f"FirstJobId={random.randrange(100_000, 900_000)}",
             f"SlurmctldHost={host}(127.0.0.1)",
             f"SlurmctldPort={ctld_port}",
             "SlurmUser=root",

@@ -167,12 +167,13 @@ def test_several_tasks_per_node_are_refused(procs, runs_dir, tmp_path, scontrol)
 
 
 def test_two_jobs_on_one_head_node_train_side_by_side(procs, tmp_path, scontrol):
-    """Two two-node jobs at once, every node on this machine, the same head: no clash."""
+    """Two two-node jobs at once, every node on this machine, the same head: no clash. Each
+    job's nodes share a runs directory (docs/clusters.md: node 1 waits for node 0's run)."""
     profile = fast_profile(tmp_path, max_steps=6)
     consoles = {}
     for job_id in ("810001", "810002"):
         for node in (0, 1):
-            runs = tmp_path / f"runs-{job_id}-{node}"
+            runs = tmp_path / f"runs-{job_id}"
             consoles[(job_id, node)] = procs.start(
                 "run", str(profile), "--headless", "--devices", "cpu:1", "--runs-dir", str(runs),
                 env=job_env(tmp_path, job_id, nnodes=2, node=node),
@@ -183,7 +184,8 @@ def test_two_jobs_on_one_head_node_train_side_by_side(procs, tmp_path, scontrol)
         out, err = console.communicate(timeout=DEADLINE_S * 2)
         assert console.returncode == 0, (key, out + err)
     for job_id in ("810001", "810002"):
-        run = run_dirs(tmp_path / f"runs-{job_id}-0")[0]
+        (run,) = [r for r in run_dirs(tmp_path / f"runs-{job_id}")
+                  if read_json_meta(r)["slurm"]["node_id"] == 0]  # fmt: skip
         start = events_of(run, "start")[-1]
         assert start["world_size"] == 2 and start["nodes"] == 2
         argv = " ".join(read_json_meta(run)["torchrun"])

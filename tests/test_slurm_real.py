@@ -107,6 +107,17 @@ def reference(cluster, work, tmp_path_factory):
     return got
 
 
+def node_runs(runs: Path, node: int) -> list[Path]:
+    """The run directories node ``node`` made, oldest first."""
+    import json
+
+    def meta(run: Path) -> dict:
+        return json.loads((run / "meta.json").read_text())
+
+    mine = [r for r in run_dirs(runs) if meta(r)["sessions"][-1]["slurm"]["node_id"] == node]
+    return sorted(mine, key=lambda r: meta(r)["created"])
+
+
 def sessions(run: Path) -> list[dict]:
     """Every session's status.json, the ended ones (history/) and the last."""
     import json
@@ -168,9 +179,9 @@ def test_a_two_node_job_stopped_by_its_limit_resumes_exactly(cluster, work, tmp_
     job_id = submit(cluster, work, reference_runs, "--nodes=2", "--time=10")
     job = cluster.wait_job(job_id, ended, deadline(300), "end")
     assert job["JobState"] == "COMPLETED", (job, job_output(reference_runs, job_id))
-    head = [r for r in run_dirs(reference_runs) if events_of(r, "step")]
-    assert len(head) == 1 and len(run_dirs(reference_runs)) == 2, "one run dir per node"
-    uninterrupted = losses(head[0])
+    assert len(run_dirs(reference_runs)) == 2, "one run dir per node"
+    (head,) = node_runs(reference_runs, 0)
+    uninterrupted = losses(head)
     assert sorted(uninterrupted) == list(range(1, STEPS + 1))
 
     runs = tmp_path / "runs"
@@ -179,9 +190,11 @@ def test_a_two_node_job_stopped_by_its_limit_resumes_exactly(cluster, work, tmp_
     out = job_output(runs, job_id)
     assert job["JobState"] == "COMPLETED" and int(job["Restarts"]) >= 1, (job, out)
     assert "NOT requeued" not in out and "failed" not in out, out
+    starts = node_runs(runs, 0)  # a run directory per node and job start
+    assert len(starts) == int(job["Restarts"]) + 1 and len(node_runs(runs, 1)) == len(starts)
     got: dict[int, float] = {}
-    for run in sorted(run_dirs(runs), key=lambda r: read_status(r).get("started") or 0):
-        got.update(losses(run))  # node 0's runs, one per job start; a later word wins
+    for run in starts:
+        got.update(losses(run))  # a later start's word for a step wins
     assert got == uninterrupted, "a two-node resume is exact"
 
 

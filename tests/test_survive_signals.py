@@ -124,6 +124,26 @@ def test_hanging_up_the_console_terminal_never_stops_training(procs, runs_dir, t
     assert '"state": "finished"' in rows.stdout and '"step": 300' in rows.stdout
 
 
+def test_a_warning_while_the_console_still_launches_stops_the_run_at_its_first_step(
+    procs, runs_dir, tmp_path
+):
+    """SLURM's warning the moment the run directory appears: the console is writing the run
+    and starting its supervisor, nothing has a handler yet. It was held (held_signals.py):
+    the run takes its first step, checkpoints and stops, as for any scheduler signal."""
+    profile = fast_profile(tmp_path, max_steps=1_000_000)
+    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
+    wait_for(lambda: runs_dir.is_dir() and any(runs_dir.iterdir()), what="the run directory")
+    console.send_signal(signal.SIGUSR1)
+    out, err = console.communicate(timeout=deadline(120))
+    assert console.returncode == 0, out + err  # not killed by the signal's default action
+    run = only_run(runs_dir)
+    final = read_status(run)
+    assert final["state"] == "stopped" and final["reason"] == "signal", final
+    assert final["checkpointed_on_stop"] and final["torchrun_exit"] == 0, final
+    assert events_of(run, "checkpoint")[-1]["reason"] == "signal"
+    assert "SIGUSR1: stopping the run at the next step with a checkpoint" in out
+
+
 def test_sigterm_to_the_headless_console_stops_the_run_with_a_checkpoint(procs, runs_dir, tmp_path):
     # A batch script's `gpu-console run --headless` is what `scancel --batch` signals.
     console, run, status = _start(procs, runs_dir, tmp_path)

@@ -339,6 +339,9 @@ def _say(answer: dict, tag: str | None) -> None:
 
 
 def main() -> int:
+    from ..held_signals import release
+
+    release()  # the launch holds the scheduler's signals; a plan is ended by them as usual
     doc = json.loads(sys.stdin.readline())  # one line (JSON escapes its newlines)
     own = None
     if not doc.get("scratch"):  # run by hand, not by the console: a directory of its own
