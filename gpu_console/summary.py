@@ -148,10 +148,11 @@ def slurm_text(j: dict[str, Any]) -> str:
     if j.get("restart_count"):
         text += f", started {j['restart_count'] + 1} times (requeued)"
     r = j.get("requeue")
-    if r is not None and r.get("exit_code") in (0, None):  # a failure: the run's reason says it
-        # No answer recorded: SLURM ends the job's processes as it requeues it, often before
-        # scontrol returns to the supervisor.
-        done = "requeued" if r.get("exit_code") == 0 else "requeue asked"
+    # No answer recorded: SLURM ends the job's processes as it requeues it, often before
+    # scontrol returns to the supervisor. A failure (scontrol's error, or none to run): the
+    # run's reason says it, once.
+    if r is not None and ("exit_code" not in r or r["exit_code"] == 0):
+        done = "requeued" if "exit_code" in r else "requeue asked"
         text += f"; {done}: {' '.join(r.get('command') or [])}"
     return text
 

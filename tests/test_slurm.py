@@ -352,3 +352,22 @@ def test_check_names_the_job_and_its_rendezvous(scontrol, tmp_path, monkeypatch)
     crowded = slurm_check(job_env(tmp_path, "5", SLURM_STEP_TASKS_PER_NODE="4(x2)"))
     assert crowded.status == WARN and "--ntasks-per-node=1" in crowded.detail
     assert FAIL not in {row.status, crowded.status}
+
+
+def test_the_summary_says_what_scontrol_answered_and_a_failure_once():
+    from gpu_console.summary import requeue_unanswered, slurm_text
+
+    job = {"job_id": "7", "node_id": 0, "nnodes": 1}
+    command = ["scontrol", "requeue", "7"]
+    asked = {**job, "requeue": {"job_id": "7", "command": command}}  # SLURM ended us first
+    assert slurm_text(asked) == "job 7, node 0 of 1; requeue asked: scontrol requeue 7"
+    done = {**job, "requeue": {"command": command, "exit_code": 0}}
+    assert slurm_text(done) == "job 7, node 0 of 1; requeued: scontrol requeue 7"
+    for failed in ({"exit_code": 1, "error": "scontrol: error: x"}, {"exit_code": None}):
+        # The run's reason says NOT requeued with scontrol's line: not again here.
+        assert slurm_text({**job, "requeue": {"command": command, **failed}}) == (
+            "job 7, node 0 of 1"
+        )
+    assert requeue_unanswered({"state": "requeued", "requeue": asked["requeue"]})
+    assert not requeue_unanswered({"state": "requeued", "requeue": done["requeue"]})
+    assert not requeue_unanswered({"state": "stopped", "requeue": asked["requeue"]})
