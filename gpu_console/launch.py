@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -418,8 +419,7 @@ def auto_resume(runs_dir: Path, name: str | None, exact_name: bool) -> tuple[str
     job = slurm.job()
     if job is not None:
         mine = []
-        for run in (p for p in Path(runs_dir).glob("*") if (p / "meta.json").is_file()):
-            meta = runs.read_json(run / "meta.json") or {}
+        for run, meta in _run_metas(runs_dir):
             sessions = meta.get("sessions") if isinstance(meta.get("sessions"), list) else []
             if any(
                 isinstance(s, dict) and (s.get("slurm") or {}).get("job_id") == job.job_id
@@ -1012,26 +1012,28 @@ def wait_for_head(runs_dir: Path, job: slurm.Job, timeout_s: float = HEAD_WAIT_S
                 "or that directory is not shared by the job's nodes (it must be: "
                 "docs/clusters.md); nothing written"
             )
-        time.sleep(0.2)
+        time.sleep(0.5)
 
 
 def _head_started(runs_dir: Path, job: slurm.Job) -> bool:
-    recent = time.time() - 24 * 3600  # a run directory's mtime: it was made for this start
+    head = {**job.fields(), "node_id": 0}
+    for _, meta in _run_metas(runs_dir):
+        started = runs.current_session(meta).get("slurm")
+        if isinstance(started, dict) and all(
+            started.get(k) == head[k] for k in ("job_id", "node_id", "restart_count")
+        ):
+            return True
+    return False
+
+
+def _run_metas(runs_dir: Path) -> Iterator[tuple[Path, dict]]:
+    """Each run directory under ``runs_dir`` with a readable meta.json, and that meta.json."""
     with contextlib.suppress(OSError):
         for run in Path(runs_dir).iterdir():
             with contextlib.suppress(OSError):
-                if run.stat().st_mtime < recent or not (run / "meta.json").is_file():
-                    continue
-            meta = runs.read_json(run / "meta.json")
-            started = runs.current_session(meta).get("slurm") if isinstance(meta, dict) else None
-            if (
-                isinstance(started, dict)
-                and started.get("job_id") == job.job_id
-                and started.get("node_id") == 0
-                and started.get("restart_count") == job.restart_count
-            ):
-                return True
-    return False
+                meta = runs.read_json(run / "meta.json") if (run / "meta.json").is_file() else None
+                if isinstance(meta, dict):
+                    yield run, meta
 
 
 def _session(

@@ -12,6 +12,7 @@ of test_slurm.py stays for what a real one cannot produce (a refused requeue).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -109,7 +110,6 @@ def reference(cluster, work, tmp_path_factory):
 
 def node_runs(runs: Path, node: int) -> list[Path]:
     """The run directories node ``node`` made, oldest first."""
-    import json
 
     def meta(run: Path) -> dict:
         return json.loads((run / "meta.json").read_text())
@@ -120,8 +120,6 @@ def node_runs(runs: Path, node: int) -> list[Path]:
 
 def sessions(run: Path) -> list[dict]:
     """Every session's status.json, the ended ones (history/) and the last."""
-    import json
-
     old = [json.loads(p.read_text()) for p in sorted((run / "history").glob("status-*.json"))]
     return [*old, read_status(run)]
 

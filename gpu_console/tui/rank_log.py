@@ -32,8 +32,13 @@ def shown_as(line: str) -> str:
     return line
 
 
+def _prefixed(text: str) -> bool:
+    """Whether a shown line carries a rank's prefix (``r3│ ``, :func:`shown_as`)."""
+    return text.startswith("r") and "│ " in text[:8]
+
+
 def without_rank(text: str) -> str:
-    return text.split("│ ", 1)[1] if text.startswith("r") and "│ " in text[:8] else text
+    return text.split("│ ", 1)[1] if _prefixed(text) else text
 
 
 def level_of(text: str) -> str:
@@ -59,7 +64,7 @@ def echo_candidate(text: str) -> str | None:
     Only the rank that writes the run's events echoes them: the node's first (torchrun's
     prefix is the local rank, so ``r0│``), or a line with no prefix. Another rank's line in
     the same shape is that rank's own (a task's ``ctx.log`` on rank 1), never an echo."""
-    if text.startswith("r") and "│ " in text[:8] and not text.startswith("r0│ "):
+    if _prefixed(text) and not text.startswith("r0│ "):
         return None
     bare = without_rank(text)
     return bare if _ECHO.match(bare) is not None else None
