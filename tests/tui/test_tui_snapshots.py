@@ -55,6 +55,10 @@ async def test_snapshot_run_screen_with_gpu_cards(tmp_path, monkeypatch):
         await until(pilot, lambda: screen.snapshot and screen.snapshot.devices.cards, 10, "cards")
         # The footer's keys may come a frame after the snapshot on a busy machine.
         await until(pilot, lambda: "report" in screen_text(app), 10, "the footer's keys")
+        # The ranks' log lines are read by a worker after the events: on a loaded machine
+        # (CI's) the screen was once taken between the two.
+        await until(pilot, lambda: "synthetic warning for the log pane" in screen_text(app), 10,
+                    "the ranks' log lines")  # fmt: skip
         await pilot.pause()
         assert "A100" in str(screen.query_one("#devices").render())
         assert_svg(app, "run-gpu")
@@ -69,5 +73,7 @@ async def test_snapshot_failed_run_at_80x24(tmp_path):
         await until(pilot, lambda: isinstance(app.screen, RunScreen), 5, "the screen")
         screen = app.screen
         await until(pilot, lambda: screen.has_class("-failed"), 10, "the failure")
+        await until(pilot, lambda: "a synthetic warning" in screen_text(app), 10,
+                    "the ranks' log lines")  # fmt: skip
         await pilot.pause()
         assert_svg(app, "run-failed-80x24")

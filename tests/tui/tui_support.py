@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import difflib
+import html
 import json
 import os
 import re
@@ -201,10 +203,20 @@ def assert_svg(app, name: str) -> None:
     if actual != expected:
         out = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu-console-snapshot-{name}.svg"
         out.write_text(actual)
+        # CI keeps only the log: say which words changed, not just that something did.
+        words = difflib.unified_diff(_svg_text(expected), _svg_text(actual), "recorded", "now",
+                                     n=0, lineterm="")  # fmt: skip
         raise AssertionError(
             f"{name}: the screen differs from tests/tui/snapshots/{name}.svg; the new one is "
-            f"{out} (if the change is meant: GPU_CONSOLE_UPDATE_SNAPSHOTS=1 pytest -k snapshot)"
+            f"{out} (if the change is meant: GPU_CONSOLE_UPDATE_SNAPSHOTS=1 pytest -k snapshot)\n"
+            + "\n".join(list(words)[:40])
         )
+
+
+def _svg_text(svg: str) -> list[str]:
+    """The text runs an SVG screenshot draws, one per line, blank runs left out."""
+    runs = (html.unescape(m).replace("\xa0", " ") for m in re.findall(r">([^<>]*)</text>", svg))
+    return [r for r in runs if r.strip()]
 
 
 # -- telemetry made for pictures and snapshots ---------------------------------------------
