@@ -443,10 +443,37 @@ def runs_dir(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        item.stash[_CALL_FAILED] = report.failed
+    return report
+
+
+_CALL_FAILED = pytest.StashKey[bool]()
+
+
+def describe_runs(runs_dir: Path, lines: int = 15) -> str:
+    """What a failed test's runs left: each run's status and the tails of its events and
+    logs (CI keeps only the log, and a deadline missed says nothing of why)."""
+    parts = []
+    for run_dir in run_dirs(runs_dir):
+        parts.append(f"== {run_dir.name}: status {json.dumps(read_status(run_dir))}")
+        for path in [run_dir / "events.jsonl", *sorted((run_dir / "logs").glob("*"))]:
+            if path.is_file():
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+                parts.append(f"-- {path.relative_to(run_dir)} (last {len(tail)} lines)")
+                parts.extend(tail)
+    return "\n".join(parts)
+
+
 @pytest.fixture
-def procs(runs_dir: Path):
+def procs(runs_dir: Path, request):
     p = Procs(runs_dir)
     yield p
+    if request.node.stash.get(_CALL_FAILED, False):
+        print(describe_runs(runs_dir))
     p.cleanup()
 
 
