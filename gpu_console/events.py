@@ -18,7 +18,10 @@ from typing import Any
 from . import diskfull, strict_json
 
 VERSION = 1
-KINDS = {"start", "step", "eval", "progress", "checkpoint", "control", "status", "log", "profile"}
+KINDS = {
+    "start", "step", "eval", "early_stop", "progress", "checkpoint", "control", "status", "log",
+    "profile",
+}  # fmt: skip
 CONTROL_COMMANDS = ("checkpoint", "stop", "pause", "resume", "profile")
 
 

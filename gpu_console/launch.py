@@ -724,6 +724,8 @@ def prepare(
         epochs_to_steps(profile, samples, world, bad)
     if resume_run is not None and not any(getattr(profile.train, k) for k in IN_EPOCHS):
         steps_left(resume_run, resume_step, profile.train.max_steps, bad)  # else --dry-run's
+    if resume_run is not None and resume_from is not None:
+        stopped_early(resume_run, resume_from, profile.train)
     return profile, placement, resume_from
 
 
@@ -890,6 +892,33 @@ def steps_left(run: Path, step: int, max_steps: int, bad) -> None:
             f"{run.name} is already at step {step}; raise it above {step} to continue",
             max_steps,
         )
+
+
+def stopped_early(run: Path, checkpoint: Path, train) -> None:
+    """A run whose checkpoint ended it by early stopping (engine/early_stop.py, recorded in
+    its meta.json) would stop again at its next eval with the same settings: refused, saying
+    what lets it train on (a larger patience, another metric, or early stopping off)."""
+    meta = runs.read_json(Path(checkpoint) / "meta.json") or {}
+    rec = meta.get("early_stop")
+    if not isinstance(rec, dict) or not rec.get("stopped") or not train.early_stop_metric:
+        return
+    if (rec.get("metric"), rec.get("mode")) != (
+        train.early_stop_metric,
+        train.early_stop_direction(),
+    ):
+        return  # another judge: a new count
+    stale = rec.get("stale")
+    if not isinstance(stale, int) or stale < train.early_stop_patience:
+        return
+    best = rec.get("best")
+    known = type(best) in (int, float)
+    shown = f", best {best:.6g} at step {rec.get('best_step')}" if known else ""
+    raise LaunchError(
+        f"--resume: {run}: stopped early at step {meta.get('step')} ({rec.get('metric')} did "
+        f"not improve for {stale} evals{shown}); to train on, raise "
+        f"train.early_stop_patience above {stale} (--set train.early_stop_patience=N) or turn "
+        "early stopping off (--set train.early_stop_metric='')"
+    )
 
 
 def resume_changes(profile: Profile, run: Path, world_size: int | None, bad=None) -> list:

@@ -187,6 +187,25 @@ class TrainConfig:
         False,
         "evaluate at step 0, before the first update (a resume: only one that turns it on)",
     )
+    early_stop_metric: str = opt(
+        "",
+        "stop early when this eval metric, named as eval.<metric> (e.g. eval.loss), has not "
+        "improved for early_stop_patience evals in a row: the run ends finished, with its end "
+        "checkpoint (empty = off)",
+        check=_best_metric_check,
+    )
+    early_stop_mode: Literal["auto", "min", "max"] = opt(
+        "auto",
+        "early_stop_metric: lower (min) or higher (max) is better; auto = min for *loss* metrics",
+    )
+    early_stop_patience: int = opt(
+        3, "early_stop_metric: evals in a row without an improvement that stop the run", min=1
+    )
+    early_stop_min_delta: float = opt(
+        0.0,
+        "early_stop_metric: the least change that counts as an improvement (0 = any)",
+        min=0.0,
+    )
     log_every: int = opt(
         10, "steps between step events (their numbers ride with the gradients' all-reduce)", min=1
     )
@@ -223,6 +242,10 @@ class TrainConfig:
         "matmul outputs); needs the task's blocks() (docs/performance.md: Activation "
         "checkpointing)",
     )
+
+    def early_stop_direction(self) -> str:
+        """``min`` or ``max`` (validation made sure ``auto`` resolves)."""
+        return "min" if self.early_stop_mode == "auto" else self.early_stop_mode
 
 
 @dataclass
@@ -568,6 +591,7 @@ def resolve(
 
     errors += _determinism_conflicts(built, data.get("hardware"))
     errors += _best_mode_conflicts(built, overridden)
+    errors += _early_stop_conflicts(built.get("train"), overridden)
     errors += _optimizer_conflicts(built.get("train"))
     errors += _data_conflicts(built.get("data"))
     errors += _blocks_conflicts(built.get("train"), kind)
@@ -725,6 +749,36 @@ def _best_mode_conflicts(built: dict[str, Any], overridden: set[str] | frozenset
             f"({why}) (got {ckpt.keep_best!r})"
         ]
     return [f"checkpoint.best_mode: say min or max for {ckpt.keep_best} ({why}) (got 'auto')"]
+
+
+def _early_stop_conflicts(
+    train: TrainConfig | None, overridden: set[str] | frozenset[str]
+) -> list[str]:
+    """``train.early_stop_metric`` needs evals during the run (the end's eval alone can stop
+    nothing), and a direction for a metric not named *loss* (as ``checkpoint.best_mode``).
+    ``max_epochs`` and ``eval_every_epochs`` are turned into steps later: an eval every N
+    epochs counts as evals during the run."""
+    if train is None or not train.early_stop_metric:
+        return []
+    metric = train.early_stop_metric
+    errors = []
+    if not (train.eval_every or train.eval_every_epochs or train.eval_at):
+        errors.append(
+            f"train.early_stop_metric: needs evals during the run (train.eval_every, "
+            f"train.eval_every_epochs or train.eval_at; now only the end's) (got {metric!r})"
+        )
+    if train.early_stop_mode == "auto" and "loss" not in metric.lower():
+        why = "auto means min, for metrics named *loss* only"
+        if "train.early_stop_metric" in overridden and "train.early_stop_mode" not in overridden:
+            errors.append(
+                f"train.early_stop_metric: {metric} needs train.early_stop_mode = min or max "
+                f"({why}) (got {metric!r})"
+            )
+        else:
+            errors.append(
+                f"train.early_stop_mode: say min or max for {metric} ({why}) (got 'auto')"
+            )
+    return errors
 
 
 def _blame(problem: str, source: str, overridden: set[str] | frozenset[str]) -> str:

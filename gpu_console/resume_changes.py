@@ -80,6 +80,20 @@ TABLE: dict[str, tuple[str, str]] = {
     "train.eval_at": (APPLIED, _EACH_STEP),
     "train.eval_at_start": (APPLIED, "turned on: this session evaluates before its first step"),
     "train.log_every": (APPLIED, _EACH_STEP),
+    "train.early_stop_metric": (
+        APPLIED,
+        "at the next eval; another metric (or turned on) starts a new count, turned off the "
+        "run trains to max_steps",
+    ),
+    "train.early_stop_mode": (APPLIED, "at the next eval; another direction starts a new count"),
+    "train.early_stop_patience": (
+        APPLIED,
+        "at the next eval: the evals without an improvement so far count toward it",
+    ),
+    "train.early_stop_min_delta": (
+        APPLIED,
+        "from the next eval, against the best value so far",
+    ),
     "train.weight_decay_params": (
         APPLIED,
         "the optimizer's parameter groups are built from it: the checkpoint's groups must "

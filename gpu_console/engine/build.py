@@ -33,6 +33,8 @@ from .compile import Compiled, mode_of
 from .control import Control
 from .control_handler import CONTROL_INTERVAL_S, ControlHandler
 from .data import Batches, DataPosition, make_loader, move
+from .early_stop import KEY as EARLY_KEY
+from .early_stop import EarlyStop
 from .evaluate import Evaluator, without_compute
 from .evaluate import splits as eval_splits
 from .exchange import Exchange
@@ -113,6 +115,7 @@ class Built:
     facts: Facts
     rescue: FailureCheckpoint  # a failure after an update: its state checkpointed
     timeouts: PhaseTimeouts  # start-up's, then the collectives' after the first step
+    early_stop: EarlyStop  # train.early_stop_metric: whether the newest eval ended the run
 
 
 @dataclass
@@ -136,6 +139,7 @@ class _Start:
     step: int = 0
     evaluated_at: int | None = None
     position: DataPosition = field(default_factory=DataPosition)
+    early_stop: dict[str, Any] | None = None  # the checkpoint's count (early_stop.py)
 
 
 def build(s: Setup) -> Built:
@@ -260,7 +264,9 @@ def _fresh_or_resumed(s: Setup, m: _Model, facts: Facts, load) -> _Start:
 
 def _applied(s: Setup, m: _Model, facts: Facts, back) -> _Start:
     assert facts.resume is not None  # a checkpoint came back: there was one to load
-    return _Start(*resuming.apply(back, facts.resume, s.d, s.p, s.changes, m.hooks, s.out))
+    start = _Start(*resuming.apply(back, facts.resume, s.d, s.p, s.changes, m.hooks, s.out))
+    start.early_stop = back.early_stop
+    return start
 
 
 def _prepare(s: Setup, m: _Model, facts: Facts) -> Compiled:
@@ -296,7 +302,8 @@ def _loop_parts(s: Setup, m: _Model, facts: Facts, start: _Start, compiled, auto
     # The task's train-time metrics ride in the log step's exchange (train_metrics.py).
     metrics = TrainMetrics(s.task, d.rank, d.world_size, d.device, lambda w: out.log("warning", w))
     m.strategy.carry_table(exchange)
-    state = TrainState(start.step, Batches(m.train_loader, start.position), start.evaluated_at)
+    state = TrainState(start.step, Batches(m.train_loader, start.position), start.evaluated_at,
+                       start.early_stop)  # fmt: skip
     m.hooks.start(state.step, state.batches)
     control = Control(s.run_dir, d.local_rank == 0, CONTROL_INTERVAL_S, out.unwritable)
     profiler = torch_profiler.Profiler(s.run_dir, d, out)  # the profile command
@@ -304,8 +311,11 @@ def _loop_parts(s: Setup, m: _Model, facts: Facts, start: _Start, compiled, auto
     ckpt = Checkpointer(s.run_dir, p, d, out, s.beat, m.strategy, saved, state, facts.resume)
     if ckpt.best.on and not m.eval_loaders:
         out.log("warning", f"checkpoint.keep_best = {ckpt.best.metric!r}: the task has no eval set")
+    early = EarlyStop(p.train, d, state)
+    if early.on and not m.eval_loaders:  # every rank the same verdict, before any step
+        raise Refused(EARLY_KEY, f"the task has no eval set (got {early.metric!r})")
     evaluator = Evaluator(out, d, s.task, m.model, m.eval_loaders, s.beat, compiled, m.opts,
-                          m.hooks, ckpt.best)  # fmt: skip
+                          m.hooks, ckpt.best, early)  # fmt: skip
     evaluator.bind(m.strategy, autocast)
     assert m.mfu is not None  # _prepare set it
     log_parts = LogParts(out, d, p.train, m.opts, exchange, control, m.mfu, s.watch, metrics,
@@ -318,4 +328,5 @@ def _loop_parts(s: Setup, m: _Model, facts: Facts, start: _Start, compiled, auto
         NanStop(out, d, p.checkpoint, ckpt, m.model, m.opts),
         profiler, exchange, compiled, m.mfu, m.eval_loaders, facts,
         FailureCheckpoint(d, out, state, ckpt, s.run_dir), PhaseTimeouts(p.distributed, shared),
+        early,
     )  # fmt: skip

@@ -27,9 +27,10 @@ class Cadence:
         every = self.train.eval_every
         return self.evaluating and (bool(every and n % every == 0) or n in self.eval_at)
 
-    def checkpoints(self, n: int, improved: bool) -> str | None:
-        """The reason of step ``n``'s checkpoint, if one is due."""
-        return checkpoint.due(n, self.ckpt, end_step(self.train), improved)
+    def checkpoints(self, n: int, improved: bool, last: bool = False) -> str | None:
+        """The reason of step ``n``'s checkpoint, if one is due; ``last``: the run ends at
+        ``n`` before max_steps (early stopping), so its end checkpoint is this step's."""
+        return checkpoint.due(n, self.ckpt, n if last else end_step(self.train), improved)
 
     def boundary(self, n: int) -> bool:
         """A step after which the host syncs anyway (log, control, eval, checkpoint)."""

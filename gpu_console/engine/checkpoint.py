@@ -217,6 +217,8 @@ def _write(
         meta = {"step": step, "reason": reason, "world_size": len(gathered), "t": time.time()}
         if best is not None:
             meta.update(best_so_far=best["so_far"], best=best["is_best"])
+        if state.get("early_stop"):  # for the console's launch checks (no torch there)
+            meta["early_stop"] = state["early_stop"]
         (tmp / "meta.json").write_text(strict_json.dumps(meta) + "\n")
         _fsync_file(tmp / "meta.json")
         fsync_dir(tmp)
@@ -367,6 +369,7 @@ class Resumed:
     world_size: int  # the world size of the run that wrote it
     task: list[Any] | None = None  # each saving rank's task state (None: the task kept none)
     evaluated_at: int | None = None  # the step of the run's newest eval (None: not recorded)
+    early_stop: dict[str, Any] | None = None  # train.early_stop_metric's count (early_stop.py)
 
 
 def resume(
@@ -418,9 +421,11 @@ def resumed_rest(state: dict[str, Any], scaler: Scalers, rank: int, world_size: 
     world = int(state.get("world_size") or len(ranks) or 1)
     task = [r.get("task") for r in ranks] if any("task" in r for r in ranks) else None
     evaluated_at = state.get("evaluated_at")
+    early = state.get("early_stop")
     return Resumed(
-        int(state["step"]), dict(state["data"]), rng, len(ranks), world, task, evaluated_at
-    )
+        int(state["step"]), dict(state["data"]), rng, len(ranks), world, task, evaluated_at,
+        dict(early) if isinstance(early, dict) else None,
+    )  # fmt: skip
 
 
 def scaler_state(scaler: Scalers) -> dict[str, Any] | None:

@@ -107,6 +107,7 @@ class Checkpointer:
             "data": self.state.batches.position.state_dict(),
             "world_size": d.world_size,
             "evaluated_at": self.state.evaluated_at,
+            "early_stop": self.state.early_stop,
         }
         rank_state = {"rng": checkpoint.capture_rng(d.device), **s.hooks.state()}
         return SaveJob(

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .best import Best
     from .compile import Compiled
     from .distributed import Dist
+    from .early_stop import EarlyStop
     from .heartbeat import Beat
     from .hooks import Hooks
     from .optim_set import Optimizers
@@ -198,8 +199,8 @@ def at_start(enabled: bool, step: int, evaluated_at: int | None, changes: list[d
 
 
 class Evaluator:
-    """The run's evals: at their steps, their metrics to the schedules, the task's hook and
-    the best checkpoint's judge."""
+    """The run's evals: at their steps, their metrics to the schedules, the task's hook, the
+    best checkpoint's judge and early stopping's."""
 
     def __init__(
         self,
@@ -213,10 +214,12 @@ class Evaluator:
         opts: Optimizers,
         hooks: Hooks,
         best: Best,
+        early_stop: EarlyStop,
     ) -> None:
         self.out, self.d, self.task, self.loaders, self.beat = out, d, task, loaders, beat
         self.model = model  # the bare model, for the task's eval_end hook
         self.compiled, self.opts, self.hooks, self.best = compiled, opts, hooks, best
+        self.early_stop = early_stop
         self.strategy: Any = None
         self.autocast: Any = None
 
@@ -241,4 +244,8 @@ class Evaluator:
             metrics.update(self.hooks.eval_end(self.model, metrics))  # its own figures
         if self.out.active:
             self.out.event("eval", step=step, **metrics)
+        # train.early_stop_metric: judged on every rank, agreed (the trainer ends the run).
+        counted = self.early_stop.observe(step, metrics)
+        if counted is not None and self.out.active:
+            self.out.event("early_stop", **counted)
         return self.best.observe(step, metrics, lambda m: self.out.log("warning", m))

@@ -174,6 +174,8 @@ def _finish(
         }
         if best is not None:
             meta.update(best_so_far=best["so_far"], best=best["is_best"])
+        if state.get("early_stop"):  # for the console's launch checks (no torch there)
+            meta["early_stop"] = state["early_stop"]
         (tmp / "meta.json").write_text(strict_json.dumps(meta) + "\n")
         _fsync_file(tmp / "meta.json")
         fsync_dir(tmp)

@@ -41,7 +41,7 @@ class Trainer:
                 b.evaluator.run(state)  # train.eval_at_start: step 0, or a resume that turns it on
 
         end = end_step(p.train)
-        while state.step < end:
+        while state.step < end and not b.early_stop.stopping:
             b.checkpointer.settle_finished()  # a background write that ended: its event
             rows: list[Row] | None
             if state.paused:
@@ -79,7 +79,7 @@ class Trainer:
                     rows = self.log(update) if logging else None
                 with guard("eval"):
                     improved = b.cadence.evaluates(state.step) and b.evaluator.run(state)
-                if why := b.cadence.checkpoints(state.step, improved):
+                if why := b.cadence.checkpoints(state.step, improved, b.early_stop.stopping):
                     b.checkpointer.save(why, wait=False)
                 # Control: at a log step its proposals came with the rows; else a check of
                 # its own where one is due.
@@ -130,13 +130,16 @@ class Trainer:
                      exchanges=exchanges)  # fmt: skip
 
     def end(self) -> None:
-        """``max_steps`` reached: what the last step's boundaries did not do already."""
+        """``max_steps`` reached, or early stopping's patience ran out: what the last step's
+        boundaries did not do already."""
         b, s = self.b, self.s
         assert b is not None  # run() built it before its first step
         step = b.state.step
+        early = b.early_stop.stopping and step < end_step(s.p.train)
+        reason = b.early_stop.reason() if early else "max_steps reached"
         b.profiler.finish(step, "end")
         improved = False
-        if b.eval_loaders and not b.cadence.evaluates(step):
+        if b.eval_loaders and not b.cadence.evaluates(step) and b.state.evaluated_at != step:
             with b.rescue.guard("eval"):
                 improved = b.evaluator.run(b.state)
         if s.p.checkpoint.at_end:
@@ -149,5 +152,4 @@ class Trainer:
             b.checkpointer.save("best")
         b.checkpointer.save(None)  # a write still in flight ends before the run does
         b.hooks.train_end(b.model, "finished")
-        s.out.status("finished", reason="max_steps reached", step=step,
-                     exchanges=b.exchange.counts())  # fmt: skip
+        s.out.status("finished", reason=reason, step=step, exchanges=b.exchange.counts())
