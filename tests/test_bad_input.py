@@ -160,6 +160,30 @@ FILE_CASES = [
     ),
     ("distributed-env-not-a-table", '[distributed]\nenv = "x"\n', "distributed.env", ["table"]),
     (
+        "early-stop-patience-zero",
+        '[train]\neval_every = 5\nearly_stop_metric = "eval.loss"\nearly_stop_patience = 0\n',
+        "train.early_stop_patience",
+        ["at least 1", "got 0"],
+    ),
+    (
+        "early-stop-negative-min-delta",
+        '[train]\neval_every = 5\nearly_stop_metric = "eval.loss"\nearly_stop_min_delta = -1\n',
+        "train.early_stop_min_delta",
+        ["at least 0", "got -1"],
+    ),
+    (
+        "early-stop-without-evals",
+        '[train]\nearly_stop_metric = "eval.loss"\n',
+        "train.early_stop_metric",
+        ["needs evals during the run", "'eval.loss'"],
+    ),
+    (
+        "early-stop-metric-not-an-eval-metric",
+        '[train]\neval_every = 5\nearly_stop_metric = "val_loss"\n',
+        "train.early_stop_metric",
+        ["expected eval.<metric>", "'val_loss'"],
+    ),
+    (
         "distributed-startup-timeout-zero",
         "[distributed]\nstartup_timeout_s = 0\n",
         "distributed.startup_timeout_s",
@@ -236,6 +260,12 @@ SET_CASES = [
     ("bad-literal", 'train.schedule="exp"', "train.schedule", ["'exp'"]),
     ("bad-devices", "hardware.devices=gpu0", "hardware.devices", ["'gpu0'"]),
     ("unknown-task-key", "task.hidden=3", "task.hidden", ["hidden_dim"]),
+    (
+        "early-stop-accuracy-without-mode",
+        "train.early_stop_metric=eval.accuracy",
+        "train.early_stop_metric",
+        ["needs train.early_stop_mode = min or max"],
+    ),
     (
         "distributed-env-rank",
         "distributed.env.MASTER_PORT=29500",

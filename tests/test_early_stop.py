@@ -146,6 +146,16 @@ def test_a_resume_mid_patience_stops_where_an_uninterrupted_run_does(tmp_path, r
     assert max(c[0] for c in _counts(whole)) == 40  # no early_stop event once off
 
 
+def test_two_ranks_stop_at_the_same_step(tmp_path, runs_dir):
+    # Rank 0's verdict is broadcast at each eval: both ranks end at step 30, none hangs.
+    profile = _profile(tmp_path, PLATEAU, max_steps=60)
+    run = run_engine(tmp_path, profile, *PLATEAU_SETS, ranks=2, runs_dir=runs_dir)
+    reason = "early stopping: eval.score did not improve for 4 evals (best 8 at step 10)"
+    assert _ending(run) == ("finished", 30, reason)
+    assert [c[1] for c in _counts(run)] == [0, 0, 1, 2, 3, 4]
+    assert [(e["step"], e["reason"]) for e in events_of(run, "checkpoint")] == [(30, "end")]
+
+
 def test_off_by_default_the_run_trains_to_max_steps(tmp_path, runs_dir):
     profile = _profile(tmp_path, PLATEAU, max_steps=30)
     run = run_engine(tmp_path, profile, "train.eval_every=5", runs_dir=runs_dir)
