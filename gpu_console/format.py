@@ -110,3 +110,15 @@ def steps_text(step: int | None, max_steps: int | None, commas: bool = False) ->
     if max_steps == 0:
         return f"{done}/∞"
     return f"{done}/{max_steps:,}" if commas else f"{done}/{max_steps}"
+
+
+def early_stop_line(e: dict[str, Any]) -> str:
+    """An ``early_stop`` event (engine/early_stop.py) as headless and the run screen's log say
+    it: how many evals since the best, of the patience."""
+    since, patience = e.get("evals_since_best"), e.get("patience")
+    best = f"best {fmt(e.get('best'))} at step {e.get('best_step')}"
+    if e.get("stop"):
+        return f"early stopping @ step {e.get('step')}: {since} evals without improvement ({best})"
+    if not since:
+        return f"early stopping: {e.get('metric')} improved ({best})"
+    return f"early stopping: {since}/{patience} evals without improvement ({best})"

@@ -38,6 +38,7 @@ from .exit_watch import ExitWatch
 from .fold import with_signs
 from .format import (
     compiling_text,
+    early_stop_line,
     eval_progress_text,
     fmt,
     human_bytes,
@@ -410,7 +411,7 @@ def _notable(e: dict, console: Console) -> None:
         )
         say(f"eval @ step {e.get('step')}: {metrics}")
     elif kind == "early_stop":
-        say(early_stop_text(e), "yellow" if e.get("stop") else None)
+        say(early_stop_line(e), "yellow" if e.get("stop") else None)
     elif kind == "progress" and e.get("phase") == "eval":
         say(f"{eval_progress_text(e)} @ step {e.get('step')}")  # about once a second
     elif kind == "checkpoint":
@@ -574,15 +575,3 @@ def exit_code(st: RunState) -> int:
     """The run's exit code (:func:`runs.exit_code`: the number status.json holds)."""
     code = st.exit_code
     return EXIT_FAILED if code is None else code
-
-
-def early_stop_text(e: dict) -> str:
-    """An ``early_stop`` event (engine/early_stop.py) in one line: how many evals since the
-    best, of the patience."""
-    since, patience = e.get("evals_since_best"), e.get("patience")
-    best = f"best {fmt(e.get('best'))} at step {e.get('best_step')}"
-    if e.get("stop"):
-        return f"early stopping @ step {e.get('step')}: {since} evals without improvement ({best})"
-    if not since:
-        return f"early stopping: {e.get('metric')} improved ({best})"
-    return f"early stopping: {since}/{patience} evals without improvement ({best})"

@@ -762,10 +762,15 @@ def _early_stop_conflicts(
         return []
     metric = train.early_stop_metric
     errors = []
-    if not (train.eval_every or train.eval_every_epochs or train.eval_at):
+    end = train.max_steps if train.max_steps and not train.max_epochs else None
+    during = bool(train.eval_every_epochs) or any(
+        end is None or n < end for n in [train.eval_every or None, *train.eval_at] if n
+    )
+    if not during:
         errors.append(
             f"train.early_stop_metric: needs evals during the run (train.eval_every, "
-            f"train.eval_every_epochs or train.eval_at; now only the end's) (got {metric!r})"
+            f"train.eval_every_epochs or train.eval_at before train.max_steps; now only the "
+            f"end's) (got {metric!r})"
         )
     if train.early_stop_mode == "auto" and "loss" not in metric.lower():
         why = "auto means min, for metrics named *loss* only"

@@ -16,6 +16,7 @@ from headless_text import headless_text
 
 from gpu_console.launch import LaunchError
 from gpu_console.profile import ProfileError, load_profile
+from gpu_console.tui.feed import RunFeed
 
 pytestmark = pytest.mark.quick
 
@@ -93,6 +94,14 @@ def test_min_delta_decides_what_counts_as_an_improvement(tmp_path, runs_dir):
     assert f"state: finished ({reason})" in printed, printed
     assert "early stopping: 2/3 evals without improvement (best 8.0000 at step 10)" in printed
     assert "early stopping @ step 25: 3 evals without improvement" in printed, printed
+    feed = RunFeed(run, telemetry=False)  # the run screen's log pane
+    feed.load()
+    logs = [(ln.level, ln.text) for ln in feed.model.logs if ln.text.startswith("early ")]
+    assert logs[-2:] == [
+        ("info", "early stopping: 2/3 evals without improvement (best 8.0000 at step 10)"),
+        ("warning", "early stopping @ step 25: 3 evals without improvement (best 8.0000 at "
+                    "step 10)"),
+    ]  # fmt: skip
 
     # min_delta 0 (the default): every gain counts; the run stops 3 evals after step 35.
     run = run_engine(tmp_path, profile, *sets, runs_dir=runs_dir, name="any")
@@ -197,6 +206,8 @@ def test_an_unreported_metric_and_a_task_without_evals_are_refused(tmp_path, run
          "train.early_stop_metric: needs evals during the run"),
         ('early_stop_metric = "eval.accuracy"\neval_every = 5',
          "train.early_stop_mode: say min or max for eval.accuracy"),
+        ('early_stop_metric = "eval.loss"\nmax_steps = 100\neval_every = 100\neval_at = [200]',
+         "train.early_stop_metric: needs evals during the run"),
         ("early_stop_patience = 0", "train.early_stop_patience: must be at least 1 (got 0)"),
         ("early_stop_min_delta = -0.1",
          "train.early_stop_min_delta: must be at least 0.0 (got -0.1)"),

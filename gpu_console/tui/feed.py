@@ -21,7 +21,7 @@ from typing import Any
 
 from ..events import JsonlTail
 from ..fold import RunFold, shown_state, with_signs
-from ..format import human_bytes, optimizer_line, strategy_text
+from ..format import early_stop_line, human_bytes, optimizer_line, strategy_text
 from ..heartbeats import pid_alive
 from ..lost import settle
 from ..runs import FINAL_STATES, current_session, list_checkpoints, read_json, read_status
@@ -149,6 +149,9 @@ class RunModel(RunFold):
             self._log(LogLine("state", text, e.get("t")))
         elif kind == "eval":
             self._add_eval(e)
+        elif kind == "early_stop":  # evals since the best, of the patience
+            level = "warning" if e.get("stop") else "info"
+            self._log(LogLine(level, early_stop_line(e), e.get("t")))
         elif kind == "checkpoint":
             size = e.get("bytes")
             size_text = f", {human_bytes(size)}" if isinstance(size, (int, float)) else ""
