@@ -437,6 +437,14 @@ def build(
         "schedule": built["schedule"],
         "eval_every": t.eval_every,
         "eval_at": sorted(t.eval_at),
+        "early_stop": {
+            "metric": t.early_stop_metric,
+            "mode": t.early_stop_direction(),
+            "patience": t.early_stop_patience,
+            "min_delta": t.early_stop_min_delta,
+        }
+        if t.early_stop_metric
+        else None,
         "log_every": t.log_every,
         "compile": built["compile"],
         "activation_checkpointing": built["activation_checkpointing"],
@@ -586,6 +594,10 @@ def text(plan: dict[str, Any]) -> str:
             "" if endless and not plan["eval_every"] else f"; {every}"
         )
     rows.append(("eval", every if data["eval_samples"] is not None else "none (no eval set)"))
+    if early := plan.get("early_stop"):
+        by = f" by more than {early['min_delta']:g}" if early["min_delta"] else ""
+        rows.append(("early stopping", f"after {early['patience']} evals without {early['metric']} "
+                     f"improving{by} ({early['mode']})"))  # fmt: skip
     cadence = [f"every {ck['every_steps']} steps"] if ck["every_steps"] else []
     cadence += ["at the end"] if ck["at_end"] and not endless else []
     cadence += ["on stop"] if ck["on_stop"] else []
