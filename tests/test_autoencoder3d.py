@@ -162,3 +162,54 @@ def test_the_slice_is_written_under_fp64_too(tmp_path):
     title = f"step 7: eval volume 0, slice {task.slice + 1} of 16 (the fullest)"
     assert _contains(image[:40], text(title))
     assert model.training, "left in train mode, as the hook found it"
+
+
+@pytest.mark.parametrize("mode", ["blocks", "selective"])
+def test_activation_checkpointing_keeps_losses_gradients_and_running_statistics(mode):
+    """The blocks recomputed in the backward: the same loss, the same gradients, bit for bit,
+    and BatchNorm's running statistics updated once, as without (the recomputation is a
+    second forward through each BatchNorm)."""
+    from gpu_console.engine import activation_checkpoint
+
+    task = Autoencoder3DTask(load_profile("autoencoder3d").task)
+    noisy, clean = make_volumes(task.cfg, 4, torch.Generator().manual_seed(5))
+    models = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = task.build_model()
+        if checkpointed:
+            assert activation_checkpoint.apply(task, model, mode) == 4
+        for _ in range(2):  # a second step reads the first one's statistics in eval below
+            model.zero_grad()
+            loss = task.compute(model, (noisy, clean)).loss
+            loss.backward()
+        models.append((model, loss))
+    (plain, plain_loss), (ckpt, ckpt_loss) = models
+    assert torch.equal(plain_loss, ckpt_loss)
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    for (name, b), c in zip(plain.named_buffers(), ckpt.buffers(), strict=True):
+        assert torch.equal(b, c), name
+    assert plain.state_dict().keys() == ckpt.state_dict().keys()
+
+
+def test_a_checkpointed_run_trains_and_evaluates_as_one_without(tmp_path):
+    sets = ["train.max_steps=6", "train.eval_every=3", "task.eval_samples=8",
+            "task.train_samples=64", "train.log_every=1", "task.slice_png=false"]  # fmt: skip
+    runs = {
+        mode: run_engine(
+            tmp_path,
+            "autoencoder3d",
+            *sets,
+            f"train.activation_checkpointing={mode!r}",
+            ranks=2,
+            name=mode,
+        )  # fmt: skip
+        for mode in ("none", "blocks")
+    }
+    losses = {m: [e["loss"] for e in events_of(r, "step")] for m, r in runs.items()}
+    assert len(losses["none"]) == 6 and losses["blocks"] == losses["none"]
+    evals = {m: [(e["loss"], e["psnr"]) for e in events_of(r, "eval")] for m, r in runs.items()}
+    assert len(evals["none"]) == 2 and evals["blocks"] == evals["none"]
+    held = events_of(runs["blocks"], "start")[0]["activation_checkpointing"]
+    assert held["blocks"] == 4 and held["held_with"] < held["held_without"], held
