@@ -1,9 +1,10 @@
-"""``autoencoder3d``: a denoising 3D convolutional autoencoder on synthetic volumes.
+"""``autoencoder3d``: a denoising 3D convolutional autoencoder on synthetic volumes, or on
+yours (``task.data_dir``, below).
 
 Each volume holds one to ``max_ellipsoids`` solid ellipsoids of random centre, radii and
 intensity; the input adds Gaussian noise, the target is the clean volume. The model halves
-the resolution twice with strided 3D convolutions (BatchNorm3d after each: converted to
-SyncBatchNorm with ``distributed.sync_batchnorm = true`` on GPUs) and brings it back with
+the resolution twice with strided 3D convolutions (BatchNorm3d after each: SyncBatchNorm
+on several CUDA ranks, ``distributed.sync_batchnorm = "auto"``) and brings it back with
 transposed convolutions. The loss is the mean squared error; the metric, the PSNR against
 the clean volume (peak 1), per volume and averaged. With ``slice_png`` each eval writes a
 slice of the first held-out volume as a labelled PNG into the run's ``task/`` directory: the
