@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import events_of, test_env, write_profile
+from conftest import events_of, write_profile
+from conftest import test_env as cli_env
 from harness import cut_and_resumed, run_engine
 from test_bad_input import assert_bad, run_bad
 
@@ -135,6 +136,22 @@ def test_volumes_are_normalised_noised_and_flipped_as_the_keys_say(tmp_path, mon
         assert (noisy - clean).abs().max() < 1, "input and target flipped alike"
     assert len(seen) >= 4, seen
 
+    # The synthetic volumes flip alike (off by default: their data set is unchanged).
+    synthetic = ["task.train_samples=4", "task.eval_samples=0"]
+    assert type(Autoencoder3DTask(load_profile("autoencoder3d", synthetic).task)
+                .build_datasets()[0]).__name__ == "TensorSet"  # fmt: skip
+    task = Autoencoder3DTask(load_profile("autoencoder3d", [*synthetic, "task.flip=true"]).task)
+    train, _ = task.build_datasets()
+    plain = train.tensors[1][0]
+    got = {
+        tuple(dims)
+        for _ in range(20)
+        for clean in [train.__getitems__([0])[1][0]]
+        for dims in ([], [1], [2], [3], [1, 2], [1, 3], [2, 3], [1, 2, 3])
+        if torch.equal(clean, plain.flip(dims) if dims else plain)
+    }
+    assert len(got) >= 4, got
+
 
 def test_a_directory_of_volumes_trains_evaluates_held_out_and_resumes_exactly(tmp_path):
     write_volumes(tmp_path / "vols", 20)
@@ -253,7 +270,7 @@ def test_nifti_without_nibabel_is_one_line(procs, runs_dir, tmp_path):
     hide.mkdir()
     (hide / "sitecustomize.py").write_text("import sys\nsys.modules['nibabel'] = None\n")
     profile = write_profile(tmp_path / "volumes.toml", PROFILE)
-    env = test_env(PYTHONPATH=os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")]))
+    env = cli_env(PYTHONPATH=os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")]))
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
                        cwd=tmp_path, env=env)  # fmt: skip
     (line,) = assert_bad(result, runs_dir)
