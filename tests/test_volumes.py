@@ -28,8 +28,6 @@ from gpu_console.tasks.autoencoder3d import (
     read_volume,
 )
 
-pytestmark = pytest.mark.quick  # the loop between edits (tests/README.md)
-
 
 def write_volumes(folder: Path, n: int, *, seed: int = 0, channels: int = 0) -> list[np.ndarray]:
     """``n`` synthetic ellipsoid volumes (16³) as uint16 in 0..1000 (minmax brings them back
@@ -72,6 +70,7 @@ devices = "cpu:2"
 """
 
 
+@pytest.mark.quick  # the loop between edits (tests/README.md): the units, in seconds
 def test_the_directory_is_judged_and_split_by_one_rule(tmp_path, monkeypatch):
     write_volumes(tmp_path / "vols", 20)
     found = volume_files.scan("vols", 0.1, 1234, cwd=str(tmp_path))
@@ -98,6 +97,7 @@ def test_the_directory_is_judged_and_split_by_one_rule(tmp_path, monkeypatch):
     assert (len(train), len(held)) == (18, 2)
 
 
+@pytest.mark.quick
 def test_volumes_are_normalised_noised_and_flipped_as_the_keys_say(tmp_path, monkeypatch):
     arrays = write_volumes(tmp_path / "vols", 6, channels=2)
     monkeypatch.chdir(tmp_path)
