@@ -213,3 +213,35 @@ def test_a_checkpointed_run_trains_and_evaluates_as_one_without(tmp_path):
     assert len(evals["none"]) == 2 and evals["blocks"] == evals["none"]
     held = events_of(runs["blocks"], "start")[0]["activation_checkpointing"]
     assert held["blocks"] == 4 and held["held_with"] < held["held_without"], held
+
+
+def test_compiled_checkpointed_blocks_keep_the_running_statistics_too():
+    """Under torch.compile (aot_eager: the graph capture and partitioner, eager kernels) the
+    engine's recomputation context stays out (compile refuses a context_fn that is not
+    selective checkpointing's), and the statistics still come out as without."""
+    from gpu_console.engine import activation_checkpoint
+
+    sets = ["task.size=8", "task.channels=2", "task.latent_channels=2"]
+    task = Autoencoder3DTask(load_profile("autoencoder3d", sets).task)
+    noisy, clean = make_volumes(task.cfg, 2, torch.Generator().manual_seed(5))
+    got = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = task.build_model()
+        run = model
+        if compiled:
+            activation_checkpoint.apply(task, model, "blocks")
+            run = torch.compile(model, backend="aot_eager")
+        for _ in range(2):
+            model.zero_grad()
+            loss = task.compute(run, (noisy, clean)).loss
+            loss.backward()
+        got.append((loss.detach(), [p.grad for p in model.parameters()], list(model.buffers())))
+    (loss, grads, buffers), (c_loss, c_grads, c_buffers) = got
+    assert torch.allclose(loss, c_loss, rtol=1e-6)
+    assert all(
+        torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads, c_grads, strict=True)
+    )
+    assert all(
+        torch.allclose(a.float(), b.float()) for a, b in zip(buffers, c_buffers, strict=True)
+    )

@@ -101,21 +101,32 @@ def apply(task: object, model: nn.Module, mode: str) -> int:
 
 def _wrap(block: nn.Module, context_fn) -> None:
     inner = block.forward
-    contexts = functools.partial(_stats_kept_contexts, block, context_fn)
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    # A block with BatchNorm: its recomputation keeps the running statistics (_stats_kept).
+    # Not while torch.compile traces it: a context_fn must then make selective checkpointing's
+    # dispatch modes (an AssertionError otherwise), and the compiled recomputation does not
+    # update the statistics again (seen: aot_eager's buffers equal eager's without).
+    kept = (
+        {"context_fn": functools.partial(_stats_kept_contexts, block, context_fn)}
+        if _running_stats(block, training=None)
+        else extra
+    )
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        chosen = extra if torch.compiler.is_compiling() else kept
+        return checkpoint(inner, *args, use_reentrant=False, **chosen, **kwargs)
 
     block.forward = forward  # an instance attribute: names and state_dict keys unchanged
 
 
-def _running_stats(block: nn.Module) -> list[torch.Tensor]:
+def _running_stats(block: nn.Module, training: bool | None = True) -> list[torch.Tensor]:
     """The buffers a training forward of ``block`` updates: BatchNorm's (any module with
-    ``track_running_stats`` in train mode) running mean, variance and batch count."""
+    ``track_running_stats``; in train mode, unless ``training`` is None) running mean,
+    variance and batch count."""
     return [
         b
         for m in block.modules()
-        if getattr(m, "track_running_stats", False) and m.training
+        if getattr(m, "track_running_stats", False) and (training is None or m.training)
         for b in m.buffers(recurse=False)
     ]
 
