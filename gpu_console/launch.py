@@ -696,7 +696,7 @@ def prepare(
             "(auto picks it there) or one MIG instance",
             "nccl",
         )
-    if placement.device_type == "cpu" and profile.distributed.sync_batchnorm:
+    if placement.device_type == "cpu" and profile.distributed.sync_batchnorm is True:
         raise bad(
             "distributed.sync_batchnorm",
             "SyncBatchNorm runs only on GPUs; this run is on CPU",

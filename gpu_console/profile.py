@@ -267,7 +267,12 @@ class DistributedConfig:
     find_unused_parameters: bool = opt(False, "DDP: look for parameters without gradients")
     broadcast_buffers: bool = opt(True, "DDP: broadcast buffers from rank 0 each forward")
     gradient_as_bucket_view: bool = opt(True, "DDP: gradients alias the buckets (less memory)")
-    sync_batchnorm: bool = opt(False, "convert BatchNorm layers to SyncBatchNorm")
+    sync_batchnorm: bool | Literal["auto"] = opt(
+        "auto",
+        "BatchNorm layers as SyncBatchNorm (batch statistics over every rank; DDP): auto: "
+        "where the run has several CUDA ranks; true: always (GPUs only); false: never. On CPU "
+        "ranks BatchNorm stays plain (torch's SyncBatchNorm runs on GPUs only)",
+    )
     lr_scaling: Literal["none", "linear", "sqrt"] = opt(
         "none", "scale lr by world size: none, linear or sqrt"
     )

@@ -162,3 +162,86 @@ def test_the_slice_is_written_under_fp64_too(tmp_path):
     title = f"step 7: eval volume 0, slice {task.slice + 1} of 16 (the fullest)"
     assert _contains(image[:40], text(title))
     assert model.training, "left in train mode, as the hook found it"
+
+
+@pytest.mark.parametrize("mode", ["blocks", "selective"])
+def test_activation_checkpointing_keeps_losses_gradients_and_running_statistics(mode):
+    """The blocks recomputed in the backward: the same loss, the same gradients, bit for bit,
+    and BatchNorm's running statistics updated once, as without (the recomputation is a
+    second forward through each BatchNorm)."""
+    from gpu_console.engine import activation_checkpoint
+
+    task = Autoencoder3DTask(load_profile("autoencoder3d").task)
+    noisy, clean = make_volumes(task.cfg, 4, torch.Generator().manual_seed(5))
+    models = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = task.build_model()
+        if checkpointed:
+            assert activation_checkpoint.apply(task, model, mode) == 4
+        for _ in range(2):  # a second step reads the first one's statistics in eval below
+            model.zero_grad()
+            loss = task.compute(model, (noisy, clean)).loss
+            loss.backward()
+        models.append((model, loss))
+    (plain, plain_loss), (ckpt, ckpt_loss) = models
+    assert torch.equal(plain_loss, ckpt_loss)
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    for (name, b), c in zip(plain.named_buffers(), ckpt.buffers(), strict=True):
+        assert torch.equal(b, c), name
+    assert plain.state_dict().keys() == ckpt.state_dict().keys()
+
+
+def test_a_checkpointed_run_trains_and_evaluates_as_one_without(tmp_path):
+    sets = ["train.max_steps=6", "train.eval_every=3", "task.eval_samples=8",
+            "task.train_samples=64", "train.log_every=1", "task.slice_png=false"]  # fmt: skip
+    runs = {
+        mode: run_engine(
+            tmp_path,
+            "autoencoder3d",
+            *sets,
+            f"train.activation_checkpointing={mode!r}",
+            ranks=2,
+            name=mode,
+        )  # fmt: skip
+        for mode in ("none", "blocks")
+    }
+    losses = {m: [e["loss"] for e in events_of(r, "step")] for m, r in runs.items()}
+    assert len(losses["none"]) == 6 and losses["blocks"] == losses["none"]
+    evals = {m: [(e["loss"], e["psnr"]) for e in events_of(r, "eval")] for m, r in runs.items()}
+    assert len(evals["none"]) == 2 and evals["blocks"] == evals["none"]
+    held = events_of(runs["blocks"], "start")[0]["activation_checkpointing"]
+    assert held["blocks"] == 4 and held["held_with"] < held["held_without"], held
+
+
+def test_compiled_checkpointed_blocks_keep_the_running_statistics_too():
+    """Under torch.compile (aot_eager: the graph capture and partitioner, eager kernels) the
+    engine's recomputation context stays out (compile refuses a context_fn that is not
+    selective checkpointing's), and the statistics still come out as without."""
+    from gpu_console.engine import activation_checkpoint
+
+    sets = ["task.size=8", "task.channels=2", "task.latent_channels=2"]
+    task = Autoencoder3DTask(load_profile("autoencoder3d", sets).task)
+    noisy, clean = make_volumes(task.cfg, 2, torch.Generator().manual_seed(5))
+    got = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = task.build_model()
+        run = model
+        if compiled:
+            activation_checkpoint.apply(task, model, "blocks")
+            run = torch.compile(model, backend="aot_eager")
+        for _ in range(2):
+            model.zero_grad()
+            loss = task.compute(run, (noisy, clean)).loss
+            loss.backward()
+        got.append((loss.detach(), [p.grad for p in model.parameters()], list(model.buffers())))
+    (loss, grads, buffers), (c_loss, c_grads, c_buffers) = got
+    assert torch.allclose(loss, c_loss, rtol=1e-6)
+    assert all(
+        torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads, c_grads, strict=True)
+    )
+    assert all(
+        torch.allclose(a.float(), b.float()) for a, b in zip(buffers, c_buffers, strict=True)
+    )

@@ -240,21 +240,36 @@ def test_every_ddp_knob_reaches_the_ddp_constructor(tmp_path):
     }
 
 
-def test_sync_batchnorm_converts_batchnorm_layers():
-    # PyTorch's SyncBatchNorm only runs on GPUs (CPU runs reject it at launch with exit 2),
-    # so the conversion is checked at its seam: the module DDP would be given.
+@pytest.mark.parametrize(
+    "setting, device, world, synced",
+    [
+        ("auto", "cuda", 2, True),  # the default: several CUDA ranks
+        ("auto", "cuda", 1, False),  # one rank: nothing to sync
+        ("auto", "cpu", 2, False),  # CPU ranks: plain BatchNorm (torch has no CPU SyncBN)
+        (True, "cuda", 2, True),
+        (True, "cuda", 1, True),  # as asked (the single-rank strategy has no DDP to convert)
+        (False, "cuda", 2, False),
+    ],
+)
+def test_sync_batchnorm_converts_batchnorm_layers(setting, device, world, synced):
+    # PyTorch's SyncBatchNorm only runs on GPUs (CPU runs reject `true` at launch with exit
+    # 2), so the conversion is checked at its seam: the module DDP would be given.
     from torch import nn
 
     from gpu_console.engine.distributed import convert_batchnorm
     from gpu_console.profile import DistributedConfig
-    from gpu_console.tasks.configs import MLPConfig
+    from gpu_console.tasks.configs import Autoencoder3DConfig, MLPConfig
     from gpu_console.tasks.mlp import MLPTask
 
-    task = MLPTask(MLPConfig(batch_norm=True))
-    synced = convert_batchnorm(task.build_model(), DistributedConfig(sync_batchnorm=True))
-    assert sum(isinstance(m, nn.SyncBatchNorm) for m in synced.modules()) == 2
-    plain = convert_batchnorm(task.build_model(), DistributedConfig(sync_batchnorm=False))
-    assert not any(isinstance(m, nn.SyncBatchNorm) for m in plain.modules())
+    cfg = DistributedConfig(sync_batchnorm=setting)
+    model = convert_batchnorm(MLPTask(MLPConfig(batch_norm=True)).build_model(), cfg, device, world)
+    assert sum(isinstance(m, nn.SyncBatchNorm) for m in model.modules()) == (2 if synced else 0)
+    assert sum(isinstance(m, nn.BatchNorm1d) for m in model.modules()) == (0 if synced else 2)
+    if synced:  # autoencoder3d's four BatchNorm3d too
+        from gpu_console.tasks.autoencoder3d import Autoencoder3D
+
+        volumes = convert_batchnorm(Autoencoder3D(Autoencoder3DConfig()), cfg, device, world)
+        assert sum(isinstance(m, nn.SyncBatchNorm) for m in volumes.modules()) == 4
 
 
 def test_sync_batchnorm_on_cpu_is_a_bad_input(procs, runs_dir, tmp_path):

@@ -11,6 +11,9 @@ The task names its blocks with ``blocks(model) -> list[nn.Module]`` (the built-i
 transformer: its encoder blocks). Each block's ``forward`` is wrapped in place, so parameter
 names, ``state_dict`` keys, checkpoints and ``export`` are the same with and without. The RNG
 state is replayed in the recomputation (dropout draws the same masks): losses are the same.
+A block's BatchNorm running statistics are put back as the forward left them once its
+recomputation is done (a second forward would update them twice): buffers, evals and
+checkpoints are the same too.
 
 Memory, measured: before training, the rank that writes events runs one forward of one
 micro-batch with checkpointing off, then on, and counts the bytes of the tensors that forward
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -99,11 +102,57 @@ def apply(task: object, model: nn.Module, mode: str) -> int:
 def _wrap(block: nn.Module, context_fn) -> None:
     inner = block.forward
     extra = {"context_fn": context_fn} if context_fn is not None else {}
+    # A block with BatchNorm: its recomputation keeps the running statistics (_stats_kept).
+    # Not while torch.compile traces it: a context_fn must then make selective checkpointing's
+    # dispatch modes (an AssertionError otherwise), and the compiled recomputation does not
+    # update the statistics again (seen: aot_eager's buffers equal eager's without).
+    kept = (
+        {"context_fn": functools.partial(_stats_kept_contexts, block, context_fn)}
+        if _running_stats(block, training=None)
+        else extra
+    )
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+        chosen = extra if torch.compiler.is_compiling() else kept
+        return checkpoint(inner, *args, use_reentrant=False, **chosen, **kwargs)
 
     block.forward = forward  # an instance attribute: names and state_dict keys unchanged
+
+
+def _running_stats(block: nn.Module, training: bool | None = True) -> list[torch.Tensor]:
+    """The buffers a training forward of ``block`` updates: BatchNorm's (any module with
+    ``track_running_stats``; in train mode, unless ``training`` is None) running mean,
+    variance and batch count."""
+    return [
+        b
+        for m in block.modules()
+        if getattr(m, "track_running_stats", False) and (training is None or m.training)
+        for b in m.buffers(recurse=False)
+    ]
+
+
+@contextlib.contextmanager
+def _stats_kept(block: nn.Module, inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    """The recomputation's context: ``block``'s running statistics as the forward left them
+    (the recomputation is a second forward, which would update them a second time: a run
+    with checkpointing would evaluate with other statistics than one without). Read when
+    the recomputation starts, so a BatchNorm converted to SyncBatchNorm after wrapping is
+    the one kept."""
+    kept = [(b, b.detach().clone()) for b in _running_stats(block)]
+    try:
+        with inner:
+            yield
+    finally:
+        with torch.no_grad():
+            for b, value in kept:
+                b.copy_(value)
+
+
+def _stats_kept_contexts(block: nn.Module, context_fn) -> tuple[Any, Any]:
+    """``checkpoint``'s (forward, recompute) contexts: the mode's (selective's policy), the
+    recomputation's with ``block``'s running statistics kept."""
+    forward, recompute = context_fn() if context_fn is not None else (contextlib.nullcontext(),) * 2
+    return forward, _stats_kept(block, recompute)
 
 
 @functools.cache

@@ -185,15 +185,27 @@ def buffer_sync_kwargs(sync: bool, accepted: frozenset[str]) -> dict:
     return {"broadcast_buffers": False}
 
 
-def convert_batchnorm(model: nn.Module, cfg: DistributedConfig) -> nn.Module:
-    """BatchNorm → SyncBatchNorm when asked (GPU only: PyTorch has no CPU SyncBatchNorm)."""
-    if cfg.sync_batchnorm:
+def sync_batchnorm(setting: bool | str, device_type: str, world_size: int) -> bool:
+    """Whether BatchNorm layers become SyncBatchNorm: ``distributed.sync_batchnorm`` true, or
+    ``auto`` on several CUDA ranks (PyTorch has no CPU SyncBatchNorm: the launch refuses
+    ``true`` there, ``auto`` leaves BatchNorm plain; one rank has nothing to sync)."""
+    if setting == "auto":
+        return device_type == "cuda" and world_size > 1
+    return bool(setting)
+
+
+def convert_batchnorm(
+    model: nn.Module, cfg: DistributedConfig, device_type: str, world_size: int
+) -> nn.Module:
+    """BatchNorm → SyncBatchNorm where :func:`sync_batchnorm` says so (a model without
+    BatchNorm is left as it is)."""
+    if sync_batchnorm(cfg.sync_batchnorm, device_type, world_size):
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model
 
 
 def wrap(model: nn.Module, cfg: DistributedConfig, d: Dist) -> DDP:
-    model = convert_batchnorm(model, cfg)
+    model = convert_batchnorm(model, cfg, d.device.type, d.world_size)
     device_ids = [d.device.index] if d.device.type == "cuda" else None
     kwargs = ddp_kwargs(cfg)
     with warnings.catch_warnings():

@@ -31,7 +31,7 @@ BUILTIN: dict[str, tuple[str, type]] = {
 }
 
 # Built-in tasks that name their blocks (``blocks``) for activation checkpointing.
-WITH_BLOCKS = frozenset({"transformer", "lm", "moe"})
+WITH_BLOCKS = frozenset({"transformer", "lm", "moe", "autoencoder3d"})
 
 
 def is_import_path(kind: str) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..schema import KeyProblem, opt
-from . import text_data
+from . import text_data, volume_files
 
 
 def heads_divide(d_model: int, n_heads: int, width: str = "d_model") -> None:
@@ -66,11 +66,51 @@ class Autoencoder3DConfig:
         True,
         "each eval writes the fullest slice of one held-out volume as a labelled PNG (task/)",
     )
-    data_seed: int = opt(1234, "seed of the synthetic data set (the same on every rank)")
+    data_seed: int = opt(
+        1234,
+        "seed of the synthetic data set, and of data_dir's held-out split and eval noise "
+        "(the same on every rank)",
+    )
+    data_dir: str = opt(
+        "",
+        "a directory of volumes to train on: .npy (D, H, W) or (C, D, H, W); .nii/.nii.gz "
+        "with the volumes extra; empty: synthetic ellipsoids (size, max_ellipsoids, "
+        "train_samples and eval_samples are theirs)",
+    )
+    eval_fraction: float = opt(
+        0.1,
+        "data_dir: the share of its volumes held out for eval, at least one (chosen by "
+        "data_seed; 0: no eval)",
+        min=0.0,
+        max=0.5,
+    )
+    normalize: Literal["minmax", "zscore", "none"] = opt(
+        "minmax",
+        "data_dir: each volume's values, per channel: minmax to [0, 1] (PSNR's peak), zscore "
+        "to mean 0 and std 1, or none (the synthetic volumes are in [0, 1] already)",
+    )
+    flip: bool = opt(
+        False,
+        "augmentation: each training volume (input and target alike) flipped along each "
+        "spatial axis with probability 1/2; eval volumes never",
+    )
 
     def __post_init__(self) -> None:
         if self.size % 4:
             raise ValueError(f"task.size: must be a multiple of 4 (got {self.size})")
+
+    def volumes(self, cwd: str | None = None) -> volume_files.Volumes | None:
+        """``data_dir`` judged and split (volume_files.py), None without one."""
+        if not self.data_dir:
+            return None
+        return volume_files.scan(self.data_dir, self.eval_fraction, self.data_seed, cwd)
+
+    def train_size(self, cwd: str | None = None) -> int:
+        """The training volumes: ``data_dir``'s, judged in ``cwd`` (the run's launch
+        directory) from the files' headers, KeyProblem for what the ranks could not read;
+        else the synthetic ``train_samples``."""
+        found = self.volumes(cwd)
+        return self.train_samples if found is None else len(found.train)
 
 
 @dataclass
