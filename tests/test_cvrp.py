@@ -7,8 +7,10 @@ bit for bit."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import events_of, set_args
@@ -19,12 +21,21 @@ from gpu_console.profile import load_profile
 from gpu_console.tasks.cvrp import (
     CVRPModel,
     Routes,
+    best_of_samples,
     instances,
     nearest_neighbour,
     nearest_neighbour_routes,
     one_sided_p,
     seeded,
     student_t_cdf,
+)
+from gpu_console.tasks.cvrp_solvers import (
+    check_tour,
+    clarke_wright,
+    clarke_wright_lengths,
+    distances,
+    routes_of,
+    tour_length,
 )
 
 
@@ -97,6 +108,94 @@ def test_a_tours_log_probability_is_how_often_the_policy_samples_it():
         assert abs(tours.count(tour) / 4000 - p) < 4 * sigma + 1e-3, (tour, p)
 
 
+def test_clarke_wright_on_a_hand_checked_line():
+    """Customers at 1, 2 and 3 on a line from the depot, demand 1 each. Savings: s(2,3) = 4,
+    s(1,2) = s(1,3) = 2. A capacity of 9 joins them all (out and back: 6); a capacity of 2
+    joins 2 and 3 first, and 1 then fits nowhere: 2 + 6 = 8."""
+    coords = np.array([[0.0, 0.0], [1.0, 0.0], [2.0, 0.0], [3.0, 0.0]])
+    demand = np.array([0.0, 1.0, 1.0, 1.0])
+    roomy = clarke_wright(coords, demand, 9.0)
+    assert len(roomy) == 1 and tour_length(coords, roomy) == pytest.approx(6.0)
+    tight = clarke_wright(coords, demand, 2.0)
+    assert sorted(map(sorted, tight)) == [[1], [2, 3]]
+    assert tour_length(coords, tight) == pytest.approx(8.0)
+
+
+def brute_force(coords: np.ndarray, demand: np.ndarray, capacity: float) -> float:
+    """The optimum: every order of the customers, each cut into routes at the best places
+    (the order's shortest split, by dynamic programming)."""
+    dist = distances(coords)
+    n = len(coords) - 1
+    best = math.inf
+    for order in itertools.permutations(range(1, n + 1)):
+        cost = [0.0] + [math.inf] * n  # cost[k]: the first k customers of the order served
+        for start in range(n):
+            load, inner = 0.0, 0.0
+            for end in range(start, n):
+                load += demand[order[end]]
+                if load > capacity:
+                    break
+                if end > start:
+                    inner += dist[order[end - 1], order[end]]
+                route = dist[0, order[start]] + inner + dist[order[end], 0]
+                cost[end + 1] = min(cost[end + 1], cost[start] + route)
+        best = min(best, cost[n])
+    return best
+
+
+def test_clarke_wright_is_feasible_and_near_the_brute_force_optimum():
+    """40 instances of 6 customers at capacities from tight (the largest demand, 9) to roomy:
+    every Clarke-Wright tour serves each customer once within capacity, never beats the
+    optimum, and stays within 25 % of it (the savings heuristic's usual few per cent)."""
+    coords, demand = instances(40, 6, seeded(11, "cpu"))
+    ratios = []
+    for i, (xy, d) in enumerate(zip(coords.double().numpy(), demand.numpy(), strict=True)):
+        capacity = [9.0, 12.0, 20.0, 60.0][i % 4]
+        tour = clarke_wright(xy, d, capacity)
+        check_tour(d, capacity, tour)
+        optimum = brute_force(xy, d, capacity)
+        assert tour_length(xy, tour) >= optimum - 1e-9
+        ratios.append(tour_length(xy, tour) / optimum)
+    assert max(ratios) < 1.25, ratios
+    assert sum(ratios) / len(ratios) < 1.08, ratios
+
+
+def test_clarke_wright_tours_of_the_eval_instances_are_feasible():
+    coords, demand = instances(200, 20, seeded(1234, "cpu"))
+    for capacity in (9.0, 30.0):  # the largest demand alone, and cvrp20's
+        lengths = clarke_wright_lengths(coords.numpy(), demand.numpy(), capacity)
+        for xy, d, length in zip(coords.double().numpy(), demand.numpy(), lengths, strict=True):
+            tour = clarke_wright(xy, d, capacity)
+            check_tour(d, capacity, tour)
+            assert tour_length(xy, tour) == pytest.approx(length)
+    with pytest.raises(ValueError, match="serves"):
+        check_tour(np.array([0.0, 1.0, 1.0]), 9.0, [[1], [1]])
+    with pytest.raises(ValueError, match="carries"):
+        check_tour(np.array([0.0, 5.0, 5.0]), 9.0, [[1, 2]])
+
+
+def test_the_best_of_sampled_tours_is_feasible_the_shortest_drawn_and_seeded():
+    cfg = load_profile("cvrp20", ["task.embed_dim=16", "task.n_heads=2", "task.ff_dim=32"]).task
+    coords, demand = instances(12, 20, seeded(3, "cpu"))
+    torch.manual_seed(0)
+    model = CVRPModel(cfg).eval()
+    with torch.no_grad():
+        drawn, _ = model.drive(coords, demand, samples=8, generator=seeded(5, "cpu"))
+    every = drawn.length.view(12, 8)
+    best, path = best_of_samples(model, coords, demand, 8, seeded(5, "cpu"), max_rows=10_000)
+    assert torch.equal(best, every.min(1).values)  # one chunk: the same draws, their minimum
+    again, _ = best_of_samples(model, coords, demand, 8, seeded(5, "cpu"), max_rows=10_000)
+    assert torch.equal(again, best)
+    # In chunks of 2 samples (24 rows): other draws, each tour still feasible and as long as
+    # its moves.
+    chunked, moves = best_of_samples(model, coords, demand, 8, seeded(5, "cpu"), max_rows=24)
+    for lengths, steps in ((best, path), (chunked, moves)):
+        replayed = replay(coords, demand, 30.0, list(steps.T))
+        assert torch.allclose(replayed, lengths, atol=1e-4)
+        for i in range(12):
+            check_tour(demand[i].numpy(), 30.0, routes_of(steps[i].tolist()))
+
+
 @pytest.mark.parametrize(("t", "df", "expected"), [
     (-1.0, 1, 0.25),  # Cauchy: exactly a quarter
     (-1.0, 2, 0.5 - 1 / (2 * math.sqrt(3))),  # closed form for two degrees of freedom
@@ -161,15 +260,25 @@ def test_cvrp_learns_tests_its_baseline_resumes_exactly_and_exports(procs, tmp_p
 
     evals = events_of(run, "eval")
     assert [e["step"] for e in evals] == [20, 40]
+    coords, demand = instances(64, 10, seeded(1234, "cpu"))  # the eval's, as build_datasets
+    cw = float(clarke_wright_lengths(coords.numpy(), demand.numpy(), 20.0).mean())
     for e in evals:
         assert e["gap_pct"] == pytest.approx(100 * (e["loss"] / e["nn"] - 1))
+        assert e["greedy"] == pytest.approx(e["loss"])
+        assert e["cw"] == pytest.approx(cw)
+        assert e["sampled"] <= e["greedy"]  # the shortest of 16 samples and the greedy tour
+        for name in ("greedy", "sampled", "nn"):
+            assert e[f"{name}_gap_cw_pct"] == pytest.approx(100 * (e[name] / e["cw"] - 1))
     assert evals[0]["nn"] == evals[1]["nn"]  # the same fixed instances
+    assert evals[-1]["sampled"] < evals[0]["sampled"]
 
     stop = 20  # an epoch's end and an eval's step
     cut = cut_and_resumed(tmp_path, "cvrp20", *small_sets(), cut_at=stop)
     resumed = {e["step"]: e["loss"] for e in events_of(cut, "step") if e["step"] > stop}
     assert resumed == {s: loss for s, loss in losses.items() if s > stop}
-    assert [e["loss"] for e in events_of(cut, "eval")][-1] == evals[-1]["loss"]
+    figures = [{k: v for k, v in e.items() if k != "t"} for e in (events_of(cut, "eval")[-1],
+                                                                  evals[-1])]  # fmt: skip
+    assert figures[0] == figures[1]  # greedy, sampled, cw, every gap: the same eval
 
     out = tmp_path / "weights.pt"
     exported = procs.cli("export", str(run), "--out", str(out), "--runs-dir", str(whole_dir))

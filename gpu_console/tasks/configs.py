@@ -206,6 +206,18 @@ class CVRPConfig:
         0.8, "decay of the moving-average baseline used during the first epoch", min=0.0, max=1.0
     )
     eval_instances: int = opt(1024, "fixed held-out instances of the eval (0: no eval)", min=0)
+    eval_sampled_tours: int = opt(
+        16,
+        "tours sampled per eval instance; the eval's `sampled` is the shortest of them and the "
+        "greedy tour (0: no sampling; the paper samples 1280 at test time)",
+        min=0,
+    )
+    eval_tours_at_once: int = opt(
+        32768,
+        "at most this many sampled tours driven at once by the eval (instances × samples, "
+        "in chunks of samples)",
+        min=1,
+    )
     data_seed: int = opt(
         1234, "seed of every instance (a training batch's also by its step and first sample)"
     )

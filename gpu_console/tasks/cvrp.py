@@ -40,6 +40,7 @@ from torch import nn
 
 from .base import TaskOutput, TensorSet, at_least_fp32, unwrap
 from .configs import CVRP_CAPACITY, CVRPConfig
+from .cvrp_solvers import clarke_wright_lengths
 
 if TYPE_CHECKING:
     from ..engine.context import TaskContext
@@ -303,11 +304,22 @@ class CVRPModel(nn.Module):
         return routes.length, log_p
 
     def drive(
-        self, coords: torch.Tensor, demand: torch.Tensor, greedy: bool = False
+        self,
+        coords: torch.Tensor,
+        demand: torch.Tensor,
+        greedy: bool = False,
+        samples: int = 1,
+        generator: torch.Generator | None = None,
     ) -> tuple[Routes, torch.Tensor]:
-        """The tours (sampled, or each move the likeliest) and each one's log-probability."""
+        """The tours (sampled, or each move the likeliest) and each one's log-probability.
+        ``samples`` > 1: that many tours of each instance, the instance's rows next to each
+        other (row ``i * samples + k``), from one encoding of it; ``generator``: the
+        sampling's random stream (else torch's global one)."""
         dist = torch.cdist(coords, coords)  # once per tour: the encoder's and dgt's bias
         fixed = self.fixed(self.encode(coords, demand, dist))
+        if samples > 1:
+            fixed = tuple(t.repeat_interleave(samples, 0) for t in fixed)
+            coords, demand, dist = (t.repeat_interleave(samples, 0) for t in (coords, demand, dist))
         routes = Routes(coords, demand, self.capacity)
         dtype = torch.promote_types(torch.float32, coords.dtype)  # fp64 stays fp64
         log_p = torch.zeros(len(coords), dtype=dtype, device=coords.device)
@@ -316,7 +328,7 @@ class CVRPModel(nn.Module):
             if bool(done.all()):
                 break
             step_log_p = self.point(fixed, routes, dist)
-            to = step_log_p.argmax(-1) if greedy else sample(step_log_p)
+            to = step_log_p.argmax(-1) if greedy else sample(step_log_p, generator)
             taken = step_log_p.gather(1, to[:, None])[:, 0]
             log_p = log_p + torch.where(done, 0.0, taken)
             routes.move(to)
@@ -328,8 +340,42 @@ def dtype_of(model: nn.Module) -> torch.dtype:
     return next(unwrap(model).parameters()).dtype
 
 
-def sample(log_p: torch.Tensor) -> torch.Tensor:
-    return torch.multinomial(log_p.exp(), 1)[:, 0]
+def sample(log_p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    return torch.multinomial(log_p.exp(), 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def best_of_samples(
+    model: CVRPModel,
+    coords: torch.Tensor,
+    demand: torch.Tensor,
+    samples: int,
+    generator: torch.Generator,
+    max_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per instance, the shortest of ``samples`` sampled tours: (lengths (batch,), moves
+    (batch, moves), the depot 0 padding a tour that ended early). Driven in chunks of at most
+    ``max_rows`` tours (at least one sample of each instance per chunk), each chunk encoding
+    the instances once."""
+    batch = len(coords)
+    per_chunk = max(1, min(samples, max_rows // max(batch, 1)))
+    best = torch.full((batch,), math.inf, dtype=coords.dtype, device=coords.device)
+    best_path = torch.zeros(batch, 0, dtype=torch.long, device=coords.device)
+    done = 0
+    while done < samples:
+        k = min(per_chunk, samples - done)
+        routes, _ = model.drive(coords, demand, samples=k, generator=generator)
+        lengths = routes.length.view(batch, k)
+        path = torch.stack(routes.path, 1).view(batch, k, -1)
+        shortest, which = lengths.min(1)
+        chosen = path[torch.arange(batch, device=coords.device), which]
+        width = max(best_path.shape[1], chosen.shape[1])
+        best_path, chosen = (F.pad(t, (0, width - t.shape[1])) for t in (best_path, chosen))
+        better = shortest < best
+        best = torch.where(better, shortest, best)
+        best_path = torch.where(better[:, None], chosen, best_path)
+        done += k
+    return best, best_path
 
 
 class CVRPTask:
@@ -343,6 +389,7 @@ class CVRPTask:
         self.ema: torch.Tensor | None = None
         self.epochs_done = 0
         self.replacements = 0
+        self.cw_cache: dict[int, float] = {}  # eval instance → its Clarke-Wright length
 
     def build_model(self) -> nn.Module:
         model = CVRPModel(self.cfg)
@@ -355,16 +402,12 @@ class CVRPTask:
         if not c.eval_instances:
             return train, None
         coords, demand = instances(c.eval_instances, c.num_customers, seeded(c.data_seed, "cpu"))
-        return train, TensorSet(coords, demand)
+        # Each instance's index rides along: its Clarke-Wright length is cached by it.
+        return train, TensorSet(coords, demand, torch.arange(len(coords)))
 
     def compute(self, model: nn.Module, batch) -> TaskOutput:
-        if len(batch) == 2:  # the eval's fixed instances
-            coords, demand = (t.to(dtype_of(model)) for t in batch)
-            length, _ = model(coords, demand, greedy=True)
-            nn_length = nearest_neighbour(coords, demand, self.capacity)
-            return TaskOutput(
-                loss=length.mean(), samples=len(coords), metrics={"nn": nn_length.mean()}
-            )
+        if len(batch) == 3:  # the eval's fixed instances and their indices
+            return self.evaluate(model, *batch)
         (indices,) = batch
         coords, demand = self.training_instances(indices, model)
         length, log_p = model(coords, demand)
@@ -374,6 +417,54 @@ class CVRPTask:
         # The value shown is the mean tour length; the gradient is REINFORCE's.
         loss = reinforce - reinforce.detach() + length.mean().detach()
         return TaskOutput(loss=loss, samples=len(indices), metrics={"baseline": baseline.mean()})
+
+    @torch.no_grad()
+    def evaluate(
+        self, model: nn.Module, coords: torch.Tensor, demand: torch.Tensor, index: torch.Tensor
+    ) -> TaskOutput:
+        """The eval batch's mean tour lengths: greedy (the loss, and ``greedy``), the shortest
+        of the greedy tour and ``eval_sampled_tours`` sampled ones (``sampled``), nearest neighbour
+        (``nn``) and Clarke-Wright savings (``cw``)."""
+        cw = self.clarke_wright_of(coords, demand, index)
+        coords, demand = coords.to(dtype_of(model)), demand.to(dtype_of(model))
+        policy = unwrap(model)
+        assert isinstance(policy, CVRPModel)
+        length = policy.drive(coords, demand, greedy=True)[0].length
+        metrics = {
+            "greedy": length.mean(),
+            "nn": nearest_neighbour(coords, demand, self.capacity).mean(),
+            "cw": cw.mean(),
+        }
+        if self.cfg.eval_sampled_tours:
+            sampled, _ = best_of_samples(
+                policy, coords, demand, self.cfg.eval_sampled_tours,
+                self.eval_generator(index, coords.device), self.cfg.eval_tours_at_once,
+            )  # fmt: skip
+            metrics["sampled"] = torch.minimum(sampled, length).mean()
+        return TaskOutput(loss=length.mean(), samples=len(coords), metrics=metrics)
+
+    def eval_generator(self, index: torch.Tensor, device: torch.device) -> torch.Generator:
+        """The sampled eval's random stream for a batch: a function of the data seed and the
+        batch's first instance, so every eval of a run, and of its resume, samples the same
+        tours with the same policy."""
+        return seeded((self.cfg.data_seed * 1_000_003 + 7) * 1_000_033 + int(index[0]), device)
+
+    def clarke_wright_of(
+        self, coords: torch.Tensor, demand: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        """The savings heuristic's tour length of each eval instance, computed at the first
+        eval that meets it (on the CPU, in float64) and kept for the run's later ones."""
+        missing = [i for i, k in enumerate(index.tolist()) if k not in self.cw_cache]
+        if missing:
+            rows = torch.tensor(missing)
+            found = clarke_wright_lengths(
+                coords[rows].double().cpu().numpy(), demand[rows].double().cpu().numpy(),
+                self.capacity,
+            )  # fmt: skip
+            for i, value in zip(missing, found.tolist(), strict=True):
+                self.cw_cache[int(index[i])] = value
+        lengths = [self.cw_cache[k] for k in index.tolist()]
+        return torch.tensor(lengths, dtype=torch.float64, device=coords.device)
 
     def training_instances(self, indices: torch.Tensor, model: nn.Module):
         """The batch's instances, a function of the data seed, the step and the batch's first
@@ -446,7 +537,14 @@ class CVRPTask:
             ctx.log(message)
 
     def on_eval_end(self, model: nn.Module, metrics, ctx) -> dict[str, float]:
-        return {"gap_pct": 100.0 * (metrics["loss"] / metrics["nn"] - 1.0)}
+        """The gaps in percent, each a ratio of mean lengths: the greedy tour's to nearest
+        neighbour's (``gap_pct``), and each tour's to Clarke-Wright's (``*_gap_cw_pct``;
+        negative: shorter than the savings heuristic's)."""
+        gaps = {"gap_pct": 100.0 * (metrics["loss"] / metrics["nn"] - 1.0)}
+        for name in ("greedy", "sampled", "nn"):
+            if name in metrics:
+                gaps[f"{name}_gap_cw_pct"] = 100.0 * (metrics[name] / metrics["cw"] - 1.0)
+        return gaps
 
     def state_dict(self) -> dict:
         assert self.baseline is not None  # build_model made it
