@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import events_of, set_args
+from conftest import events_of, set_args, without_packages
 from harness import cut_and_resumed, run_engine
 from headless_text import headless_text
 
@@ -309,5 +309,123 @@ def test_fsdp_is_refused_at_launch_in_one_line(procs, tmp_path):
         "gpu-console: --set: distributed.strategy: the cvrp task's rollout baseline is a whole "
         "copy of the policy, replaced at an epoch's end: not with a sharded policy; use ddp "
         "(got 'fsdp')"
+    ], result.stderr
+    assert not runs.exists() or not any(runs.iterdir())
+
+
+# -- eval instances from files (task.eval_file) ------------------------------------------------
+
+
+def test_the_built_in_eval_set_round_trips_through_vrplib_files(tmp_path):
+    pytest.importorskip("vrplib")
+    from gpu_console.tasks.cvrp_files import load, main
+
+    sets = ["task.eval_instances=5", "task.num_customers=10"]
+    assert main(["write-eval", "cvrp20", str(tmp_path / "vrp"), *sets]) == 0
+    assert sorted(p.name for p in (tmp_path / "vrp").iterdir())[0] == "eval-0000.vrp"
+    coords, demand = instances(5, 10, seeded(1234, "cpu"))
+    read = load(str(tmp_path / "vrp"), 20.0)
+    assert np.array_equal(read[0], coords.double().numpy())  # float32's values, exactly
+    assert np.array_equal(read[1], demand.double().numpy())
+    one = load(str(tmp_path / "vrp" / "eval-0003.vrp"), 20.0)
+    assert np.array_equal(one[0], read[0][3:4]) and np.array_equal(one[1], read[1][3:4])
+    # The same instances at another capacity: demands out of the model's.
+    assert np.array_equal(load(str(tmp_path / "vrp"), 40.0)[1], 2 * read[1])
+
+
+def test_a_vrplib_instance_is_put_in_the_unit_square_and_out_of_the_tasks_capacity(tmp_path):
+    """A hand-written instance in VRPLIB's usual integer grid, the depot listed second and a
+    capacity of 100: the depot becomes node 0, the coordinates shift to 0 and shrink by the
+    larger extent (x: 40), the demands scale to the task's capacity of 30."""
+    pytest.importorskip("vrplib")
+    from gpu_console.tasks.cvrp_files import load
+
+    (tmp_path / "hand.vrp").write_text(
+        "NAME: hand\nTYPE: CVRP\nDIMENSION: 3\nEDGE_WEIGHT_TYPE: EUC_2D\nCAPACITY: 100\n"
+        "NODE_COORD_SECTION\n1 50 20\n2 10 10\n3 30 30\n"
+        "DEMAND_SECTION\n1 50\n2 0\n3 20\nDEPOT_SECTION\n2\n-1\nEOF\n"
+    )
+    coords, demand = load(str(tmp_path / "hand.vrp"), 30.0)
+    assert coords.tolist() == [[[0.0, 0.0], [1.0, 0.25], [0.5, 0.5]]]
+    assert demand.tolist() == [[0.0, 15.0, 6.0]]
+
+
+def test_saved_arrays_are_read_from_npz_and_pt_files(tmp_path):
+    from gpu_console.tasks.cvrp_files import load
+
+    coords, demand = instances(3, 6, seeded(2, "cpu"))
+    np.savez(tmp_path / "set.npz", coords=coords.numpy(), demand=demand.numpy(), capacity=15)
+    torch.save({"coords": coords, "demand": demand}, tmp_path / "set.pt")
+    from_npz, from_pt = load(str(tmp_path / "set.npz"), 30.0), load(str(tmp_path / "set.pt"), 30.0)
+    assert np.array_equal(from_npz[0], coords.double().numpy())
+    assert np.array_equal(from_npz[1], 2 * demand.double().numpy())  # out of 15, now of 30
+    assert np.array_equal(from_pt[0], from_npz[0])
+    assert np.array_equal(from_pt[1], demand.double().numpy())  # task.capacity's own
+
+
+def test_the_eval_runs_on_a_file_of_instances(tmp_path):
+    """The built-in instances written as VRPLIB files and evaluated from them: the eval's
+    Clarke-Wright figure is the one of those instances."""
+    pytest.importorskip("vrplib")
+    from gpu_console.tasks.cvrp_files import write_eval
+
+    write_eval("cvrp20", str(tmp_path / "vrp"), ["task.num_customers=10", "task.eval_instances=6"])
+    sets = small_sets(f"task.eval_file={tmp_path / 'vrp'}", "train.max_steps=2",
+                      "train.eval_every=2", "task.eval_sampled_tours=4")  # fmt: skip
+    run = run_engine(tmp_path, "cvrp20", *sets, ranks=1)
+    (e,) = events_of(run, "eval")
+    coords, demand = instances(6, 10, seeded(1234, "cpu"))
+    cw = clarke_wright_lengths(coords.numpy(), demand.numpy(), 20.0)
+    assert e["cw"] == pytest.approx(float(cw.mean()))
+    assert e["sampled"] <= e["greedy"]
+
+
+def cvrp_profile(tmp_path, eval_file: str) -> str:
+    """A cvrp profile file naming ``eval_file``."""
+    path = tmp_path / "routing.toml"
+    path.write_text(
+        '[profile]\nname = "routing"\n[task]\nkind = "cvrp"\nnum_customers = 10\n'
+        f"eval_file = {eval_file!r}\n[train]\nmax_steps = 2\n"
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        ("none.vrp", None, "no such file or directory"),
+        ("garbage.vrp", "NAME: x\nCAPACITY: 5\nNODE_COORD_SECTION\n1 a b\nDEMAND_SECTION\n1 0\n"
+         "DEPOT_SECTION\n1\n-1\nEOF\n", "must be numbers"),
+        ("nodemand.vrp", "NAME: x\nTYPE: CVRP\nDIMENSION: 2\nCAPACITY: 5\n"
+         "NODE_COORD_SECTION\n1 0 0\n2 1 1\nDEPOT_SECTION\n1\n-1\nEOF\n", "no DEMAND_SECTION"),
+        ("set.txt", "hello", "expected a .vrp file"),
+        ("broken.pt", "not a torch file", "is not a torch file of tensors"),
+        ("broken.npz", "not a zip", "is not a numpy .npz file"),
+    ],
+)  # fmt: skip
+def test_a_bad_eval_file_is_refused_at_launch_in_one_line(procs, tmp_path, name, content, says):
+    pytest.importorskip("vrplib")
+    if content is not None:
+        (tmp_path / name).write_text(content)
+    profile = cvrp_profile(tmp_path, str(tmp_path / name))
+    runs = tmp_path / "runs"
+    result = procs.cli("run", profile, "--headless", "--devices", "cpu", "--runs-dir", str(runs))
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"gpu-console: {profile}: task.eval_file: "), line
+    assert says in line and "Traceback" not in result.stdout + result.stderr, line
+    assert not runs.exists() or not any(runs.iterdir())
+
+
+def test_vrplib_files_without_the_vrplib_package_are_refused_in_one_line(procs, tmp_path):
+    (tmp_path / "one.vrp").write_text("NAME: x\nEOF\n")
+    profile = cvrp_profile(tmp_path, str(tmp_path / "one.vrp"))
+    runs = tmp_path / "runs"
+    result = procs.cli("run", profile, "--headless", "--devices", "cpu", "--runs-dir", str(runs),
+                       env=without_packages(tmp_path, "vrplib"))  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"gpu-console: {profile}: task.eval_file: reading VRPLIB files needs the vrplib "
+        f'package: pip install "gpu-console[cvrp]" (got {str(tmp_path / "one.vrp")!r})'
     ], result.stderr
     assert not runs.exists() or not any(runs.iterdir())

@@ -218,6 +218,12 @@ class CVRPConfig:
         "in chunks of samples)",
         min=1,
     )
+    eval_file: str = opt(
+        "",
+        "evaluate on these instances instead of eval_instances random ones: a VRPLIB file "
+        "(.vrp), a directory of them, or saved arrays (.npz, .pt: coords, demand, capacity); "
+        "put in the unit square and out of task.capacity (docs/tasks.md)",
+    )
     data_seed: int = opt(
         1234, "seed of every instance (a training batch's also by its step and first sample)"
     )
@@ -236,7 +242,14 @@ class CVRPConfig:
             )
 
     def train_size(self, cwd: str | None = None) -> int:
-        """An epoch's instances: the training set is their indices (cvrp.py)."""
+        """An epoch's instances: the training set is their indices (cvrp.py). A
+        ``task.eval_file`` is read here first, as the ranks will read it (cvrp_files.py), so
+        a file they could not use is refused before launch (KeyProblem)."""
+        if self.eval_file and self.eval_instances:
+            from . import cvrp_files
+
+            capacity = self.capacity or CVRP_CAPACITY[self.num_customers]
+            cvrp_files.check(self.eval_file, float(capacity), cwd)
         return self.epoch_instances
 
     def launch_problem(self, world: int, profile) -> tuple[str, str, object] | None:

@@ -401,7 +401,14 @@ class CVRPTask:
         train = TensorSet(torch.arange(c.epoch_instances))  # indices: instances are made later
         if not c.eval_instances:
             return train, None
-        coords, demand = instances(c.eval_instances, c.num_customers, seeded(c.data_seed, "cpu"))
+        if c.eval_file:  # in the launch directory, where the ranks run (cvrp_files.py)
+            from .cvrp_files import load
+
+            coords, demand = (torch.from_numpy(a).float() for a in load(c.eval_file, self.capacity))
+        else:
+            coords, demand = instances(
+                c.eval_instances, c.num_customers, seeded(c.data_seed, "cpu")
+            )
         # Each instance's index rides along: its Clarke-Wright length is cached by it.
         return train, TensorSet(coords, demand, torch.arange(len(coords)))
 
