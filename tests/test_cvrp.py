@@ -8,6 +8,7 @@ bit for bit."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import numpy as np
@@ -428,4 +429,59 @@ def test_vrplib_files_without_the_vrplib_package_are_refused_in_one_line(procs, 
         f"gpu-console: {profile}: task.eval_file: reading VRPLIB files needs the vrplib "
         f'package: pip install "gpu-console[cvrp]" (got {str(tmp_path / "one.vrp")!r})'
     ], result.stderr
+    assert not runs.exists() or not any(runs.iterdir())
+
+
+# -- PyVRP's reference (task.pyvrp_seconds) ----------------------------------------------------
+
+
+def test_pyvrp_tours_are_feasible_and_no_longer_than_clarke_wrights():
+    pytest.importorskip("pyvrp")
+    from gpu_console.tasks.cvrp_solvers import pyvrp_tour
+
+    coords, demand = instances(4, 12, seeded(8, "cpu"))
+    for xy, d in zip(coords.double().numpy(), demand.numpy(), strict=True):
+        tour = pyvrp_tour(xy, d, 20.0, 0.05)
+        check_tour(d, 20.0, tour)
+        assert tour_length(xy, tour) <= tour_length(xy, clarke_wright(xy, d, 20.0)) + 1e-9
+
+
+def test_the_eval_holds_pyvrps_lengths_cached_on_disk(tmp_path, monkeypatch):
+    """The eval's ``pyvrp`` is PyVRP's mean length, kept per instance under the cache
+    directory; a second run on the same instances reads it from there (a length changed in
+    the cache shows in its eval)."""
+    pytest.importorskip("pyvrp")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    sets = small_sets("task.eval_instances=6", "task.pyvrp_seconds=0.05", "train.max_steps=2",
+                      "train.eval_every=2", "task.eval_sampled_tours=4")  # fmt: skip
+    (e,) = events_of(
+        run_engine(tmp_path, "cvrp20", *sets, ranks=1, runs_dir=tmp_path / "one"), "eval"
+    )
+    (cached,) = (tmp_path / "cache" / "gpu-console" / "cvrp-pyvrp").iterdir()
+    assert cached.name.endswith("-0.05s")
+    files = sorted(cached.glob("*.json"), key=lambda p: int(p.stem))
+    assert [p.stem for p in files] == [str(i) for i in range(6)]
+    lengths = [json.loads(p.read_text())["length"] for p in files]
+    assert e["pyvrp"] == pytest.approx(sum(lengths) / 6)
+    assert e["pyvrp"] <= e["cw"]
+    for name in ("greedy", "sampled", "cw"):
+        assert e[f"{name}_gap_pyvrp_pct"] == pytest.approx(100 * (e[name] / e["pyvrp"] - 1))
+    files[0].write_text(json.dumps({"length": lengths[0] + 6.0}))
+    (again,) = events_of(
+        run_engine(tmp_path, "cvrp20", *sets, ranks=1, runs_dir=tmp_path / "two"), "eval"
+    )
+    assert again["pyvrp"] == pytest.approx(e["pyvrp"] + 1.0)  # 6.0 over 6 instances
+
+
+def test_pyvrp_seconds_without_the_pyvrp_package_is_refused_in_one_line(procs, tmp_path):
+    runs = tmp_path / "runs"
+    args = ["--devices", "cpu", "--set", "task.pyvrp_seconds=0.1", "--runs-dir", str(runs)]
+    result = procs.cli("run", "cvrp20", "--headless", *args,
+                       env=without_packages(tmp_path, "pyvrp"))  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert (
+        line.startswith("gpu-console: ") and "task.pyvrp_seconds: needs the pyvrp package" in line
+    )
+    assert 'pip install "gpu-console[cvrp]"' in line, line
     assert not runs.exists() or not any(runs.iterdir())

@@ -218,6 +218,12 @@ class CVRPConfig:
         "in chunks of samples)",
         min=1,
     )
+    pyvrp_seconds: float = opt(
+        0.0,
+        "PyVRP's time limit per eval instance: its tour lengths (`pyvrp`) and the gaps to "
+        "them, cached on disk per instance set (0: none; needs gpu-console[cvrp])",
+        min=0.0,
+    )
     eval_file: str = opt(
         "",
         "evaluate on these instances instead of eval_instances random ones: a VRPLIB file "
@@ -235,6 +241,10 @@ class CVRPConfig:
             raise ValueError(
                 f"task.capacity: give one for num_customers={self.num_customers} "
                 f"(the paper's: {sizes})"
+            )
+        if self.pyvrp_seconds and not installed("pyvrp"):
+            raise ValueError(
+                'task.pyvrp_seconds: needs the pyvrp package: pip install "gpu-console[cvrp]"'
             )
         if self.capacity and self.capacity < 9:
             raise ValueError(

@@ -31,7 +31,11 @@ Written against the public task contract (tasks/base.py), as a user's task would
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import math
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,7 +44,7 @@ from torch import nn
 
 from .base import TaskOutput, TensorSet, at_least_fp32, unwrap
 from .configs import CVRP_CAPACITY, CVRPConfig
-from .cvrp_solvers import clarke_wright_lengths
+from .cvrp_solvers import check_tour, clarke_wright_lengths, pyvrp_tour, tour_length
 
 if TYPE_CHECKING:
     from ..engine.context import TaskContext
@@ -335,6 +339,24 @@ class CVRPModel(nn.Module):
         return routes, log_p
 
 
+def instance_set_id(coords: torch.Tensor, demand: torch.Tensor, capacity: float) -> str:
+    """A digest of a set of instances: the name of its PyVRP cache."""
+    digest = hashlib.sha256()
+    for t in (coords, demand):
+        digest.update(str((t.dtype, tuple(t.shape))).encode())
+        digest.update(t.contiguous().cpu().numpy().tobytes())
+    digest.update(repr(float(capacity)).encode())
+    return digest.hexdigest()[:16]
+
+
+def pyvrp_cache() -> Path:
+    """Where PyVRP's eval solutions are kept: ``$XDG_CACHE_HOME/gpu-console/cvrp-pyvrp``
+    (``~/.cache/gpu-console/cvrp-pyvrp``, beside the compile cache); under it one directory
+    per instance set and time limit, one JSON file (length, routes) per instance."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "gpu-console" / "cvrp-pyvrp"
+
+
 def dtype_of(model: nn.Module) -> torch.dtype:
     """The policy's dtype (fp64 under train.precision = "fp64"): what its instances take."""
     return next(unwrap(model).parameters()).dtype
@@ -390,6 +412,8 @@ class CVRPTask:
         self.epochs_done = 0
         self.replacements = 0
         self.cw_cache: dict[int, float] = {}  # eval instance → its Clarke-Wright length
+        self.pyvrp_cache: dict[int, float] = {}  # eval instance → its PyVRP length
+        self.eval_set = ""  # the eval instances' digest (instance_set_id)
 
     def build_model(self) -> nn.Module:
         model = CVRPModel(self.cfg)
@@ -409,7 +433,8 @@ class CVRPTask:
             coords, demand = instances(
                 c.eval_instances, c.num_customers, seeded(c.data_seed, "cpu")
             )
-        # Each instance's index rides along: its Clarke-Wright length is cached by it.
+        self.eval_set = instance_set_id(coords, demand, self.capacity)
+        # Each instance's index rides along: its reference lengths are cached by it.
         return train, TensorSet(coords, demand, torch.arange(len(coords)))
 
     def compute(self, model: nn.Module, batch) -> TaskOutput:
@@ -442,6 +467,8 @@ class CVRPTask:
             "nn": nearest_neighbour(coords, demand, self.capacity).mean(),
             "cw": cw.mean(),
         }
+        if self.cfg.pyvrp_seconds:
+            metrics["pyvrp"] = self.pyvrp_of(coords, demand, index).mean()
         if self.cfg.eval_sampled_tours:
             sampled, _ = best_of_samples(
                 policy, coords, demand, self.cfg.eval_sampled_tours,
@@ -471,6 +498,33 @@ class CVRPTask:
             for i, value in zip(missing, found.tolist(), strict=True):
                 self.cw_cache[int(index[i])] = value
         lengths = [self.cw_cache[k] for k in index.tolist()]
+        return torch.tensor(lengths, dtype=torch.float64, device=coords.device)
+
+    def pyvrp_of(
+        self, coords: torch.Tensor, demand: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        """PyVRP's tour length of each eval instance (``pyvrp_seconds`` each), kept in memory
+        for the run and on disk for every run on the same instances (:func:`pyvrp_cache`)."""
+        seconds = self.cfg.pyvrp_seconds
+        where = pyvrp_cache() / f"{self.eval_set}-{seconds:g}s"
+        for i, k in enumerate(index.tolist()):
+            if k in self.pyvrp_cache:
+                continue
+            saved = where / f"{k}.json"
+            try:
+                self.pyvrp_cache[k] = float(json.loads(saved.read_text())["length"])
+                continue
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # not solved yet (or a torn file): solve it
+            xy, d = coords[i].double().cpu().numpy(), demand[i].double().cpu().numpy()
+            tour = pyvrp_tour(xy, d, self.capacity, seconds)
+            check_tour(d, self.capacity, tour)
+            self.pyvrp_cache[k] = tour_length(xy, tour)
+            where.mkdir(parents=True, exist_ok=True)
+            part = saved.with_name(f".{saved.name}.{os.getpid()}")
+            part.write_text(json.dumps({"length": self.pyvrp_cache[k], "tour": tour}))
+            os.replace(part, saved)  # whole or absent, whichever rank writes it
+        lengths = [self.pyvrp_cache[k] for k in index.tolist()]
         return torch.tensor(lengths, dtype=torch.float64, device=coords.device)
 
     def training_instances(self, indices: torch.Tensor, model: nn.Module):
@@ -551,6 +605,11 @@ class CVRPTask:
         for name in ("greedy", "sampled", "nn"):
             if name in metrics:
                 gaps[f"{name}_gap_cw_pct"] = 100.0 * (metrics[name] / metrics["cw"] - 1.0)
+        if "pyvrp" in metrics:
+            for name in ("greedy", "sampled", "cw"):
+                if name in metrics:
+                    gap = 100.0 * (metrics[name] / metrics["pyvrp"] - 1.0)
+                    gaps[f"{name}_gap_pyvrp_pct"] = gap
         return gaps
 
     def state_dict(self) -> dict:

@@ -1,5 +1,6 @@
 """Reference solutions for the ``cvrp`` task's eval: the Clarke-Wright savings heuristic,
-written here (numpy and plain Python, always available), and the tools to check a tour.
+written here (numpy and plain Python, always available), PyVRP's solver where the optional
+``cvrp`` extra is installed, and the tools to check a tour.
 
 Clarke & Wright (1964), the parallel savings version: every customer starts on a route of its
 own (depot, customer, depot); the saving of serving ``i`` and ``j`` on one route is
@@ -114,3 +115,37 @@ def clarke_wright_lengths(coords: np.ndarray, demand: np.ndarray, capacity: floa
     demand = np.asarray(demand, dtype=np.float64)
     pairs = zip(coords, demand, strict=True)
     return np.array([tour_length(xy, clarke_wright(xy, d, capacity)) for xy, d in pairs])
+
+
+# PyVRP's integer distances: each distance times this, rounded (a micro-unit of the unit
+# square). The tour's length is measured again from its routes, in float64.
+PYVRP_SCALE = 1_000_000
+
+
+def pyvrp_tour(
+    coords: np.ndarray, demand: np.ndarray, capacity: float, seconds: float, seed: int = 0
+) -> Tour:
+    """PyVRP's (hybrid genetic search) best routes for one instance within ``seconds`` of
+    wall time (an optional extra: ``pip install "gpu-console[cvrp]"``). Demands and the
+    capacity go in as integers after multiplying by 1,000 (the generated ones are whole
+    already); ValueError when it finds no feasible solution."""
+    from pyvrp import Model
+    from pyvrp.stop import MaxRuntime
+
+    dist = distances(coords)
+    n = len(dist) - 1
+    model = Model()
+    where = [model.add_location(x=float(x), y=float(y)) for x, y in np.asarray(coords)]
+    model.add_vehicle_type(num_available=max(n, 1), capacity=round(1000 * capacity))
+    model.add_depot(where[0])
+    for place, q in zip(where[1:], np.asarray(demand)[1:], strict=True):
+        model.add_client(place, delivery=round(1000 * float(q)))
+    scaled = np.rint(dist * PYVRP_SCALE).astype(np.int64)
+    for i, frm in enumerate(where):
+        for j, to in enumerate(where):
+            model.add_edge(frm, to, distance=int(scaled[i, j]))
+    result = model.solve(stop=MaxRuntime(seconds), seed=seed, display=False)
+    if not result.is_feasible():
+        raise ValueError("PyVRP found no feasible solution in its time")
+    tour = [[a.idx + 1 for a in route if a.is_client()] for route in result.best.routes()]
+    return [route for route in tour if route]
