@@ -272,6 +272,7 @@ def test_cvrp_learns_tests_its_baseline_resumes_exactly_and_exports(procs, tmp_p
             assert e[f"{name}_gap_cw_pct"] == pytest.approx(100 * (e[name] / e["cw"] - 1))
     assert evals[0]["nn"] == evals[1]["nn"]  # the same fixed instances
     assert evals[-1]["sampled"] < evals[0]["sampled"]
+    drawn_tours_are_written_feasible_and_drawn(run, coords, demand)
 
     stop = 20  # an epoch's end and an eval's step
     cut = cut_and_resumed(tmp_path, "cvrp20", *small_sets(), cut_at=stop)
@@ -287,6 +288,41 @@ def test_cvrp_learns_tests_its_baseline_resumes_exactly_and_exports(procs, tmp_p
     cfg = load_profile("cvrp20", [s for s in small_sets() if s.startswith("task.")]).task
     model = CVRPModel(cfg)
     model.load_state_dict(torch.load(out, weights_only=True))  # plain torch, nothing else
+
+
+def drawn_tours_are_written_feasible_and_drawn(run, coords, demand) -> None:
+    """Each eval wrote the first 4 instances' greedy and Clarke-Wright tours (the two ranks
+    two each), every one feasible and as long as it says; the report draws the latest."""
+    steps = sorted(p.name for p in (run / "task" / "tours").iterdir())
+    assert steps == ["step-00000020", "step-00000040"]
+    files = sorted((run / "task" / "tours" / steps[-1]).glob("*.json"))
+    assert [p.name for p in files] == [f"instance-{k:04d}.json" for k in range(4)]
+    for k, path in enumerate(files):
+        record = json.loads(path.read_text())
+        xy, d = coords[k].double().numpy(), demand[k].numpy()
+        assert np.array_equal(np.array(record["coords"]), xy)
+        for kind in ("greedy", "cw"):
+            tour = record["tours"][kind]
+            check_tour(d, 20.0, tour["routes"])
+            assert tour["length"] == pytest.approx(tour_length(xy, tour["routes"]))
+        assert record["tours"]["cw"]["routes"] == clarke_wright(xy, d, 20.0)
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from gpu_console.results import report
+    from gpu_console.results.plots import figures
+
+    series, telemetry = report.load_series(run)
+    made = {name: (caption, fig) for name, caption, fig in
+            figures(plt, [report.RunData(run, series, telemetry, {}, "")])}  # fmt: skip
+    caption, fig = made["tours"]
+    assert caption.startswith("Tours of eval instances at step 40")
+    axes = fig.get_axes()
+    assert len(axes) == 8
+    assert "the model's greedy tour" in axes[0].get_title()
+    assert "Clarke-Wright savings" in axes[1].get_title()
+    cw = json.loads(files[0].read_text())["tours"]["cw"]
+    assert len(axes[1].get_lines()) == len(cw["routes"]) + 1  # a line per route, the depot
+    for f in made.values():
+        plt.close(f[1])
 
 
 @pytest.mark.parametrize("encoder", ["gt", "dgt"])

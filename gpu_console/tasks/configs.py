@@ -218,6 +218,12 @@ class CVRPConfig:
         "in chunks of samples)",
         min=1,
     )
+    eval_tours_drawn: int = opt(
+        4,
+        "eval instances whose greedy and Clarke-Wright tours each eval writes to "
+        "task/tours/step-N/, which `gpu-console report` draws (0: none)",
+        min=0,
+    )
     pyvrp_seconds: float = opt(
         0.0,
         "PyVRP's time limit per eval instance: its tour lengths (`pyvrp`) and the gaps to "

@@ -44,7 +44,14 @@ from torch import nn
 
 from .base import TaskOutput, TensorSet, at_least_fp32, unwrap
 from .configs import CVRP_CAPACITY, CVRPConfig
-from .cvrp_solvers import check_tour, clarke_wright_lengths, pyvrp_tour, tour_length
+from .cvrp_solvers import (
+    check_tour,
+    clarke_wright,
+    clarke_wright_lengths,
+    pyvrp_tour,
+    routes_of,
+    tour_length,
+)
 
 if TYPE_CHECKING:
     from ..engine.context import TaskContext
@@ -461,7 +468,9 @@ class CVRPTask:
         coords, demand = coords.to(dtype_of(model)), demand.to(dtype_of(model))
         policy = unwrap(model)
         assert isinstance(policy, CVRPModel)
-        length = policy.drive(coords, demand, greedy=True)[0].length
+        greedy = policy.drive(coords, demand, greedy=True)[0]
+        length = greedy.length
+        self.write_tours(coords, demand, index, greedy)
         metrics = {
             "greedy": length.mean(),
             "nn": nearest_neighbour(coords, demand, self.capacity).mean(),
@@ -476,6 +485,39 @@ class CVRPTask:
             )  # fmt: skip
             metrics["sampled"] = torch.minimum(sampled, length).mean()
         return TaskOutput(loss=length.mean(), samples=len(coords), metrics=metrics)
+
+    def write_tours(
+        self, coords: torch.Tensor, demand: torch.Tensor, index: torch.Tensor, greedy: Routes
+    ) -> None:
+        """The first ``eval_tours_drawn`` eval instances' tours, the model's greedy one and
+        Clarke-Wright's, each in ``task/tours/step-N/instance-K.json`` (written by the rank
+        that evaluated it): what ``gpu-console report`` draws."""
+        drawn = [i for i, k in enumerate(index.tolist()) if k < self.cfg.eval_tours_drawn]
+        if not drawn:
+            return
+        where = self.ctx.task_dir / "tours" / f"step-{self.ctx.step:08d}"
+        where.mkdir(parents=True, exist_ok=True)
+        moves = torch.stack(greedy.path, 1).cpu() if greedy.path else None
+        for i in drawn:
+            xy = coords[i].double().cpu().numpy()
+            d = demand[i].double().cpu().numpy()
+            model_tour = routes_of(moves[i].tolist()) if moves is not None else []
+            cw_tour = clarke_wright(xy, d, self.capacity)
+            record = {
+                "instance": int(index[i]),
+                "step": self.ctx.step,
+                "coords": xy.tolist(),
+                "demand": d.tolist(),
+                "capacity": self.capacity,
+                "tours": {
+                    "greedy": {"routes": model_tour, "length": tour_length(xy, model_tour)},
+                    "cw": {"routes": cw_tour, "length": tour_length(xy, cw_tour)},
+                },
+            }
+            path = where / f"instance-{int(index[i]):04d}.json"
+            part = path.with_name(f".{path.name}.{os.getpid()}")
+            part.write_text(json.dumps(record))
+            os.replace(part, path)
 
     def eval_generator(self, index: torch.Tensor, device: torch.device) -> torch.Generator:
         """The sampled eval's random stream for a batch: a function of the data seed and the
