@@ -22,6 +22,7 @@ from gpu_console.profile import load_profile
 from gpu_console.tasks.cvrp import (
     CVRPModel,
     Routes,
+    beam_search,
     best_of_samples,
     instances,
     nearest_neighbour,
@@ -195,6 +196,25 @@ def test_the_best_of_sampled_tours_is_feasible_the_shortest_drawn_and_seeded():
         assert torch.allclose(replayed, lengths, atol=1e-4)
         for i in range(12):
             check_tour(demand[i].numpy(), 30.0, routes_of(steps[i].tolist()))
+
+
+def test_beam_search_tours_are_feasible_and_width_one_is_greedy():
+    cfg = load_profile("cvrp20", ["task.embed_dim=16", "task.n_heads=2", "task.ff_dim=32"]).task
+    coords, demand = instances(12, 20, seeded(6, "cpu"))
+    torch.manual_seed(0)
+    model = CVRPModel(cfg).eval()
+    with torch.no_grad():
+        greedy = model.drive(coords, demand, greedy=True)[0]
+    one, _ = beam_search(model, coords, demand, 1)
+    assert torch.allclose(one, greedy.length)
+    for width in (3, 8):
+        lengths, moves = beam_search(model, coords, demand, width)
+        assert torch.isfinite(lengths).all()
+        replayed = replay(coords, demand, 30.0, list(moves.T))
+        assert torch.allclose(replayed, lengths, atol=1e-4)
+    tiny_coords, tiny_demand = instances(2, 2, seeded(1, "cpu"))  # fewer moves than beams
+    lengths, moves = beam_search(model, tiny_coords, tiny_demand, 8)
+    assert torch.allclose(replay(tiny_coords, tiny_demand, 30.0, list(moves.T)), lengths)
 
 
 @pytest.mark.parametrize(("t", "df", "expected"), [
@@ -489,7 +509,8 @@ def test_the_eval_holds_pyvrps_lengths_cached_on_disk(tmp_path, monkeypatch):
     pytest.importorskip("pyvrp")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     sets = small_sets("task.eval_instances=6", "task.pyvrp_seconds=0.05", "train.max_steps=2",
-                      "train.eval_every=2", "task.eval_sampled_tours=4")  # fmt: skip
+                      "train.eval_every=2", "task.eval_sampled_tours=4",
+                      "task.eval_beam_width=3")  # fmt: skip
     (e,) = events_of(
         run_engine(tmp_path, "cvrp20", *sets, ranks=1, runs_dir=tmp_path / "one"), "eval"
     )
@@ -500,7 +521,7 @@ def test_the_eval_holds_pyvrps_lengths_cached_on_disk(tmp_path, monkeypatch):
     lengths = [json.loads(p.read_text())["length"] for p in files]
     assert e["pyvrp"] == pytest.approx(sum(lengths) / 6)
     assert e["pyvrp"] <= e["cw"]
-    for name in ("greedy", "sampled", "cw"):
+    for name in ("greedy", "sampled", "beam", "cw"):
         assert e[f"{name}_gap_pyvrp_pct"] == pytest.approx(100 * (e[name] / e["pyvrp"] - 1))
     files[0].write_text(json.dumps({"length": lengths[0] + 6.0}))
     (again,) = events_of(

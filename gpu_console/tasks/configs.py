@@ -218,6 +218,12 @@ class CVRPConfig:
         "in chunks of samples)",
         min=1,
     )
+    eval_beam_width: int = opt(
+        0,
+        "beam search at each eval: the shortest of the this many likeliest tours (`beam`, "
+        "and its gaps); 0: none",
+        min=0,
+    )
     eval_tours_drawn: int = opt(
         4,
         "eval instances whose greedy and Clarke-Wright tours each eval writes to "

@@ -364,6 +364,44 @@ def pyvrp_cache() -> Path:
     return Path(xdg) / "gpu-console" / "cvrp-pyvrp"
 
 
+@torch.no_grad()
+def beam_search(
+    model: CVRPModel, coords: torch.Tensor, demand: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per instance, the shortest of the ``width`` likeliest tours a beam search keeps:
+    (lengths (batch,), moves (batch, moves)). The instance is encoded once; each step every
+    kept partial tour is extended by every move the policy allows, and the ``width`` with the
+    highest log-probability go on. Width 1 is the greedy tour."""
+    batch, nodes, _ = coords.shape
+    dist = torch.cdist(coords, coords)
+    fixed = model.fixed(model.encode(coords, demand, dist))
+    fixed = tuple(t.repeat_interleave(width, 0) for t in fixed)
+    coords, demand, dist = (t.repeat_interleave(width, 0) for t in (coords, demand, dist))
+    routes = Routes(coords, demand, model.capacity)
+    dtype = torch.promote_types(torch.float32, coords.dtype)
+    score = torch.full((batch, width), -math.inf, dtype=dtype, device=coords.device)
+    score[:, 0] = 0.0  # one beam to start from; the others fill at the first step
+    first_row = (torch.arange(batch, device=coords.device) * width)[:, None]
+    for _ in range(2 * nodes):
+        if bool(routes.done().all()):
+            break
+        log_p = model.point(fixed, routes, dist).to(dtype)  # a finished tour: 0 to the depot
+        grown = (score[:, :, None] + log_p.view(batch, width, nodes)).view(batch, -1)
+        score, pick = grown.topk(width, dim=1)
+        beam, to = pick // nodes, pick % nodes
+        to = torch.where(torch.isfinite(score), to, 0)  # a beam with no move left stays put
+        rows = (first_row + beam).view(-1)
+        routes.at, routes.load = routes.at[rows], routes.load[rows]
+        routes.served, routes.length = routes.served[rows], routes.length[rows]
+        routes.path = [step[rows] for step in routes.path]
+        routes.move(to.view(-1))
+    finished = (routes.done() & torch.isfinite(score).view(-1)).view(batch, width)
+    lengths = routes.length.view(batch, width).masked_fill(~finished, math.inf)
+    best, which = lengths.min(1)
+    path = torch.stack(routes.path, 1).view(batch, width, -1)
+    return best, path[torch.arange(batch, device=coords.device), which]
+
+
 def dtype_of(model: nn.Module) -> torch.dtype:
     """The policy's dtype (fp64 under train.precision = "fp64"): what its instances take."""
     return next(unwrap(model).parameters()).dtype
@@ -478,6 +516,9 @@ class CVRPTask:
         }
         if self.cfg.pyvrp_seconds:
             metrics["pyvrp"] = self.pyvrp_of(coords, demand, index).mean()
+        if self.cfg.eval_beam_width:
+            beam, _ = beam_search(policy, coords, demand, self.cfg.eval_beam_width)
+            metrics["beam"] = beam.mean()
         if self.cfg.eval_sampled_tours:
             sampled, _ = best_of_samples(
                 policy, coords, demand, self.cfg.eval_sampled_tours,
@@ -644,11 +685,11 @@ class CVRPTask:
         neighbour's (``gap_pct``), and each tour's to Clarke-Wright's (``*_gap_cw_pct``;
         negative: shorter than the savings heuristic's)."""
         gaps = {"gap_pct": 100.0 * (metrics["loss"] / metrics["nn"] - 1.0)}
-        for name in ("greedy", "sampled", "nn"):
+        for name in ("greedy", "sampled", "beam", "nn"):
             if name in metrics:
                 gaps[f"{name}_gap_cw_pct"] = 100.0 * (metrics[name] / metrics["cw"] - 1.0)
         if "pyvrp" in metrics:
-            for name in ("greedy", "sampled", "cw"):
+            for name in ("greedy", "sampled", "beam", "cw"):
                 if name in metrics:
                     gap = 100.0 * (metrics[name] / metrics["pyvrp"] - 1.0)
                     gaps[f"{name}_gap_pyvrp_pct"] = gap
