@@ -22,8 +22,12 @@ is REINFORCE's.
 
 Training instances are made on the rank's device from the run's step and the batch's sample
 indices, so every rank draws its own and a resume draws them again. The eval drives greedily
-over ``eval_instances`` fixed instances: its loss is the mean greedy tour length, beside the
-nearest-neighbour heuristic's (``nn``) on the same instances and the gap to it in percent.
+over ``eval_instances`` fixed instances (or ``eval_file``'s, cvrp_files.py): its loss is the
+mean greedy tour length. Beside it: the shortest of the greedy tour and ``eval_sampled_tours``
+sampled ones (``sampled``), optionally a beam search's (``beam``), and the references on the
+same instances, each computed once per instance and kept: the nearest-neighbour heuristic
+(``nn``), Clarke-Wright savings (``cw``, cvrp_solvers.py) and optionally PyVRP (``pyvrp``,
+kept on disk too); ``on_eval_end`` adds the gaps in percent (docs/tasks.md).
 
 Written against the public task contract (tasks/base.py), as a user's task would be.
 """
