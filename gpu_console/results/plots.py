@@ -11,7 +11,9 @@ The numbers come from :mod:`.curves`; no torch.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import curves
@@ -123,6 +125,38 @@ class _Figures:
     def add(self, name: str, caption: str, fig) -> None:
         fig.tight_layout()
         self.made.append((name, caption, fig))
+
+    def tours(self) -> None:
+        """cvrp: the latest eval's drawn instances, a row each: the model's greedy tour
+        beside Clarke-Wright's, each route a colour, the depot a black square."""
+        for i, d in enumerate(self.runs):
+            step, records = latest_tours(d.run)
+            if not records:
+                continue
+            fig, axes = self.plt.subplots(
+                len(records), 2, figsize=(8, 3.9 * len(records)), squeeze=False
+            )
+            for row, record in zip(axes, records, strict=True):
+                xy = record["coords"]
+                for ax, (kind, label) in zip(row, TOUR_KINDS, strict=True):
+                    tour = record["tours"][kind]
+                    for r, route in enumerate(tour["routes"]):
+                        stops = [xy[0], *(xy[c] for c in route), xy[0]]
+                        ax.plot([p[0] for p in stops], [p[1] for p in stops], "-o",
+                                color=self.color(r), lw=1.2, ms=3)  # fmt: skip
+                    ax.plot([xy[0][0]], [xy[0][1]], "s", color="black", ms=7)
+                    ax.set_title(
+                        f"instance {record['instance']}: {label}\n"
+                        f"length {tour['length']:.3f}, {len(tour['routes'])} routes",
+                        fontsize=9,
+                    )
+                    ax.set_aspect("equal")
+                    ax.set_xlabel("x (unit square)")
+                    ax.set_ylabel("y (unit square)")
+            of = f" of {d.name}" if self.several else ""
+            caption = (f"Tours of eval instances at step {step}{of}: the model's greedy (left) "
+                       "and Clarke-Wright's (right)")  # fmt: skip
+            self.add(f"tours-{i}" if self.several else "tours", caption, fig)
 
     def loss(self) -> None:
         if not any(d.series.steps for d in self.runs):
@@ -398,6 +432,31 @@ class _Figures:
             self.add("host", "Host (no GPU telemetry)", fig)
 
 
+TOUR_KINDS = (("greedy", "the model's greedy tour"), ("cw", "Clarke-Wright savings"))
+
+
+def latest_tours(run: Path) -> tuple[int, list[dict[str, Any]]]:
+    """The cvrp task's drawn tours of its latest eval (``task/tours/step-N/instance-K.json``,
+    tasks/cvrp.py): (N, the instances' records by instance); (0, []) where there are none.
+    A file that does not read as one (torn, by hand) is left out."""
+    steps = sorted((run / "task" / "tours").glob("step-*"))
+    if not steps:
+        return 0, []
+    records = []
+    for path in sorted(steps[-1].glob("instance-*.json")):
+        try:
+            record = json.loads(path.read_text())
+            if all(k in record.get("tours", {}) for k, _ in TOUR_KINDS) and record["coords"]:
+                records.append(record)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            continue
+    try:
+        step = int(steps[-1].name.removeprefix("step-"))
+    except ValueError:
+        step = 0
+    return step, records
+
+
 def _xy(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in rows:
@@ -430,6 +489,7 @@ def figures(plt, runs: list[RunData]) -> list[Plot]:
         f.throughput,
         f.lr,
         f.telemetry,
+        f.tours,
     ]
     for make in steps:
         make()

@@ -246,6 +246,42 @@ class CVRPConfig:
         0.8, "decay of the moving-average baseline used during the first epoch", min=0.0, max=1.0
     )
     eval_instances: int = opt(1024, "fixed held-out instances of the eval (0: no eval)", min=0)
+    eval_sampled_tours: int = opt(
+        16,
+        "tours sampled per eval instance; the eval's `sampled` is the shortest of them and the "
+        "greedy tour (0: no sampling; the paper samples 1280 at test time)",
+        min=0,
+    )
+    eval_tours_at_once: int = opt(
+        32768,
+        "at most this many sampled tours driven at once by the eval (instances × samples, "
+        "in chunks of samples)",
+        min=1,
+    )
+    eval_beam_width: int = opt(
+        0,
+        "beam search at each eval: the shortest of the this many likeliest tours (`beam`, "
+        "and its gaps); 0: none",
+        min=0,
+    )
+    eval_tours_drawn: int = opt(
+        4,
+        "eval instances whose greedy and Clarke-Wright tours each eval writes to "
+        "task/tours/step-N/, which `gpu-console report` draws (0: none)",
+        min=0,
+    )
+    pyvrp_seconds: float = opt(
+        0.0,
+        "PyVRP's time limit per eval instance: its tour lengths (`pyvrp`) and the gaps to "
+        "them, cached on disk per instance set (0: none; needs gpu-console[cvrp])",
+        min=0.0,
+    )
+    eval_file: str = opt(
+        "",
+        "evaluate on these instances instead of eval_instances random ones: a VRPLIB file "
+        "(.vrp), a directory of them, or saved arrays (.npz, .pt: coords, demand, capacity); "
+        "put in the unit square and out of task.capacity (docs/tasks.md)",
+    )
     data_seed: int = opt(
         1234, "seed of every instance (a training batch's also by its step and first sample)"
     )
@@ -258,13 +294,24 @@ class CVRPConfig:
                 f"task.capacity: give one for num_customers={self.num_customers} "
                 f"(the paper's: {sizes})"
             )
+        if self.pyvrp_seconds and not installed("pyvrp"):
+            raise ValueError(
+                'task.pyvrp_seconds: needs the pyvrp package: pip install "gpu-console[cvrp]"'
+            )
         if self.capacity and self.capacity < 9:
             raise ValueError(
                 f"task.capacity: must hold the largest demand, 9 (got {self.capacity})"
             )
 
     def train_size(self, cwd: str | None = None) -> int:
-        """An epoch's instances: the training set is their indices (cvrp.py)."""
+        """An epoch's instances: the training set is their indices (cvrp.py). A
+        ``task.eval_file`` is read here first, as the ranks will read it (cvrp_files.py), so
+        a file they could not use is refused before launch (KeyProblem)."""
+        if self.eval_file and self.eval_instances:
+            from . import cvrp_files
+
+            capacity = self.capacity or CVRP_CAPACITY[self.num_customers]
+            cvrp_files.check(self.eval_file, float(capacity), cwd)
         return self.epoch_instances
 
     def launch_problem(self, world: int, profile) -> tuple[str, str, object] | None:

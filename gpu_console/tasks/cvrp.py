@@ -22,8 +22,12 @@ is REINFORCE's.
 
 Training instances are made on the rank's device from the run's step and the batch's sample
 indices, so every rank draws its own and a resume draws them again. The eval drives greedily
-over ``eval_instances`` fixed instances: its loss is the mean greedy tour length, beside the
-nearest-neighbour heuristic's (``nn``) on the same instances and the gap to it in percent.
+over ``eval_instances`` fixed instances (or ``eval_file``'s, cvrp_files.py): its loss is the
+mean greedy tour length. Beside it: the shortest of the greedy tour and ``eval_sampled_tours``
+sampled ones (``sampled``), optionally a beam search's (``beam``), and the references on the
+same instances, each computed once per instance and kept: the nearest-neighbour heuristic
+(``nn``), Clarke-Wright savings (``cw``, cvrp_solvers.py) and optionally PyVRP (``pyvrp``,
+kept on disk too); ``on_eval_end`` adds the gaps in percent (docs/tasks.md).
 
 Written against the public task contract (tasks/base.py), as a user's task would be.
 """
@@ -31,7 +35,11 @@ Written against the public task contract (tasks/base.py), as a user's task would
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import math
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +48,14 @@ from torch import nn
 
 from .base import TaskOutput, TensorSet, at_least_fp32, unwrap
 from .configs import CVRP_CAPACITY, CVRPConfig
+from .cvrp_solvers import (
+    check_tour,
+    clarke_wright,
+    clarke_wright_lengths,
+    pyvrp_tour,
+    routes_of,
+    tour_length,
+)
 
 if TYPE_CHECKING:
     from ..engine.context import TaskContext
@@ -303,11 +319,22 @@ class CVRPModel(nn.Module):
         return routes.length, log_p
 
     def drive(
-        self, coords: torch.Tensor, demand: torch.Tensor, greedy: bool = False
+        self,
+        coords: torch.Tensor,
+        demand: torch.Tensor,
+        greedy: bool = False,
+        samples: int = 1,
+        generator: torch.Generator | None = None,
     ) -> tuple[Routes, torch.Tensor]:
-        """The tours (sampled, or each move the likeliest) and each one's log-probability."""
+        """The tours (sampled, or each move the likeliest) and each one's log-probability.
+        ``samples`` > 1: that many tours of each instance, the instance's rows next to each
+        other (row ``i * samples + k``), from one encoding of it; ``generator``: the
+        sampling's random stream (else torch's global one)."""
         dist = torch.cdist(coords, coords)  # once per tour: the encoder's and dgt's bias
         fixed = self.fixed(self.encode(coords, demand, dist))
+        if samples > 1:
+            fixed = tuple(t.repeat_interleave(samples, 0) for t in fixed)
+            coords, demand, dist = (t.repeat_interleave(samples, 0) for t in (coords, demand, dist))
         routes = Routes(coords, demand, self.capacity)
         dtype = torch.promote_types(torch.float32, coords.dtype)  # fp64 stays fp64
         log_p = torch.zeros(len(coords), dtype=dtype, device=coords.device)
@@ -316,11 +343,67 @@ class CVRPModel(nn.Module):
             if bool(done.all()):
                 break
             step_log_p = self.point(fixed, routes, dist)
-            to = step_log_p.argmax(-1) if greedy else sample(step_log_p)
+            to = step_log_p.argmax(-1) if greedy else sample(step_log_p, generator)
             taken = step_log_p.gather(1, to[:, None])[:, 0]
             log_p = log_p + torch.where(done, 0.0, taken)
             routes.move(to)
         return routes, log_p
+
+
+def instance_set_id(coords: torch.Tensor, demand: torch.Tensor, capacity: float) -> str:
+    """A digest of a set of instances: the name of its PyVRP cache."""
+    digest = hashlib.sha256()
+    for t in (coords, demand):
+        digest.update(str((t.dtype, tuple(t.shape))).encode())
+        digest.update(t.contiguous().cpu().numpy().tobytes())
+    digest.update(repr(float(capacity)).encode())
+    return digest.hexdigest()[:16]
+
+
+def pyvrp_cache() -> Path:
+    """Where PyVRP's eval solutions are kept: ``$XDG_CACHE_HOME/gpu-console/cvrp-pyvrp``
+    (``~/.cache/gpu-console/cvrp-pyvrp``, beside the compile cache); under it one directory
+    per instance set and time limit, one JSON file (length, routes) per instance."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "gpu-console" / "cvrp-pyvrp"
+
+
+@torch.no_grad()
+def beam_search(
+    model: CVRPModel, coords: torch.Tensor, demand: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per instance, the shortest of the ``width`` likeliest tours a beam search keeps:
+    (lengths (batch,), moves (batch, moves)). The instance is encoded once; each step every
+    kept partial tour is extended by every move the policy allows, and the ``width`` with the
+    highest log-probability go on. Width 1 is the greedy tour."""
+    batch, nodes, _ = coords.shape
+    dist = torch.cdist(coords, coords)
+    fixed = model.fixed(model.encode(coords, demand, dist))
+    fixed = tuple(t.repeat_interleave(width, 0) for t in fixed)
+    coords, demand, dist = (t.repeat_interleave(width, 0) for t in (coords, demand, dist))
+    routes = Routes(coords, demand, model.capacity)
+    dtype = torch.promote_types(torch.float32, coords.dtype)
+    score = torch.full((batch, width), -math.inf, dtype=dtype, device=coords.device)
+    score[:, 0] = 0.0  # one beam to start from; the others fill at the first step
+    first_row = (torch.arange(batch, device=coords.device) * width)[:, None]
+    for _ in range(2 * nodes):
+        if bool(routes.done().all()):
+            break
+        log_p = model.point(fixed, routes, dist).to(dtype)  # a finished tour: 0 to the depot
+        grown = (score[:, :, None] + log_p.view(batch, width, nodes)).view(batch, -1)
+        score, pick = grown.topk(width, dim=1)
+        beam, to = pick // nodes, pick % nodes
+        to = torch.where(torch.isfinite(score), to, 0)  # a beam with no move left stays put
+        rows = (first_row + beam).view(-1)
+        routes.at, routes.load = routes.at[rows], routes.load[rows]
+        routes.served, routes.length = routes.served[rows], routes.length[rows]
+        routes.path = [step[rows] for step in routes.path]
+        routes.move(to.view(-1))
+    finished = (routes.done() & torch.isfinite(score).view(-1)).view(batch, width)
+    lengths = routes.length.view(batch, width).masked_fill(~finished, math.inf)
+    best, which = lengths.min(1)
+    path = torch.stack(routes.path, 1).view(batch, width, -1)
+    return best, path[torch.arange(batch, device=coords.device), which]
 
 
 def dtype_of(model: nn.Module) -> torch.dtype:
@@ -328,8 +411,42 @@ def dtype_of(model: nn.Module) -> torch.dtype:
     return next(unwrap(model).parameters()).dtype
 
 
-def sample(log_p: torch.Tensor) -> torch.Tensor:
-    return torch.multinomial(log_p.exp(), 1)[:, 0]
+def sample(log_p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    return torch.multinomial(log_p.exp(), 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def best_of_samples(
+    model: CVRPModel,
+    coords: torch.Tensor,
+    demand: torch.Tensor,
+    samples: int,
+    generator: torch.Generator,
+    max_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per instance, the shortest of ``samples`` sampled tours: (lengths (batch,), moves
+    (batch, moves), the depot 0 padding a tour that ended early). Driven in chunks of at most
+    ``max_rows`` tours (at least one sample of each instance per chunk), each chunk encoding
+    the instances once."""
+    batch = len(coords)
+    per_chunk = max(1, min(samples, max_rows // max(batch, 1)))
+    best = torch.full((batch,), math.inf, dtype=coords.dtype, device=coords.device)
+    best_path = torch.zeros(batch, 0, dtype=torch.long, device=coords.device)
+    done = 0
+    while done < samples:
+        k = min(per_chunk, samples - done)
+        routes, _ = model.drive(coords, demand, samples=k, generator=generator)
+        lengths = routes.length.view(batch, k)
+        path = torch.stack(routes.path, 1).view(batch, k, -1)
+        shortest, which = lengths.min(1)
+        chosen = path[torch.arange(batch, device=coords.device), which]
+        width = max(best_path.shape[1], chosen.shape[1])
+        best_path, chosen = (F.pad(t, (0, width - t.shape[1])) for t in (best_path, chosen))
+        better = shortest < best
+        best = torch.where(better, shortest, best)
+        best_path = torch.where(better[:, None], chosen, best_path)
+        done += k
+    return best, best_path
 
 
 class CVRPTask:
@@ -343,6 +460,9 @@ class CVRPTask:
         self.ema: torch.Tensor | None = None
         self.epochs_done = 0
         self.replacements = 0
+        self.cw_cache: dict[int, float] = {}  # eval instance → its Clarke-Wright length
+        self.pyvrp_cache: dict[int, float] = {}  # eval instance → its PyVRP length
+        self.eval_set = ""  # the eval instances' digest (instance_set_id)
 
     def build_model(self) -> nn.Module:
         model = CVRPModel(self.cfg)
@@ -354,17 +474,21 @@ class CVRPTask:
         train = TensorSet(torch.arange(c.epoch_instances))  # indices: instances are made later
         if not c.eval_instances:
             return train, None
-        coords, demand = instances(c.eval_instances, c.num_customers, seeded(c.data_seed, "cpu"))
-        return train, TensorSet(coords, demand)
+        if c.eval_file:  # in the launch directory, where the ranks run (cvrp_files.py)
+            from .cvrp_files import load
+
+            coords, demand = (torch.from_numpy(a).float() for a in load(c.eval_file, self.capacity))
+        else:
+            coords, demand = instances(
+                c.eval_instances, c.num_customers, seeded(c.data_seed, "cpu")
+            )
+        self.eval_set = instance_set_id(coords, demand, self.capacity)
+        # Each instance's index rides along: its reference lengths are cached by it.
+        return train, TensorSet(coords, demand, torch.arange(len(coords)))
 
     def compute(self, model: nn.Module, batch) -> TaskOutput:
-        if len(batch) == 2:  # the eval's fixed instances
-            coords, demand = (t.to(dtype_of(model)) for t in batch)
-            length, _ = model(coords, demand, greedy=True)
-            nn_length = nearest_neighbour(coords, demand, self.capacity)
-            return TaskOutput(
-                loss=length.mean(), samples=len(coords), metrics={"nn": nn_length.mean()}
-            )
+        if len(batch) == 3:  # the eval's fixed instances and their indices
+            return self.evaluate(model, *batch)
         (indices,) = batch
         coords, demand = self.training_instances(indices, model)
         length, log_p = model(coords, demand)
@@ -374,6 +498,121 @@ class CVRPTask:
         # The value shown is the mean tour length; the gradient is REINFORCE's.
         loss = reinforce - reinforce.detach() + length.mean().detach()
         return TaskOutput(loss=loss, samples=len(indices), metrics={"baseline": baseline.mean()})
+
+    @torch.no_grad()
+    def evaluate(
+        self, model: nn.Module, coords: torch.Tensor, demand: torch.Tensor, index: torch.Tensor
+    ) -> TaskOutput:
+        """The eval batch's mean tour lengths: greedy (the loss, and ``greedy``), the shortest
+        of the greedy tour and ``eval_sampled_tours`` sampled ones (``sampled``), nearest neighbour
+        (``nn``) and Clarke-Wright savings (``cw``)."""
+        cw = self.clarke_wright_of(coords, demand, index)
+        coords, demand = coords.to(dtype_of(model)), demand.to(dtype_of(model))
+        policy = unwrap(model)
+        assert isinstance(policy, CVRPModel)
+        greedy = policy.drive(coords, demand, greedy=True)[0]
+        length = greedy.length
+        self.write_tours(coords, demand, index, greedy)
+        metrics = {
+            "greedy": length.mean(),
+            "nn": nearest_neighbour(coords, demand, self.capacity).mean(),
+            "cw": cw.mean(),
+        }
+        if self.cfg.pyvrp_seconds:
+            metrics["pyvrp"] = self.pyvrp_of(coords, demand, index).mean()
+        if self.cfg.eval_beam_width:
+            beam, _ = beam_search(policy, coords, demand, self.cfg.eval_beam_width)
+            metrics["beam"] = beam.mean()
+        if self.cfg.eval_sampled_tours:
+            sampled, _ = best_of_samples(
+                policy, coords, demand, self.cfg.eval_sampled_tours,
+                self.eval_generator(index, coords.device), self.cfg.eval_tours_at_once,
+            )  # fmt: skip
+            metrics["sampled"] = torch.minimum(sampled, length).mean()
+        return TaskOutput(loss=length.mean(), samples=len(coords), metrics=metrics)
+
+    def write_tours(
+        self, coords: torch.Tensor, demand: torch.Tensor, index: torch.Tensor, greedy: Routes
+    ) -> None:
+        """The first ``eval_tours_drawn`` eval instances' tours, the model's greedy one and
+        Clarke-Wright's, each in ``task/tours/step-N/instance-K.json`` (written by the rank
+        that evaluated it): what ``gpu-console report`` draws."""
+        drawn = [i for i, k in enumerate(index.tolist()) if k < self.cfg.eval_tours_drawn]
+        if not drawn:
+            return
+        where = self.ctx.task_dir / "tours" / f"step-{self.ctx.step:08d}"
+        where.mkdir(parents=True, exist_ok=True)
+        moves = torch.stack(greedy.path, 1).cpu() if greedy.path else None
+        for i in drawn:
+            xy = coords[i].double().cpu().numpy()
+            d = demand[i].double().cpu().numpy()
+            model_tour = routes_of(moves[i].tolist()) if moves is not None else []
+            cw_tour = clarke_wright(xy, d, self.capacity)
+            record = {
+                "instance": int(index[i]),
+                "step": self.ctx.step,
+                "coords": xy.tolist(),
+                "demand": d.tolist(),
+                "capacity": self.capacity,
+                "tours": {
+                    "greedy": {"routes": model_tour, "length": tour_length(xy, model_tour)},
+                    "cw": {"routes": cw_tour, "length": tour_length(xy, cw_tour)},
+                },
+            }
+            path = where / f"instance-{int(index[i]):04d}.json"
+            part = path.with_name(f".{path.name}.{os.getpid()}")
+            part.write_text(json.dumps(record))
+            os.replace(part, path)
+
+    def eval_generator(self, index: torch.Tensor, device: torch.device) -> torch.Generator:
+        """The sampled eval's random stream for a batch: a function of the data seed and the
+        batch's first instance, so every eval of a run, and of its resume, samples the same
+        tours with the same policy."""
+        return seeded((self.cfg.data_seed * 1_000_003 + 7) * 1_000_033 + int(index[0]), device)
+
+    def clarke_wright_of(
+        self, coords: torch.Tensor, demand: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        """The savings heuristic's tour length of each eval instance, computed at the first
+        eval that meets it (on the CPU, in float64) and kept for the run's later ones."""
+        missing = [i for i, k in enumerate(index.tolist()) if k not in self.cw_cache]
+        if missing:
+            rows = torch.tensor(missing)
+            found = clarke_wright_lengths(
+                coords[rows].double().cpu().numpy(), demand[rows].double().cpu().numpy(),
+                self.capacity,
+            )  # fmt: skip
+            for i, value in zip(missing, found.tolist(), strict=True):
+                self.cw_cache[int(index[i])] = value
+        lengths = [self.cw_cache[k] for k in index.tolist()]
+        return torch.tensor(lengths, dtype=torch.float64, device=coords.device)
+
+    def pyvrp_of(
+        self, coords: torch.Tensor, demand: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        """PyVRP's tour length of each eval instance (``pyvrp_seconds`` each), kept in memory
+        for the run and on disk for every run on the same instances (:func:`pyvrp_cache`)."""
+        seconds = self.cfg.pyvrp_seconds
+        where = pyvrp_cache() / f"{self.eval_set}-{seconds:g}s"
+        for i, k in enumerate(index.tolist()):
+            if k in self.pyvrp_cache:
+                continue
+            saved = where / f"{k}.json"
+            try:
+                self.pyvrp_cache[k] = float(json.loads(saved.read_text())["length"])
+                continue
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # not solved yet (or a torn file): solve it
+            xy, d = coords[i].double().cpu().numpy(), demand[i].double().cpu().numpy()
+            tour = pyvrp_tour(xy, d, self.capacity, seconds)
+            check_tour(d, self.capacity, tour)
+            self.pyvrp_cache[k] = tour_length(xy, tour)
+            where.mkdir(parents=True, exist_ok=True)
+            part = saved.with_name(f".{saved.name}.{os.getpid()}")
+            part.write_text(json.dumps({"length": self.pyvrp_cache[k], "tour": tour}))
+            os.replace(part, saved)  # whole or absent, whichever rank writes it
+        lengths = [self.pyvrp_cache[k] for k in index.tolist()]
+        return torch.tensor(lengths, dtype=torch.float64, device=coords.device)
 
     def training_instances(self, indices: torch.Tensor, model: nn.Module):
         """The batch's instances, a function of the data seed, the step and the batch's first
@@ -446,7 +685,19 @@ class CVRPTask:
             ctx.log(message)
 
     def on_eval_end(self, model: nn.Module, metrics, ctx) -> dict[str, float]:
-        return {"gap_pct": 100.0 * (metrics["loss"] / metrics["nn"] - 1.0)}
+        """The gaps in percent, each a ratio of mean lengths: the greedy tour's to nearest
+        neighbour's (``gap_pct``), and each tour's to Clarke-Wright's (``*_gap_cw_pct``;
+        negative: shorter than the savings heuristic's)."""
+        gaps = {"gap_pct": 100.0 * (metrics["loss"] / metrics["nn"] - 1.0)}
+        for name in ("greedy", "sampled", "beam", "nn"):
+            if name in metrics:
+                gaps[f"{name}_gap_cw_pct"] = 100.0 * (metrics[name] / metrics["cw"] - 1.0)
+        if "pyvrp" in metrics:
+            for name in ("greedy", "sampled", "beam", "cw"):
+                if name in metrics:
+                    gap = 100.0 * (metrics[name] / metrics["pyvrp"] - 1.0)
+                    gaps[f"{name}_gap_pyvrp_pct"] = gap
+        return gaps
 
     def state_dict(self) -> dict:
         assert self.baseline is not None  # build_model made it
