@@ -14,13 +14,16 @@ import struct
 
 import pytest
 import torch
-from conftest import events_of, run_dirs, set_args  # noqa: F401 (used below)
+from conftest import events_of, run_dirs
 from harness import run_engine
 
 from gpu_console.profile import load_profile
-from gpu_console.tasks import idx
+from gpu_console.schema import KeyProblem
+from gpu_console.tasks import configs, idx
+from gpu_console.tasks.configs import installed
 
-pytest.importorskip("sklearn", reason="the digits extra (the dev extra has it)")
+# The digits need scikit-learn (the digits extra; the dev extra has it); the IDX files do not.
+digits = pytest.mark.skipif(not installed("sklearn"), reason="scikit-learn (the digits extra)")
 
 
 # -- the IDX reader ------------------------------------------------------------------------
@@ -91,6 +94,7 @@ def digits_run(tmp_path_factory):
     return run_engine(tmp, "moe_mnist", *QUICK, ranks=2)
 
 
+@digits
 def test_it_learns_the_digits_and_records_each_experts_usage(digits_run):
     run = digits_run
     evals = events_of(run, "eval")
@@ -114,6 +118,7 @@ def test_it_learns_the_digits_and_records_each_experts_usage(digits_run):
     assert not [e for e in events_of(run, "log") if e.get("level") == "warning"]
 
 
+@digits
 def test_the_digits_split_is_fixed_by_its_seed_and_disjoint():
     from gpu_console.tasks.moe_mnist import load_digits_split
 
@@ -126,6 +131,14 @@ def test_the_digits_split_is_fixed_by_its_seed_and_disjoint():
     train_rows = {tuple(r.tolist()) for r in xa}
     # Disjoint by index; the digits hold a few duplicate images, so by content nearly so.
     assert sum(tuple(r.tolist()) in train_rows for r in xe) < 10
+
+
+def test_without_scikit_learn_the_digits_are_refused_naming_the_key(monkeypatch):
+    monkeypatch.setattr(configs, "installed", lambda package: package != "sklearn")
+    cfg = load_profile("moe_mnist", []).task
+    with pytest.raises(KeyProblem, match=r'task.data_dir: empty: the 8×8 digits need '
+                       r'scikit-learn \(pip install "gpu-console\[digits\]"\)'):  # fmt: skip
+        cfg.train_size()
 
 
 # -- the dropped-share warning -------------------------------------------------------------
@@ -152,6 +165,7 @@ def warnings_of(run) -> list[dict]:
     return [e for e in events_of(run, "log") if e.get("level") == "warning"]
 
 
+@digits
 def test_a_capacity_too_small_warns_once_the_dropped_share_stays_high(tmp_path):
     run = run_engine(tmp_path, TINY_CAPACITY, name="tiny")
     steps = events_of(run, "step")
@@ -183,6 +197,7 @@ def parity_runs(tmp_path_factory):
     return rep, ep
 
 
+@digits
 def test_expert_parallel_equals_the_replicated_run_until_a_routing_decision_flips(parity_runs):
     rep, ep = parity_runs
     assert events_of(ep, "start")[0]["strategy"] == "expert"
@@ -211,6 +226,7 @@ def _pngs_are_real(paths) -> None:
         assert width > 300 and height > 200, (p, width, height)
 
 
+@digits
 def test_report_draws_the_tasks_figures_and_a_summary_matching_the_events(digits_run,
                                                                           parity_runs):  # fmt: skip
     pytest.importorskip("matplotlib")

@@ -175,10 +175,9 @@ class MoEImageTask:
         every = ctx.profile.train.log_every
         if not every or ctx.step % every:
             return
-        both = torch.stack(
-            [torch.as_tensor(self._drop_sum, dtype=torch.float64), torch.tensor(1.0).double()]
-        ).to(ctx.device)
-        both[1] = self._drop_steps
+        f64 = {"dtype": torch.float64, "device": ctx.device}
+        total = torch.as_tensor(self._drop_sum, **f64).reshape(())
+        both = torch.stack([total, torch.tensor(float(self._drop_steps), **f64)])
         if ctx.world_size > 1 and dist.is_initialized():
             dist.all_reduce(both)
         share = float(both[0] / both[1].clamp(min=1))
