@@ -250,6 +250,22 @@ def test_report_draws_the_tasks_figures_and_a_summary_matching_the_events(digits
     assert rows["compile"] == "off"
     assert rows["experts"] == "4 per layer x 1 layer(s), top-2, capacity factor 1.25"
     assert rows["placement"] == "replicated: each of 2 rank(s) (cpu) holds every expert"
+    # The eval grid leaves the per-class figures to expert_activations.png.
+    import matplotlib.pyplot as plt
+
+    from gpu_console.results.plots import figures
+
+    made = figures(plt, [data])
+    try:
+        (grid,) = [fig for name, _, fig in made if name == "eval"]
+        titles = {ax.get_title() for ax in grid.axes if ax.get_visible()}
+        assert "eval accuracy" in titles and not any("/" in t and "load" not in t
+                                                    for t in titles), titles  # fmt: skip
+        (acts,) = [fig for name, _, fig in made if name == "expert_activations"]
+        assert len([ax for ax in acts.axes if ax.get_visible()]) == 10  # a panel per class
+    finally:
+        for _, _, fig in made:
+            plt.close(fig)
     epoch = float(rows["time per epoch"].split(" s ")[0])
     steps = events_of(run, "step")
     assert 0 < epoch < steps[-1]["t"] - steps[0]["t"]
