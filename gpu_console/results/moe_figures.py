@@ -206,7 +206,9 @@ def _device_distribution(f: _Figures, d: RunData) -> None:
         if share is None:
             continue
         r = owner.get(e)
-        right.bar(e, share, color=f.color(r) if r is not None else "grey",
+        # Devices in colours after the experts' (the left panel's), so neither reads as the other.
+        color = f.color(p.num_experts + r) if r is not None else "grey"
+        right.bar(e, share, color=color,
                   label=p.devices[r] if r is not None else "every rank")  # fmt: skip
     right.axhline(1 / p.num_experts, color="grey", linestyle=":", linewidth=1, label="even share")
     right.set_xticks(range(p.num_experts), [f"expert {e}" for e in range(p.num_experts)])
