@@ -29,7 +29,9 @@ replicated, and each kept assignment's token row travels with ``all_to_all`` to 
 rank and back (a differentiable exchange: gradients travel the reverse way). The task names
 those parameters in ``expert_parameters``; the engine's ``expert`` strategy keeps them out
 of DDP and saves them whole (engine/strategy_expert.py). Routing, capacity and drops are
-decided on each rank exactly as in the replicated model, so both train the same model.
+decided on each rank exactly as in the replicated model, so both train the same model: the
+losses equal to float tolerance until a routing decision flips on the last bits in which the
+experts' batched products differ, then a statistically equivalent run (docs/performance.md).
 
 Written against the public task contract (tasks/base.py), as a user's task would be.
 """
