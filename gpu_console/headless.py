@@ -406,10 +406,13 @@ def _notable(e: dict, console: Console) -> None:
                 f"record) on {where.get('host')}: {where.get('run_dir')}"
             )
     elif kind == "eval":
-        metrics = "  ".join(
-            f"{k} {fmt(v)}" for k, v in e.items() if k not in ("v", "t", "kind", "step")
-        )
-        say(f"eval @ step {e.get('step')}: {metrics}")
+        names = [k for k in e if k not in ("v", "t", "kind", "step")]
+        # A table of figures (``a/b/c``: moe_mnist's expert activations per class) is the
+        # report's to draw; the line says how many it leaves out.
+        table = [k for k in names if k.count("/") >= 2]
+        metrics = "  ".join(f"{k} {fmt(e[k])}" for k in names if k not in table)
+        more = f"  (+{len(table)} per-class figures: gpu-console report)" if table else ""
+        say(f"eval @ step {e.get('step')}: {metrics}{more}")
     elif kind == "early_stop":
         say(early_stop_line(e), "yellow" if e.get("stop") else None)
     elif kind == "progress" and e.get("phase") == "eval":

@@ -250,7 +250,12 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
     out += [("final loss", fmt(f["loss"])), ("best loss", fmt(f["best_loss"]))]
     if (skipped := f.get("skipped_updates")) is not None:
         out.append(("skipped updates", skipped_text(skipped, f["step"])))
-    out += [(f"eval {k}", fmt(v)) for k, v in f["eval"].items()]
+    # A table of figures (``a/b/c``: moe_mnist's expert activations per class) is the
+    # report's to draw (performance_summary.txt, expert_activations.png): counted here.
+    table = [k for k in f["eval"] if k.count("/") >= 2]
+    out += [(f"eval {k}", fmt(v)) for k, v in f["eval"].items() if k not in table]
+    if table:
+        out.append(("eval per-class figures", f"{len(table)} (gpu-console report draws them)"))
     out += [(f"train {k}", fmt(v)) for k, v in f["train_metrics"].items()]
     rate = f["samples_per_s"]
     out.append(("samples/s", f"{rate:,.0f} (mean)" if rate else "-"))

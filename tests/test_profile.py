@@ -118,7 +118,7 @@ def test_to_toml_round_trips_with_overrides(name, tmp_path, monkeypatch):
     # goes: none of them has train_samples).
     own = {"lm": ("seq_len", 32), "cvrp20": ("epoch_instances", 512),
            "cvrp50": ("epoch_instances", 512), "hf": ("seq_len", 32),
-           "moe": ("seq_len", 32)}  # fmt: skip
+           "moe": ("seq_len", 32), "moe_mnist": ("d_model", 32)}  # fmt: skip
     task_key, value = own.get(name, ("train_samples", 512))
     prof = load_profile(name, [*sets, f"task.{task_key}={value}"])
     assert prof.train.lr == 3e-4

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import curves
+from . import curves, moe_figures
 
 if TYPE_CHECKING:
     from .report import RunData
@@ -467,12 +467,17 @@ def _xy(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+# Eval figures a task's own plots draw (moe_figures.py), left out of the eval grid.
+_OWN_PLOTS = ("routed/", "expert_class/")
+
+
 def _eval_metrics(runs: list[RunData]) -> list[str]:
     names: list[str] = []
     for d in runs:
         for e in d.series.evals:
             for k, v in e.items():
                 metric = k not in ("v", "t", "kind", "step") and type(v) in (int, float)
+                metric = metric and not k.startswith(_OWN_PLOTS)
                 if metric and k not in names:
                     names.append(k)
     return names
@@ -493,4 +498,5 @@ def figures(plt, runs: list[RunData]) -> list[Plot]:
     ]
     for make in steps:
         make()
+    moe_figures.add_figures(f)  # runs of the moe_mnist task: its own figures
     return f.made

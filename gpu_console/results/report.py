@@ -307,15 +307,17 @@ def write(runs: list[RunData], out: Path) -> tuple[Path, list[Path]]:
         raise ReportError(f"--out: {out}: cannot create it ({e.strerror})") from None
     index = out / "index.html"
     from ..runs import atomic_write_text
+    from .moe_figures import write_summary
 
     try:
         plots = plot_all(runs, out)
+        summary = write_summary(runs, out)  # runs of the moe_mnist task: beside the plots
         atomic_write_text(index, page(runs, plots))
     except OSError as e:
         if e.filename is None:  # a write that names no file (savefig's): the folder it was in
             e.filename = str(out)
         raise  # the CLI says it in one line (cli.os_error_line)
-    return index, [p for _, p in plots]
+    return index, [p for _, p in plots] + ([summary] if summary else [])
 
 
 def default_out(runs: list[Path]) -> Path:

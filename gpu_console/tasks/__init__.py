@@ -14,6 +14,7 @@ from .configs import (
     LMConfig,
     MLPConfig,
     MoEConfig,
+    MoEImageConfig,
     TransformerConfig,
 )
 
@@ -28,6 +29,7 @@ BUILTIN: dict[str, tuple[str, type]] = {
     "cvrp": ("gpu_console.tasks.cvrp:CVRPTask", CVRPConfig),
     "hf": ("gpu_console.tasks.hf:HFTask", HFConfig),
     "moe": ("gpu_console.tasks.moe:MoETask", MoEConfig),
+    "moe_mnist": ("gpu_console.tasks.moe_mnist:MoEImageTask", MoEImageConfig),
 }
 
 # Built-in tasks that name their blocks (``blocks``) for activation checkpointing.

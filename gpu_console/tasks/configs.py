@@ -176,15 +176,7 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         heads_divide(self.d_model, self.n_heads)
-        if self.top_k > self.num_experts:
-            raise ValueError(
-                f"task.top_k: at most task.num_experts={self.num_experts} (got {self.top_k})"
-            )
-        if 0 < self.capacity_factor < 1 / self.top_k:
-            raise ValueError(
-                f"task.capacity_factor: 0 (no limit) or at least 1/top_k = {1 / self.top_k:g} "
-                f"(got {self.capacity_factor:g}): below it most tokens skip every expert"
-            )
+        routing_problems(self)
 
     def train_size(self, cwd: str | None = None) -> int:
         """As ``lm``'s (:meth:`LMConfig.train_size`): the same text, cut the same way."""
@@ -192,20 +184,123 @@ class MoEConfig:
 
     def launch_problem(self, world: int, profile) -> tuple[str, str, object] | None:
         """What launch refuses once it knows the ranks: (key, why, value), or None."""
-        if not self.expert_parallel or world < 2:
-            return None
-        if self.num_experts % world:
-            why = f"{self.num_experts} experts do not divide evenly over {world} ranks"
-            return "task.num_experts", f"{why} (task.expert_parallel)", self.num_experts
-        if profile.distributed.strategy == "fsdp":
-            why = 'not with distributed.strategy = "fsdp": the experts are spread, the rest DDP'
-            return "task.expert_parallel", why, True
-        if profile.train.activation_checkpointing != "none":
-            # Seen to hang on 2 CPU ranks (the recompute's exchanges, or the held-memory
-            # measurement's forward: not diagnosed); refused until it is.
-            why = "not with train.activation_checkpointing (a block's exchanges are collectives)"
-            return "task.expert_parallel", why, True
+        return expert_launch_problem(self, world, profile)
+
+
+def routing_problems(c: MoEConfig | MoEImageConfig) -> None:
+    """The router's keys against each other (a ValueError the profile loader reports)."""
+    if c.top_k > c.num_experts:
+        raise ValueError(f"task.top_k: at most task.num_experts={c.num_experts} (got {c.top_k})")
+    if 0 < c.capacity_factor < 1 / c.top_k:
+        raise ValueError(
+            f"task.capacity_factor: 0 (no limit) or at least 1/top_k = {1 / c.top_k:g} "
+            f"(got {c.capacity_factor:g}): below it most tokens skip every expert"
+        )
+
+
+def expert_launch_problem(c, world: int, profile) -> tuple[str, str, object] | None:
+    """What launch refuses for a mixture of experts once it knows the ranks: (key, why,
+    value), or None (the ``moe`` and ``moe_mnist`` tasks)."""
+    if not c.expert_parallel or world < 2:
         return None
+    if c.num_experts % world:
+        why = f"{c.num_experts} experts do not divide evenly over {world} ranks"
+        return "task.num_experts", f"{why} (task.expert_parallel)", c.num_experts
+    if profile.distributed.strategy == "fsdp":
+        why = 'not with distributed.strategy = "fsdp": the experts are spread, the rest DDP'
+        return "task.expert_parallel", why, True
+    if profile.train.activation_checkpointing != "none":
+        # Seen to hang on 2 CPU ranks (the recompute's exchanges, or the held-memory
+        # measurement's forward: not diagnosed); refused until it is.
+        why = "not with train.activation_checkpointing (a block's exchanges are collectives)"
+        return "task.expert_parallel", why, True
+    return None
+
+
+DIGITS = 1797  # scikit-learn's 8×8 digits (load_digits): samples, 10 classes
+
+
+@dataclass
+class MoEImageConfig:
+    data_dir: str = opt(
+        "",
+        "a directory holding MNIST's IDX files (train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+        "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, each may be .gz); empty: "
+        'scikit-learn\'s 8×8 digits, offline (pip install "gpu-console[digits]")',
+    )
+    d_model: int = opt(64, "width of the features the experts work on", min=8)
+    n_layers: int = opt(1, "mixture-of-experts layers (each: LayerNorm, experts, residual)", min=1)
+    ff_mult: int = opt(2, "each expert's feed-forward width as a multiple of d_model", min=1)
+    num_experts: int = opt(4, "experts in each layer", min=2)
+    top_k: int = opt(2, "experts each sample is routed to (1: Switch; 2: GShard)", min=1)
+    capacity_factor: float = opt(
+        1.25,
+        "samples an expert takes per batch, as a multiple of an even share (samples × top_k ÷ "
+        "num_experts); a sample routed past it skips that expert (0: no limit)",
+        min=0.0,
+    )
+    aux_loss_coef: float = opt(
+        0.01, "weight of the load-balancing loss (Switch Transformer's) added to the loss", min=0.0
+    )
+    expert_parallel: bool = opt(
+        False,
+        "spread the experts over the ranks (each holds num_experts ÷ ranks; samples travel "
+        "with all_to_all); false: every rank holds every expert, averaged by DDP",
+    )
+    eval_fraction: float = opt(
+        0.2,
+        "the digits held out for eval, chosen by a permutation seeded with data_seed "
+        "(MNIST: its t10k files are the eval set)",
+        gt=0.0,
+        max=0.5,
+    )
+    data_seed: int = opt(1234, "seed of the digits' train/eval split (the same on every rank)")
+    drop_warn_share: float = opt(
+        0.2,
+        "the share of assignments dropped past capacity above which, for drop_warn_logs "
+        "consecutive log steps, the run logs a warning",
+        min=0.0,
+        max=1.0,
+    )
+    drop_warn_logs: int = opt(
+        3,
+        "consecutive log steps the dropped share must stay above drop_warn_share for the "
+        "warning (0: never warn)",
+        min=0,
+    )
+
+    def __post_init__(self) -> None:
+        routing_problems(self)
+
+    def train_size(self, cwd: str | None = None) -> int:
+        """The training samples the ranks will read: the digits' split, or MNIST's train
+        files read and checked here (torch-free); KeyProblem for data they cannot read."""
+        if not self.data_dir:
+            if not installed("sklearn"):
+                why = 'empty: the 8×8 digits need scikit-learn (pip install "gpu-console[digits]")'
+                raise KeyProblem("task.data_dir", why, self.data_dir)
+            return DIGITS - digits_held_out(self.eval_fraction)
+        from .idx import IdxError, read_mnist
+
+        folder = text_data.text_path(self.data_dir, cwd)
+        if not folder.is_dir():
+            why = f"no such directory: {folder.absolute()}"
+            raise KeyProblem("task.data_dir", why, self.data_dir)
+        try:
+            dims, _, _ = read_mnist(folder, "train")
+            read_mnist(folder, "test")
+        except IdxError as e:
+            raise KeyProblem("task.data_dir", str(e), self.data_dir) from None
+        return dims[0]
+
+    def launch_problem(self, world: int, profile) -> tuple[str, str, object] | None:
+        """As ``moe``'s (:func:`expert_launch_problem`)."""
+        return expert_launch_problem(self, world, profile)
+
+
+def digits_held_out(eval_fraction: float) -> int:
+    """How many of the digits the eval holds (at least one)."""
+    return max(1, round(eval_fraction * DIGITS))
 
 
 # The paper's vehicle capacity per instance size (Kool et al. 2019, after Nazari et al. 2018).

@@ -29,7 +29,9 @@ replicated, and each kept assignment's token row travels with ``all_to_all`` to 
 rank and back (a differentiable exchange: gradients travel the reverse way). The task names
 those parameters in ``expert_parameters``; the engine's ``expert`` strategy keeps them out
 of DDP and saves them whole (engine/strategy_expert.py). Routing, capacity and drops are
-decided on each rank exactly as in the replicated model, so both train the same model.
+decided on each rank exactly as in the replicated model, so both train the same model: the
+losses equal to float tolerance until a routing decision flips on the last bits in which the
+experts' batched products differ, then a statistically equivalent run (docs/performance.md).
 
 Written against the public task contract (tasks/base.py), as a user's task would be.
 """
@@ -37,7 +39,7 @@ Written against the public task contract (tasks/base.py), as a user's task would
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -82,6 +84,16 @@ class Experts(nn.Module):
         return F.gelu(x @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e]
 
 
+class Routing(Protocol):
+    """The router's keys a :class:`MoE` reads (``moe``'s and ``moe_mnist``'s configs)."""
+
+    num_experts: int
+    top_k: int
+    capacity_factor: float
+    ff_mult: int
+    expert_parallel: bool
+
+
 class Spread:
     """Expert parallelism: the ranks' group for the exchanges, this rank, how many."""
 
@@ -113,9 +125,10 @@ class Exchange(torch.autograd.Function):
 class MoE(nn.Module):
     """A router and its experts: the feed-forward of one block. After each forward,
     :attr:`stats` holds that batch's auxiliary loss, each expert's share of the assignments
-    and the share dropped past capacity (tensors; the model gathers them)."""
+    and the share dropped past capacity (tensors; the model gathers them), and
+    :attr:`routed` each token's ``top_k`` experts (tokens × top_k, before capacity)."""
 
-    def __init__(self, d: int, c: MoEConfig, spread: Spread | None = None):
+    def __init__(self, d: int, c: Routing, spread: Spread | None = None):
         super().__init__()
         self.k, self.capacity_factor = c.top_k, c.capacity_factor
         self.router = nn.Linear(d, c.num_experts, bias=False)
@@ -124,6 +137,7 @@ class MoE(nn.Module):
         first = spread.rank * held if spread and held is not None else 0
         self.experts = Experts(c.num_experts, d, c.ff_mult * d, first, held)
         self.stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.routed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, d = x.shape, x.shape[-1]
@@ -152,6 +166,7 @@ class MoE(nn.Module):
             out = self._exact(flat, choice, w, token, counts)
         dropped = 1 - kept.float().mean()
         self.stats = (aux, load.detach(), dropped.detach())
+        self.routed = expert.detach()
         return out.view(shape)
 
     def _capped(self, flat, choice, w, token, place, kept, cap):
@@ -232,6 +247,28 @@ class MoEGPT(nn.Module):
         return self.head(self.ln(x)), aux, load, dropped
 
 
+def spread_for(c: Routing) -> Spread | None:
+    """The ranks' spread of the experts under ``expert_parallel`` on several ranks, else
+    None (every rank holds every expert)."""
+    if c.expert_parallel and dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if world > 1 and c.num_experts % world:
+            raise ValueError(
+                f"task.num_experts: {c.num_experts} experts do not divide evenly over "
+                f"{world} ranks (task.expert_parallel)"
+            )
+        return Spread() if world > 1 else None
+    return None
+
+
+def spread_names(c: Routing, ctx, model: nn.Module) -> list[str]:
+    """The experts' parameter names under ``expert_parallel`` on several ranks (``ctx``: the
+    task's context, None before the engine assigns it), else none."""
+    if not c.expert_parallel or ctx is None or ctx.world_size < 2:
+        return []
+    return [n for n, _ in model.named_parameters() if ".experts." in n]
+
+
 class MoETask:
     Config = MoEConfig
 
@@ -241,16 +278,7 @@ class MoETask:
     def build_model(self) -> nn.Module:
         """Under ``expert_parallel`` on several ranks each rank holds its share of the
         experts (the values the whole model gives them); else every expert."""
-        c, spread = self.cfg, None
-        if c.expert_parallel and dist.is_available() and dist.is_initialized():
-            world = dist.get_world_size()
-            if world > 1 and c.num_experts % world:
-                raise ValueError(
-                    f"task.num_experts: {c.num_experts} experts do not divide evenly over "
-                    f"{world} ranks (task.expert_parallel)"
-                )
-            spread = Spread() if world > 1 else None
-        return MoEGPT(c, spread)
+        return MoEGPT(self.cfg, spread_for(self.cfg))
 
     def expert_parameters(self, model: MoEGPT) -> list[str]:
         """The parameters each rank holds alone, its slice of the experts (first dimension):
@@ -258,10 +286,7 @@ class MoETask:
         (engine/strategy_expert.py). Named from the config and the ranks' world (``ctx``),
         not from this process's group: ``--dry-run`` builds the model in one process and
         names the strategy the ranks will use from this answer (engine/strategy.py)."""
-        ctx = getattr(self, "ctx", None)
-        if not self.cfg.expert_parallel or ctx is None or ctx.world_size < 2:
-            return []
-        return [n for n, _ in model.named_parameters() if ".experts." in n]
+        return spread_names(self.cfg, getattr(self, "ctx", None), model)
 
     def blocks(self, model: MoEGPT) -> list[nn.Module]:
         """The repeated blocks: the unit of FSDP sharding and of activation checkpointing."""
