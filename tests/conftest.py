@@ -120,9 +120,44 @@ MACHINE_FAKE = "nvml_run_fake:machine"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# The modules that take longest, dealt first (scripts/heaviest_modules.py prints this from a
+# full run's --durations=0; measured 2026-11-29): under --dist loadscope a module is one
+# worker's unit, and xdist otherwise deals modules by their number of tests, so a long module
+# of few tests (the real SLURM's) came last and one worker ended the suite alone.
+HEAVIEST_FIRST = (
+    "tests/test_slurm_real.py",
+    "tests/test_survive_signals.py",
+    "tests/test_slurm.py",
+    "tests/test_tensorboard.py",
+    "tests/test_control.py",
+    "tests/test_user_task.py",
+    "tests/test_engine.py",
+    "tests/test_one_session.py",
+    "tests/test_dry_run.py",
+    "tests/test_resume_task_keys.py",
+    "tests/test_run_truth.py",
+    "tests/test_stall_real_run.py",
+)
+
+
+def heaviest_first(items: list) -> None:
+    """Reorder ``items`` in place: HEAVIEST_FIRST's modules first, in its order; the rest
+    after them as collected (pyproject.toml's --no-loadscope-reorder keeps this order)."""
+    rank = {module: i for i, module in enumerate(HEAVIEST_FIRST)}
+    order = {id(item): n for n, item in enumerate(items)}
+
+    def key(item) -> tuple[int, int]:
+        module = item.nodeid.split("::", 1)[0]
+        return (rank.get(module, len(rank)), order[id(item)])
+
+    items.sort(key=key)
+
+
 def pytest_collection_modifyitems(config, items):
-    """pytest-timeout's limit per test (pyproject.toml's, on a quiet machine) stretched as
-    every deadline is; a test's own ``timeout`` marker likewise."""
+    """The heaviest modules first (:func:`heaviest_first`); pytest-timeout's limit per test
+    (pyproject.toml's, on a quiet machine) stretched as every deadline is; a test's own
+    ``timeout`` marker likewise."""
+    heaviest_first(items)
     for item in items:
         own = item.get_closest_marker("timeout")
         seconds = own.args[0] if own and own.args else config.getini("timeout") or 0
