@@ -70,16 +70,39 @@ RunsDirOpt = typer.Option(
     None,
     "--runs-dir",
     metavar="DIR",
-    help="Runs directory (default: $GPU_CONSOLE_RUNS or ./runs).",
+    help="Runs directory (default: gpu-console --runs-dir DIR before the command, else "
+    "$GPU_CONSOLE_RUNS, else ./runs).",
+)
+RootRunsDirOpt = typer.Option(
+    None,
+    "--runs-dir",
+    metavar="DIR",
+    help="Runs directory of the console and of every command (default: $GPU_CONSOLE_RUNS or "
+    "./runs); a command's own --runs-dir must name the same one.",
 )
 RUN_HELP = "Run directory, or a run name under the runs directory."
 JsonOpt = typer.Option(False, "--json", help="Print JSON instead of a table.")
 
 
-def _runs_dir(value: Path | None) -> Path:
-    from .runs import default_runs_dir
+def _runs_dir(ctx: typer.Context, value: Path | None) -> Path:
+    """The runs directory a command uses: its own ``--runs-dir``, else the one given before the
+    command (``gpu-console --runs-dir DIR ls``), else ``$GPU_CONSOLE_RUNS``, else ``./runs``.
+    Both flags naming different directories is a bad input (one line, exit 2): a launch must
+    not guess which of two places the user meant."""
+    from .runs import RunDirError, default_runs_dir
 
-    return value if value is not None else default_runs_dir()
+    group = ctx.find_root().params.get("runs_dir")
+    if value is not None and group is not None and not _same_dir(value, group):
+        raise RunDirError(
+            f"--runs-dir given twice: {group} before the command and {value} after it; give one"
+        )
+    if value is not None:
+        return value
+    return group if group is not None else default_runs_dir()
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    return a == b or a.resolve() == b.resolve()
 
 
 def _version(value: bool) -> None:
@@ -91,7 +114,7 @@ def _version(value: bool) -> None:
 @app.callback(invoke_without_command=True)
 def root(
     ctx: typer.Context,
-    runs_dir: Path | None = RunsDirOpt,
+    runs_dir: Path | None = RootRunsDirOpt,
     version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True, help="Show the version and exit."
     ),
@@ -104,11 +127,12 @@ def root(
             return
         from .tui.app import ConsoleApp
 
-        raise typer.Exit(_run_tui(ConsoleApp(runs_dir=_runs_dir(runs_dir))))
+        raise typer.Exit(_run_tui(ConsoleApp(runs_dir=_runs_dir(ctx, runs_dir))))
 
 
 @app.command()
 def run(
+    ctx: typer.Context,
     profile: str | None = typer.Argument(
         None,
         metavar="PROFILE",
@@ -193,7 +217,7 @@ def run(
             parse_devices(devices)
         except DeviceSpecError as e:
             raise launch.LaunchError(f"--devices: {e}") from None
-    folder = _runs_dir(runs_dir)
+    folder = _runs_dir(ctx, runs_dir)
     prof, placement, resume_from = launch.prepare(
         profile,
         devices=devices,
@@ -251,6 +275,7 @@ def run(
 
 @app.command("attach")
 def attach_cmd(
+    ctx: typer.Context,
     run: str | None = typer.Argument(
         None,
         metavar="RUN",
@@ -265,7 +290,7 @@ def attach_cmd(
     from .runs import RunDirError, find_run
     from .tui.app import ConsoleApp
 
-    folder = _runs_dir(runs_dir)
+    folder = _runs_dir(ctx, runs_dir)
     if run is None:
         from .commands.runs import list_runs
 
@@ -304,6 +329,7 @@ def devices_cmd(
 
 @app.command("check")
 def check_cmd(
+    ctx: typer.Context,
     as_json: bool = JsonOpt,
     runs_dir: Path | None = RunsDirOpt,
     timeout: float = typer.Option(
@@ -317,11 +343,12 @@ def check_cmd(
     """Diagnose the environment: torch, CUDA, NCCL/gloo, NVML, bf16, a real collective."""
     from .commands import check as command
 
-    raise typer.Exit(command.main(as_json, _runs_dir(runs_dir), timeout))
+    raise typer.Exit(command.main(as_json, _runs_dir(ctx, runs_dir), timeout))
 
 
 @app.command("ls")
 def ls_cmd(
+    ctx: typer.Context,
     as_json: bool = JsonOpt,
     runs_dir: Path | None = RunsDirOpt,
     state: list[str] = typer.Option(
@@ -354,11 +381,12 @@ def ls_cmd(
     last updated."""
     from .commands import runs as command
 
-    command.ls_main(_runs_dir(runs_dir), as_json, state, since, profile, sort)
+    command.ls_main(_runs_dir(ctx, runs_dir), as_json, state, since, profile, sort)
 
 
 @app.command("status")
 def status_cmd(
+    ctx: typer.Context,
     run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),
     as_json: bool = typer.Option(
         False, "--json", help="Print JSON: the run's `ls --json` entry and the summary's fields."
@@ -368,11 +396,12 @@ def status_cmd(
     """One run's summary, running or ended (the table a headless run ends with)."""
     from .commands import status as command
 
-    raise typer.Exit(command.main(run, _runs_dir(runs_dir), as_json))
+    raise typer.Exit(command.main(run, _runs_dir(ctx, runs_dir), as_json))
 
 
 @app.command("diff")
 def diff_cmd(
+    ctx: typer.Context,
     run_a: str = typer.Argument(..., metavar="RUN1", help=RUN_HELP),
     run_b: str = typer.Argument(..., metavar="RUN2", help=RUN_HELP),
     as_json: bool = typer.Option(
@@ -383,11 +412,12 @@ def diff_cmd(
     """Two runs side by side: the profile keys that differ, then their summary figures."""
     from .commands import diff as command
 
-    raise typer.Exit(command.main(run_a, run_b, _runs_dir(runs_dir), as_json))
+    raise typer.Exit(command.main(run_a, run_b, _runs_dir(ctx, runs_dir), as_json))
 
 
 @app.command("report")
 def report_cmd(
+    ctx: typer.Context,
     runs: list[str] = typer.Argument(..., metavar="RUN...", help=RUN_HELP),
     out: Path | None = typer.Option(
         None,
@@ -401,11 +431,12 @@ def report_cmd(
     compared); needs matplotlib (pip install 'gpu-console[report]')."""
     from .results import report as command
 
-    raise typer.Exit(command.main(runs, _runs_dir(runs_dir), out))
+    raise typer.Exit(command.main(runs, _runs_dir(ctx, runs_dir), out))
 
 
 @app.command("stop")
 def stop_cmd(
+    ctx: typer.Context,
     run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),
     now: bool = typer.Option(
         False, "--now", help="Kill the run's processes now: no checkpoint, state killed."
@@ -417,13 +448,13 @@ def stop_cmd(
 
     # A stalled run: StalledError, one line naming --now (exit 1, main).
     if now:  # exit 0: the kill was delivered (the run's own exit code is 137)
-        path, status = command.stop_now(run, _runs_dir(runs_dir))
+        path, status = command.stop_now(run, _runs_dir(ctx, runs_dir))
         if status:
             typer.echo(f"{path.name}: {status.get('state')} (exit code {status.get('exit_code')})")
         else:
             typer.echo(f"{path.name}: kill sent; its end is not recorded yet")
         return
-    path, _, acks = command.request(run, _runs_dir(runs_dir), "stop")
+    path, _, acks = command.request(run, _runs_dir(ctx, runs_dir), "stop")
     states = [a.get("state") for a in acks]
     if "done" in states:
         typer.echo(f"{path.name}: stopping with a checkpoint")
@@ -433,13 +464,14 @@ def stop_cmd(
 
 @app.command("checkpoint")
 def checkpoint_cmd(
+    ctx: typer.Context,
     run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),
     runs_dir: Path | None = RunsDirOpt,
 ) -> None:
     """Write a checkpoint at the next step boundary and print where it went."""
     from .commands import runs as command
 
-    path, cid, acks = command.request(run, _runs_dir(runs_dir), "checkpoint")
+    path, cid, acks = command.request(run, _runs_dir(ctx, runs_dir), "checkpoint")
     event = command.checkpoint_after(path, cid) if acks else None
     if event is None:
         typer.echo(f"{path.name}: checkpoint requested; no acknowledgement yet", err=True)
@@ -450,6 +482,7 @@ def checkpoint_cmd(
 
 @app.command("profile")
 def profile_cmd(
+    ctx: typer.Context,
     run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),
     steps: str = typer.Option(
         "5", "--steps", metavar="K", help="Steps to trace (after one warmup step), 1-1000."
@@ -460,11 +493,12 @@ def profile_cmd(
     """Trace the next K steps on every rank (torch.profiler) and print the trace directory."""
     from .commands import profile as command
 
-    raise typer.Exit(command.main(run, _runs_dir(runs_dir), steps, as_json))
+    raise typer.Exit(command.main(run, _runs_dir(ctx, runs_dir), steps, as_json))
 
 
 @app.command("export")
 def export_cmd(
+    ctx: typer.Context,
     run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),
     out: Path = typer.Option(..., "--out", metavar="FILE", help="The file to write."),
     best: bool = typer.Option(False, "--best", help="The best checkpoint (checkpoint.keep_best)."),
@@ -475,18 +509,19 @@ def export_cmd(
     torch.load and load_state_dict without gpu-console."""
     from .commands import export as command
 
-    typer.echo(command.describe(command.export(run, _runs_dir(runs_dir), out, best, step)))
+    typer.echo(command.describe(command.export(run, _runs_dir(ctx, runs_dir), out, best, step)))
 
 
 @app.command("dump")
 def dump_cmd(
+    ctx: typer.Context,
     run: str = typer.Argument(..., metavar="RUN", help=RUN_HELP),
     runs_dir: Path | None = RunsDirOpt,
 ) -> None:
     """Write each rank's Python stack (py-spy dump) into the run directory."""
     from .commands import runs as command
 
-    raise typer.Exit(command.dump_main(run, _runs_dir(runs_dir)))
+    raise typer.Exit(command.dump_main(run, _runs_dir(ctx, runs_dir)))
 
 
 def main() -> None:
