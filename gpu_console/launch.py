@@ -467,6 +467,13 @@ def _room_to_continue(run: Path) -> None:
         raise runs.RunDirError(f"{run}: cannot continue the run: {full}; free some first")
 
 
+def _room_to_start(runs_dir: Path) -> None:
+    """A new run is refused on a full disk as a resume is (the same room: what a session
+    writes before its first checkpoint), before its run directory is made."""
+    if full := diskfull.short_of_room(runs_dir, diskfull.SESSION_ROOM):
+        raise runs.RunDirError(f"{runs_dir}: cannot start a run: {full}; free some first")
+
+
 def _drop(lock: session_lock.SessionLock, created: bool) -> None:
     """A refused resume leaves the run as it found it: a lock file it created goes too."""
     if created:
@@ -602,6 +609,8 @@ def prepare(
         exact_name = exact_name and resume is None  # a run found continues in its directory
     if exact_name:  # before a resume's lock is taken
         _exact_name(name, runs_dir, resume, nodes)
+    if resume is None:
+        _room_to_start(runs_dir)
     resume_from = resume_run = None
     resume_note = ""
     resume_step = 0

@@ -262,3 +262,23 @@ def test_a_run_whose_events_cannot_be_written_ends_failed_in_one_line(small_disk
             assert re.match(reason, view["reason"]) and "\n" not in view["reason"]
     finally:
         procs.cleanup()
+
+
+def test_a_new_launch_on_a_full_disk_is_refused_before_anything_is_written(small_disk, procs):
+    """A new run gets the check a resume gets (diskfull.SESSION_ROOM free on the runs
+    directory's file system): one line, exit 2, no runs directory made. A dry run makes every
+    launch check, so it shows the refusal without training anything; with the room back, the
+    same command plans the run."""
+    runs = small_disk.path / "runs"
+    ballast = small_disk.fill()
+    args = ("run", "quickstart", "--dry-run", "--no-step", "--runs-dir", str(runs))
+    done = procs.cli(*args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"gpu-console: {runs}: cannot start a run: no space left on ")
+    assert line.endswith("free); free some first")
+    assert not runs.exists()
+    ballast.unlink()
+    again = procs.cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert "would be created" in again.stdout and not runs.exists()
