@@ -9,9 +9,26 @@ from __future__ import annotations
 
 import sys
 
+# The options the command group takes before a command, and whether each takes a value
+# (cli.py's root callback): ``gpu-console --runs-dir DIR run ...`` is a run too.
+GROUP_OPTIONS = {"--runs-dir": True, "--version": False, "-h": False, "--help": False}
+
+
+def command_of(args: list[str]) -> str | None:
+    """The command ``args`` (the process's arguments after its name) name, past the group's
+    options; None when there is none."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name = arg.split("=", 1)[0]
+        if name not in GROUP_OPTIONS:
+            return None if arg.startswith("-") else arg
+        i += 2 if GROUP_OPTIONS[name] and "=" not in arg else 1
+    return None
+
 
 def main() -> None:
-    if sys.argv[1:2] == ["run"]:
+    if command_of(sys.argv[1:]) == "run":
         from .held_signals import hold
 
         hold()

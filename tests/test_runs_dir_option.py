@@ -112,3 +112,17 @@ def test_the_same_directory_twice_is_that_directory(procs, places, tmp_path):
     done = procs.cli("--runs-dir", "elsewhere", "ls", "--json",
                      "--runs-dir", str(places["chosen"]) + "/", cwd=tmp_path)  # fmt: skip
     assert names(done) == ["chosen-20261129-120000"]
+
+
+def test_a_run_after_the_groups_options_holds_the_schedulers_signals_from_its_first_line():
+    # entry.py holds SIGTERM and SIGUSR1 for `run` before anything is imported (issue 43); the
+    # group's --runs-dir before the command must not hide that it is a run.
+    from gpu_console.entry import command_of
+
+    assert command_of(["run", "quickstart"]) == "run"
+    assert command_of(["--runs-dir", "elsewhere", "run", "quickstart"]) == "run"
+    assert command_of(["--runs-dir=elsewhere", "run"]) == "run"
+    assert command_of(["--runs-dir", "run", "ls"]) == "ls"  # a directory named run
+    assert command_of(["ls", "--profile", "run"]) == "ls"
+    assert command_of(["--version"]) is None
+    assert command_of([]) is None
