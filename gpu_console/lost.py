@@ -10,8 +10,10 @@ reader (``ls``, ``status``, the consoles, ``--resume``) then reads the same reco
 
 status.json is a cache of what the run directory holds: where the events end in an end the
 engine itself wrote (``finished``, ``stopped``, ``failed``, ``refused``), a reader that finds
-status.json unended, damaged or missing records that end instead (``repaired``), never a
-worse answer. No torch here.
+status.json unended, damaged or missing records that end instead (``repaired``; ``ended``:
+the end event's time), never a worse answer. A reader that cannot write the run directory
+(a read-only mount or copy) derives the same end and shows it, writing nothing. No torch
+here.
 """
 
 from __future__ import annotations
