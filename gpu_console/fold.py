@@ -91,6 +91,7 @@ class RunFold:
         self.checkpoint_failed: dict[str, Any] | None = None
         self.checkpointed = True  # a stop's checkpoint was written (the engine's word)
         self.last_t = 0.0  # the newest event's time
+        self.state_t: float | None = None  # the newest status event's time (an end's: when)
         self.events = 0
         self.carried = False  # an earlier session's step or loss stands (carry)
 
@@ -160,6 +161,8 @@ class RunFold:
         elif kind == "status":
             self.state = e.get("state", self.state)
             self.reason = e.get("reason") or ""
+            if type(t) in _NUM:
+                self.state_t = t
             since = e.get("since")
             self.compiling_since = (
                 (since if type(since) in _NUM else t) if self.state == "compiling" else None

@@ -10,13 +10,16 @@ reader (``ls``, ``status``, the consoles, ``--resume``) then reads the same reco
 
 status.json is a cache of what the run directory holds: where the events end in an end the
 engine itself wrote (``finished``, ``stopped``, ``failed``, ``refused``), a reader that finds
-status.json unended, damaged or missing records that end instead (``repaired``), never a
-worse answer. No torch here.
+status.json unended, damaged or missing records that end instead (``repaired``; ``ended``:
+the end event's time), never a worse answer. A reader that cannot write the run directory
+(a read-only mount or copy) derives the same end and shows it, writing nothing. No torch
+here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import time
 from pathlib import Path
@@ -60,29 +63,57 @@ def settle(run_dir: Path, status: dict[str, Any] | None = None) -> dict[str, Any
     lock = _take(run_dir, legacy, pid_alive(_pids(status).get("supervisor")))
     if lock is None:
         return read_status(run_dir)  # a session holds the run: it is live (or starting)
+    if lock is UNWRITABLE:
+        # A read-only run directory (a read-only mount, a copy without write permission):
+        # no session can hold it and nothing can be recorded, so the end is derived as the
+        # recording reader would derive it, and shown: never a damaged file's answer.
+        return record_lost(run_dir, write=False)
     with lock:
         return record_lost(run_dir)
 
 
-def _take(run_dir: Path, legacy: bool, supervisor_alive: bool) -> session_lock.SessionLock | None:
-    """The run's lock, if no session holds it. Where status.json's supervisor is gone, the
-    holder may be another reader recording the end this moment: it is given a moment (its
-    record is then read, not written again)."""
+# What :func:`_take` returns for a run directory this reader cannot write (nor lock in it).
+UNWRITABLE = object()
+
+
+def _take(run_dir: Path, legacy: bool, supervisor_alive: bool) -> Any:
+    """The run's lock, if no session holds it (None if one does, :data:`UNWRITABLE` where the
+    run directory cannot be written). Where status.json's supervisor is gone, the holder may
+    be another reader recording the end this moment: it is given a moment (its record is then
+    read, not written again)."""
     deadline = time.monotonic() + (0.0 if supervisor_alive else READER_WAIT_S)
     while True:
         try:
             lock = session_lock.try_take(run_dir, create=legacy)
         except OSError:  # a read-only run directory: nothing can be recorded
-            return None
+            return None if _held_read_only(run_dir) else UNWRITABLE
         if lock is not None or time.monotonic() >= deadline:
             return lock
         time.sleep(0.05)
 
 
-def record_lost(run_dir: Path) -> dict[str, Any]:
+def _held_read_only(run_dir: Path) -> bool:
+    """Whether a session holds the lock of a run directory this reader cannot write: asked
+    through a read-only descriptor (flock needs no write access). A lock file that cannot
+    be opened at all: no session could take it either."""
+    try:
+        fd = os.open(run_dir / session_lock.LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:  # BlockingIOError: a session holds it
+        return True
+    finally:
+        os.close(fd)  # and a shared lock taken with it
+    return False
+
+
+def record_lost(run_dir: Path, write: bool = True) -> dict[str, Any]:
     """Record the run's end in status.json unless it says the run ended: the end the engine
     wrote in events.jsonl (:data:`ENGINE_ENDS`), else ``lost``; the caller holds the
-    session lock. Returns status.json as it now stands."""
+    session lock. Returns status.json as it now stands. ``write=False``: a run directory
+    that cannot be written: the same end, derived and returned, nothing written."""
     status = read_status(run_dir)  # again, under the lock: another reader may have been first
     if status.get("ended"):
         return status
@@ -99,17 +130,20 @@ def record_lost(run_dir: Path) -> dict[str, Any]:
     status.update(fold.to_status())
     # Its last sign of life (the newest event, or its last status.json), not this read.
     ended = max(fold.last_t, _mtime(run_dir / STATUS), _number(status.get("started")))
+    recorded = {"t": time.time(), "pid": os.getpid()}
     if fold.state in ENGINE_ENDS:
         # The engine recorded its own end in the events (status.json damaged, deleted, or
         # its supervisor killed after the ranks had finished): that end stands, repaired
-        # into status.json, never overwritten with a worse answer.
+        # into status.json, never overwritten with a worse answer; and when: the end
+        # event's time, not when the damaged file was last touched.
         checkpointed = fold.state == "stopped" and fold.checkpointed
         status.update(
-            ended=ended,
+            ended=fold.state_t if fold.state_t is not None else ended,
             exit_code=exit_code(fold.state, checkpointed),
             checkpointed_on_stop=checkpointed,
-            repaired={"t": time.time(), "pid": os.getpid(), "from": "events.jsonl"},
         )
+        if write:
+            status["repaired"] = {**recorded, "from": "events.jsonl"}
     else:
         status.update(
             state="lost",
@@ -117,13 +151,15 @@ def record_lost(run_dir: Path) -> dict[str, Any]:
             ended=ended,
             exit_code=EXIT_FAILED,
             checkpointed_on_stop=False,
-            lost_recorded={"t": time.time(), "pid": os.getpid()},
         )
+        if write:
+            status["lost_recorded"] = recorded
     status.setdefault("pids", {})["workers"] = []
     status.setdefault("started", session.get("started"))
-    # Unwritable (a full disk, a read-only copy): every reader still derives lost.
-    with contextlib.suppress(OSError):
-        write_status(run_dir, status)
+    if write:
+        # Unwritable after all (a full disk): every reader still derives the same end.
+        with contextlib.suppress(OSError):
+            write_status(run_dir, status)
     return status
 
 

@@ -11,6 +11,7 @@ what the CLI says when none can be loaded, and a session that cannot start, thro
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -191,6 +192,12 @@ def test_a_run_whose_checkpoints_all_fail_to_load_fails_in_one_line(
     assert status["state"] == "failed"
     assert status["reason"].startswith("ResumeFailed: no checkpoint of ")
     assert len(status["reason"].splitlines()) == 1
+    # It failed before its first step: the run stays at the step it resumed from, not 0.
+    assert events_of(run, "status")[-1]["step"] == 20
+    assert status["step"] == 20, status
+    (row,) = json.loads(procs.cli("ls", "--json", "--runs-dir", str(runs_dir)).stdout)
+    shown = json.loads(procs.cli("status", str(run), "--json").stdout)
+    assert (row["state"], row["step"]) == (shown["state"], shown["step"]) == ("failed", 20)
 
 
 def test_no_loadable_checkpoint_is_refused_at_launch_in_one_line(

@@ -14,6 +14,7 @@ import pytest
 from conftest import deadline, events_of, only_run, read_status, task_profile, wait_for
 from conftest import test_env as cli_env
 
+from gpu_console.format import human_duration
 from gpu_console.runs import STATUS
 
 
@@ -193,3 +194,54 @@ def test_a_new_run_whose_end_checkpoint_does_not_fit_fails_saying_so(procs, smal
     assert status["reason"].startswith(expected), status["reason"]
     assert "there is no earlier checkpoint" in status["reason"]
     assert "Traceback" not in both
+
+
+def test_a_finished_run_on_a_read_only_disk_reads_finished_in_every_view(
+    fast_run, procs, small_disk
+):
+    import shutil
+
+    from conftest import _mount
+
+    run = small_disk.path / "runs" / fast_run.run.name
+    shutil.copytree(fast_run.run, run, ignore=shutil.ignore_patterns("checkpoints"))
+    before = read_status(run)
+    path = run / STATUS
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])  # cut in half, then the disk is remounted ro
+    _mount("-o", "remount,ro", str(small_disk.path))
+    shown = procs.cli("status", str(run))
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "finished" in shown.stdout and "lost" not in shown.stdout, shown.stdout
+    status = procs.cli("status", str(run), "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    got = json.loads(status.stdout)
+    assert (got["state"], got["step"], got["exit_code"]) == ("finished", before["step"], 0)
+    (end,) = [e for e in events_of(run, "status") if e.get("state") == "finished"]
+    assert got["updated"] == end["t"]  # its end, derived from the events
+    assert got["wall_s"] == pytest.approx(end["t"] - got["session_started"])
+    listed = procs.cli("ls", "--json", "--runs-dir", str(run.parent))
+    (entry,) = json.loads(listed.stdout)
+    assert (entry["state"], entry["step"], entry["exit_code"]) == ("finished", before["step"], 0)
+    plain = procs.cli("ls", "--runs-dir", str(run.parent))
+    assert "finished" in plain.stdout and "lost" not in plain.stdout, plain.stdout
+    assert path.read_text() == text[: len(text) // 2]  # nothing written
+
+
+def test_a_repaired_status_ends_when_the_engine_ended(fast_run, procs, tmp_path):
+    run = fast_run.copy(tmp_path / "runs")
+    before = read_status(run)
+    (end,) = [e for e in events_of(run, "status") if e.get("state") == "finished"]
+    path = run / STATUS
+    path.write_text("")
+    later = before["ended"] + 19 * 60  # emptied 19 minutes after the run ended
+    os.utime(path, (later, later))
+    status = procs.cli("status", str(run), "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    repaired = read_status(run)
+    assert repaired["repaired"]["from"] == "events.jsonl"
+    assert repaired["ended"] == end["t"]
+    wall_s = end["t"] - repaired["started"]
+    assert json.loads(status.stdout)["wall_s"] == pytest.approx(wall_s)
+    shown = procs.cli("status", str(run)).stdout
+    assert f"wall time: {human_duration(wall_s)}" in " ".join(shown.split()), shown

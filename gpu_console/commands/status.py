@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import strict_json
+from ..lost import settle
 from ..runs import find_run
 from ..state import RunFollower
 from ..summary import summary_fields
@@ -24,6 +25,9 @@ def status(run_arg: str, runs_dir: Path) -> tuple[Path, RunFollower, dict[str, A
     follower = RunFollower(run)
     follower.poll()
     st = follower.state
+    # status.json as ``ls`` settled it (repaired, or derived where the run directory cannot
+    # be written: the file there may still be damaged), its end and wall time included.
+    st.apply_status(settle(run))
     st.state, st.reason = row["state"], row["reason"]
     if not st.events:
         # No events to fold (events.jsonl deleted, or none written yet): status.json's

@@ -35,9 +35,9 @@ import torch.distributed as dist
 from ..profile import Profile
 from ..tasks.base import Task
 from ..timings import Stopwatch
+from . import checkpoint, torch_profiler
 from . import distributed as distmod
 from . import resume as resuming
-from . import torch_profiler
 from .build import Setup
 from .control_handler import DiskFullStop
 from .failure_checkpoint import AfterUpdateFailed
@@ -97,7 +97,7 @@ def train(
     except Refused as e:
         # The user's input, judged where it could first be (every rank the same verdict):
         # reported as a launch check's refusal, one line and exit 2, and not restarted.
-        out.status("refused", reason=str(e)[:500], key=e.key, step=_done_step(beat))
+        out.status("refused", reason=str(e)[:500], key=e.key, step=_done_step(beat, resume))
         if trainer is not None:
             trainer.land_write()  # an interval checkpoint still being written completes
     except (NonFiniteLoss, DiskFullStop, resuming.ResumeFailed) as e:
@@ -105,7 +105,7 @@ def train(
         # not help, so the ranks exit 0 and the status says failed (the supervisor records
         # the engine's reason as the failure).
         why = str(e) if isinstance(e, DiskFullStop) else f"{type(e).__name__}: {e}"
-        out.status("failed", reason=why[:500], step=_done_step(beat))
+        out.status("failed", reason=why[:500], step=_done_step(beat, resume))
         if trainer is not None:
             trainer.land_write()
     except BaseException as e:
@@ -115,7 +115,7 @@ def train(
         out.status(
             "restarting" if again else "failed",
             reason=(str(e) if named else f"{type(e).__name__}: {e}")[:500],
-            step=_done_step(beat),
+            step=_done_step(beat, resume),
         )
         if isinstance(e, OutOfMemory):
             out.log("error", str(e))
@@ -148,8 +148,13 @@ def close_task(task: Task, out: Reporter, rank: int) -> None:
         out.log("warning", f"the task's close() failed on rank {rank}: {type(e).__name__}: {e}")
 
 
-def _done_step(beat) -> int:
-    """The last step completed: the heartbeat's step is in progress in its first phases."""
+def _done_step(beat, resume: Path | None = None) -> int:
+    """The last step completed: the heartbeat's step is in progress in its first phases.
+    Before the session's first step (its heartbeat not moved yet), a resumed session is at
+    the step it resumes from (``resume``'s: a ResumeFailed, a corrupted checkpoint, leaves
+    the run at the step it had reached), never 0."""
+    if resume is not None and beat.step == 0 and beat.phase == "starting":
+        return checkpoint.step_of(resume)
     return beat.step - 1 if beat.phase in ("data", "compute", "update") else beat.step
 
 

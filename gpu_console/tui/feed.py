@@ -23,8 +23,9 @@ from ..events import JsonlTail
 from ..fold import RunFold, shown_state, with_signs
 from ..format import early_stop_line, human_bytes, optimizer_line, strategy_text
 from ..heartbeats import pid_alive
-from ..lost import settle
+from ..lost import ENGINE_ENDS, settle
 from ..runs import FINAL_STATES, current_session, list_checkpoints, read_json, read_status
+from ..session_lock import is_held
 from ..stall import quiet_s
 from . import rank_log, reader
 from .devices import DeviceFeed, DeviceView
@@ -232,6 +233,7 @@ class RunFeed:
         self.supervisor = supervisor
         self.status: dict[str, Any] = {}
         self._status_mtime: float | None = None
+        self._settled_for: tuple[float | None, int] | None = None  # what _settle last tried
         self._tail = JsonlTail(self.events_path)
         self._gap: tuple[int, int] | None = None
         self._log_offset: int | None = None
@@ -259,6 +261,7 @@ class RunFeed:
         self._gap = quick.gap
         self.sampled = quick.sampled
         self._read_status()
+        self._settle()
         self._take_model_logs()  # before the ranks' output: it holds their events' echoes
         self._read_logs()
         self._read_checkpoints(True)
@@ -284,13 +287,34 @@ class RunFeed:
             written |= e.get("kind") == "checkpoint"
         changed |= self._read_checkpoints(written)
         changed |= self._read_status()
-        if self._supervisor_gone():
-            settle(self.run_dir)  # records lost in status.json (lost.py): every view agrees
-            changed |= self._read_status()
+        changed |= self._settle()
         self._take_model_logs()  # before the ranks' output: it holds their events' echoes
         changed |= self._read_logs()
         changed |= self.devices.update(self.live, self.model.last_step)
         return changed or bool(self._new_logs)
+
+    def _settle(self) -> bool:
+        """status.json as ``ls`` and ``status`` settle it (:func:`lost.settle`), so every view
+        agrees: a run whose supervisor is gone without recording an end is recorded ``lost``;
+        a damaged or missing status.json whose events hold the engine's end is repaired
+        (where the run directory cannot be written, that end is derived and shown). Tried
+        once per version of status.json and of the events; True if the status changed."""
+        if self.status.get("ended"):
+            return False
+        if self.status:
+            if not self._supervisor_gone():
+                return False
+        elif self.model.state not in ENGINE_ENDS or is_held(self.run_dir):
+            return False  # no end to repair, or a session holds the run (a resume starting)
+        key = (self._status_mtime, self.model.events)
+        if key == self._settled_for:
+            return False
+        self._settled_for = key
+        settled = settle(self.run_dir)
+        self._read_status()
+        if settled.get("ended") and not self.status.get("ended"):
+            self.status = settled  # nothing could be written there: the derived end
+        return True
 
     def _supervisor_gone(self) -> bool:
         """status.json says the run is live, but its supervisor is not (it was killed)."""

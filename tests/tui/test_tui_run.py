@@ -378,3 +378,27 @@ async def test_a_mixture_of_experts_run_shows_each_experts_share_of_the_tokens(t
         screen = await loaded(pilot, app)
         assert not screen.has_class("-experts")
         assert not screen.query_one("#experts-box").display
+
+
+@pytest.mark.parametrize("damage", ["empty", "missing"])
+async def test_a_finished_run_with_a_damaged_status_is_repaired_by_the_console(tmp_path, damage):
+    from gpu_console.runs import read_status
+
+    run = synthetic.write_run(tmp_path / "runs" / "fin-20260101-000000", state="finished",
+                              steps=300)  # fmt: skip
+    (run / ".lock").touch()  # a run made with the session lock (lost.py): none holds it
+    (end,) = [e for e in read_events(run / "events.jsonl") if e.get("state") == "finished"]
+    if damage == "empty":
+        (run / "status.json").write_text("")
+    else:
+        (run / "status.json").unlink()
+    app = app_on(run, telemetry=False)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await loaded(pilot, app)
+        await until(pilot, lambda: read_status(run).get("ended"), 5, "the repaired status.json")
+        assert screen.snapshot.state == "finished"
+        assert screen.snapshot.step == 300
+    repaired = read_status(run)
+    assert (repaired["state"], repaired["step"], repaired["exit_code"]) == ("finished", 300, 0)
+    assert repaired["ended"] == end["t"]
+    assert repaired["repaired"]["from"] == "events.jsonl"
