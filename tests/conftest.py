@@ -655,7 +655,9 @@ def task_profile(tmp_path: Path, module: str, source: str, cls: str, **kw) -> Pa
 
 
 # A run a test must act on before it ends: each step sleeps PACE_S seconds (0 when unset), so
-# the run's length has a floor that a fast, idle machine cannot shorten. Numerics are the MLP's.
+# the run's length has a floor that a fast, idle machine cannot shorten; with PACE_WHILE set,
+# only while the file it names exists (a test lets the run go at full speed once it acted).
+# Numerics are the MLP's.
 PACED_TASK = """
 import os
 import time
@@ -664,7 +666,9 @@ from gpu_console.tasks.mlp import MLPTask
 
 class Paced(MLPTask):
     def compute(self, model, batch):
-        time.sleep(float(os.environ.get("PACE_S", "0")))
+        gate = os.environ.get("PACE_WHILE")
+        if not gate or os.path.exists(gate):
+            time.sleep(float(os.environ.get("PACE_S", "0")))
         return super().compute(model, batch)
 """
 

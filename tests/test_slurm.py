@@ -21,6 +21,7 @@ from conftest import (
     wait_for,
 )
 from conftest import test_env as cli_env
+from harness import run_engine
 
 from gpu_console import launch, slurm
 
@@ -207,10 +208,8 @@ def test_the_warning_signal_checkpoints_requeues_and_the_next_job_continues_exac
     procs, runs_dir, tmp_path, scontrol
 ):
     profile = paced_profile(tmp_path, max_steps=24)
-    reference = tmp_path / "reference"
-    done = procs.cli("run", str(profile), "--headless", "--runs-dir", str(reference), cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    uninterrupted = losses(run_dirs(reference)[0])
+    # The uninterrupted run from the engine harness (what torchrun's ranks compute, bit for bit).
+    uninterrupted = losses(run_engine(tmp_path, profile, runs_dir=tmp_path / "reference"))
 
     command = ["run", str(profile), "--headless", "--resume", "auto", "--runs-dir", str(runs_dir)]
     first = procs.start(*command, cwd=tmp_path, env=job_env(tmp_path, "4242", PACE_S="0.1"))

@@ -13,6 +13,7 @@ of test_slurm.py stays for what a real one cannot produce (a refused requeue).
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -37,10 +38,13 @@ WHY_NOT = slurm_cluster.missing()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 
 STEPS = 300
-# A step's time where a time limit must come before the end: 120 s of steps, more than a job
-# with a three-minute limit and a 70 s warning gets (SLURM signals it up to 30 s early).
-PACED = {"PACE_S": "0.4"}
-LIMITED = ("--time=3", "--signal=USR1@70")
+# A limited job: the example's warning (SIGUSR1 70 s before the limit, which slurmctld sends
+# at its first 30-second check inside 100 s of the end) and a limit brought in once the run
+# trains (`limited_job`). Until the job is requeued each step takes PACE_S: 150 s of steps,
+# more than the 135 s the limit leaves it at most.
+WARNING = "--signal=USR1@70"
+PACE_S = "0.5"
+AT_STEP = 5
 
 
 @pytest.fixture(scope="module")
@@ -124,14 +128,56 @@ def sessions(run: Path) -> list[dict]:
     return [*old, read_status(run)]
 
 
+def run_seconds(job: dict[str, str]) -> int:
+    """A job's ``RunTime`` ([D-]HH:MM:SS) in seconds."""
+    days, _, clock = job["RunTime"].rpartition("-")
+    h, m, s = (int(x) for x in clock.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
+
+
+def trained(runs: Path, steps: int) -> bool:
+    return any(
+        (run / "events.jsonl").exists() and len(events_of(run, "step")) >= steps
+        for run in run_dirs(runs)
+    )
+
+
+def limited_job(cluster, work: Path, runs: Path, nodes: int) -> tuple[str, dict[str, str]]:
+    """A job stopped by its time limit, then requeued by the run, to its end: (id, last state).
+
+    The limit is brought in (``scontrol update TimeLimit``, which a user may do to their own
+    job) once the run trains: the first whole minute at least 75 s away, so the warning comes
+    within about a minute, wherever in a step it lands, with time left to checkpoint and
+    requeue. Once the job was requeued its limit goes back to ten minutes and the pace is
+    lifted: the rest of the run is not waited for."""
+    pace = runs.parent / f"{runs.name}.pace"
+    pace.touch()
+    job_id = submit(
+        cluster, work, runs, f"--nodes={nodes}", "--time=10", WARNING,
+        PACE_S=PACE_S, PACE_WHILE=str(pace),
+    )  # fmt: skip
+    job = cluster.wait_job(
+        job_id, lambda j: ended(j) or trained(runs, AT_STEP), deadline(300), f"step {AT_STEP}"
+    )
+    assert not ended(job), (job, job_output(runs, job_id))
+    minutes = math.ceil((run_seconds(job) + 75) / 60)
+    cluster.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}")
+    job = cluster.wait_job(
+        job_id, lambda j: ended(j) or int(j.get("Restarts", "0")) >= 1, deadline(600), "requeue"
+    )
+    pace.unlink()
+    if not ended(job):
+        cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=10")
+    return job_id, cluster.wait_job(job_id, ended, deadline(600), "end")
+
+
 @pytest.mark.timeout(1200)
 def test_a_time_limit_requeues_and_the_run_resumes_exactly(cluster, work, reference, tmp_path):
-    """The example script with a three-minute limit: the warning (SIGUSR1, 70 s before the
+    """The example script stopped by its time limit: the warning (SIGUSR1, 70 s before the
     limit, which SLURM sends up to half a minute early) lands wherever it lands; each job
     checkpoints, records ``requeued`` and requeues itself; the next one resumes."""
     runs = tmp_path / "runs"
-    job_id = submit(cluster, work, runs, "--nodes=1", *LIMITED, **PACED)
-    job = cluster.wait_job(job_id, ended, deadline(1000), "end")
+    job_id, job = limited_job(cluster, work, runs, nodes=1)
     out = job_output(runs, job_id)
     assert job["JobState"] == "COMPLETED", (job, out, cluster.logs())
     assert int(job["Restarts"]) >= 1, ("the limit came before the run's end", job, out)
@@ -172,7 +218,7 @@ def test_a_signal_in_the_jobs_first_second_requeues_and_the_run_goes_on(
 @pytest.mark.timeout(1200)
 def test_a_two_node_job_stopped_by_its_limit_resumes_exactly(cluster, work, tmp_path):
     """Two nodes (two slurmd on this host): the uninterrupted two-node run, then the same
-    with a three-minute limit; every node resumes from rank 0's checkpoint."""
+    stopped by its time limit; every node resumes from rank 0's checkpoint."""
     reference_runs = tmp_path / "reference"
     job_id = submit(cluster, work, reference_runs, "--nodes=2", "--time=10")
     job = cluster.wait_job(job_id, ended, deadline(300), "end")
@@ -183,8 +229,7 @@ def test_a_two_node_job_stopped_by_its_limit_resumes_exactly(cluster, work, tmp_
     assert sorted(uninterrupted) == list(range(1, STEPS + 1))
 
     runs = tmp_path / "runs"
-    job_id = submit(cluster, work, runs, "--nodes=2", *LIMITED, **PACED)
-    job = cluster.wait_job(job_id, ended, deadline(1000), "end")
+    job_id, job = limited_job(cluster, work, runs, nodes=2)
     out = job_output(runs, job_id)
     assert job["JobState"] == "COMPLETED" and int(job["Restarts"]) >= 1, (job, out)
     assert "NOT requeued" not in out and "failed" not in out, out
