@@ -19,6 +19,7 @@ import socket
 import sys
 from pathlib import Path
 
+import conftest
 import pytest
 import slurm_cluster
 from conftest import (
@@ -69,6 +70,18 @@ def work(tmp_path_factory):
     (tmp / "train.sbatch").write_text("\n".join(kept) + "\n")
     paced_profile(tmp, max_steps=STEPS, extra="[checkpoint]\nevery_steps = 1000\n")
     return tmp
+
+
+@pytest.fixture(autouse=True)
+def told_on_failure(request, tmp_path):
+    """A failed test prints what its jobs left: each job's whole output and each run's status
+    and events (a busy machine's failure is read from CI's log, the directories are gone)."""
+    yield
+    if request.node.stash.get(conftest._CALL_FAILED, False):
+        for runs in sorted(p for p in tmp_path.iterdir() if p.is_dir()):
+            for out in sorted(runs.glob("job-*.out")):
+                print(f"== {out}:\n{out.read_text(errors='replace')}")
+            print(conftest.describe_runs(runs, lines=40))
 
 
 def job_env(work: Path, runs: Path, **extra: str) -> dict[str, str]:
