@@ -173,6 +173,13 @@ class TrainConfig:
         "auto: bf16 where supported, fp16 + GradScaler on older GPUs, fp32 on CPU; fp64: "
         "the model and its batches' floating tensors in float64, losses reported unrounded",
     )
+    loss_scale_init: float = opt(
+        65536.0,
+        "fp16 on a GPU: the GradScaler's first loss scale (torch's default, 2**16); lower it "
+        "for a model whose first steps overflow (each overflow skips a step and halves it)",
+        gt=0.0,
+        max=2.0**40,
+    )
     eval_every: int = opt(0, "evaluate every N steps (0 = only at the end)", min=0)
     eval_every_epochs: int = opt(
         0, "evaluate every N epochs in place of eval_every (turned into steps at launch)", min=0

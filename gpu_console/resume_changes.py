@@ -104,6 +104,11 @@ TABLE: dict[str, tuple[str, str]] = {
     "train.measure_flops": (APPLIED, "counted once before the session's first step"),
     "train.activation_checkpointing": (APPLIED, "what is recomputed, not what is computed"),
     "train.precision": (APPLIED, "the weights are kept in fp32: autocast changes, they do not"),
+    "train.loss_scale_init": (
+        APPLIED,
+        "the first scale of a GradScaler the checkpoint has none of (fp16 turned on); a "
+        "restored scaler keeps the scale it learned",
+    ),
     "train.grad_accum": (WARNING, f"the global batch changes; {_SPLIT}"),
     "train.seed": (
         WARNING,

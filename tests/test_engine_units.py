@@ -185,6 +185,24 @@ def test_grad_scaler_only_for_fp16_on_cuda():
     assert isinstance(scaler, torch.amp.GradScaler)
 
 
+def test_the_first_loss_scale_is_train_loss_scale_init(monkeypatch):
+    """fp16 on a GPU starts its GradScaler (DDP's, FSDP's sharded one) at the profile's
+    scale; the default is torch's own."""
+    import inspect
+
+    from gpu_console.engine import fsdp
+    from gpu_console.profile import TrainConfig
+
+    torch_default = inspect.signature(torch.amp.GradScaler).parameters["init_scale"].default
+    assert TrainConfig().loss_scale_init == torch_default == 2.0**16
+    # GradScaler("cuda") turns itself off where CUDA is absent, forgetting its scale.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for make in (precision.make_scaler, fsdp.make_scaler):
+        scaler = make("fp16", "cuda", 1024.0)
+        assert scaler is not None and scaler.is_enabled() and scaler.get_scale() == 1024.0
+        assert make("bf16", "cuda", 1024.0) is None
+
+
 def test_autocast_fp32_is_a_null_context_and_leaves_matmuls_in_fp32():
     ctx = precision.autocast("fp32", "cpu")
     assert isinstance(ctx, contextlib.nullcontext)

@@ -194,7 +194,7 @@ class Plain(Strategy):
         return optimizers.clip(max_norm)
 
     # The rest of the interface (Strategy is an ABC): never reached by these tests.
-    def make_scaler(self, precision: str, device_type: str):
+    def make_scaler(self, precision: str, device_type: str, init_scale: float):
         return None
 
     def wrap(self, model, task, precision, optimizers, warn):

@@ -190,7 +190,7 @@ def _model(s: Setup, facts: Facts) -> _Model:
     model = parts.model(lambda m: precision.cast_model(m.to(d.device), facts.prec))
     facts.lr = scaled_lr(p.train.lr, d.world_size, p.distributed.lr_scaling)
     strategy = for_profile(p.distributed, d, task, model)
-    scaler = strategy.make_scaler(facts.prec, d.device.type)
+    scaler = strategy.make_scaler(facts.prec, d.device.type, p.train.loss_scale_init)
     # The task's configure_optimizers(), else train.optimizer: every one by name.
     fused_ok = fused_steps_ok(p.distributed.strategy, facts.prec, d.device.type)
     opts = parts.optimizers(

@@ -144,13 +144,13 @@ def _repoint(entry, names: dict[int, str], now: dict[str, nn.Parameter]) -> None
     entry.params = [now[names[id(q)]] for q in entry.params]
 
 
-def make_scaler(precision: str, device_type: str):
+def make_scaler(precision: str, device_type: str, init_scale: float = 65536.0):
     """fp16 on a GPU: the sharded GradScaler (an overflow on one rank's shard is every
-    rank's); bf16 and fp32 need none."""
+    rank's), from ``train.loss_scale_init``; bf16 and fp32 need none."""
     if precision == "fp16" and device_type == "cuda":
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler("cuda")
+        return ShardedGradScaler("cuda", init_scale=init_scale)
     return None
 
 

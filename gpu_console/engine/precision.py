@@ -45,10 +45,13 @@ def autocast(precision: str, device_type: str) -> contextlib.AbstractContextMana
     return torch.autocast(device_type=device_type, dtype=DTYPES[precision])
 
 
-def make_scaler(precision: str, device_type: str) -> torch.amp.GradScaler | None:
-    """fp16 on CUDA needs loss scaling; bf16 has fp32's range and needs none."""
+def make_scaler(
+    precision: str, device_type: str, init_scale: float = 65536.0
+) -> torch.amp.GradScaler | None:
+    """fp16 on CUDA needs loss scaling (from ``train.loss_scale_init``); bf16 has fp32's
+    range and needs none."""
     if precision == "fp16" and device_type == "cuda":
-        return torch.amp.GradScaler("cuda")
+        return torch.amp.GradScaler("cuda", init_scale=init_scale)
     return None
 
 

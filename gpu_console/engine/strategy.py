@@ -98,8 +98,10 @@ class Strategy(TaskStepRules, ABC):
     wrapped: Any = None
 
     @abstractmethod
-    def make_scaler(self, precision: str, device_type: str) -> torch.amp.GradScaler | None:
-        """The GradScaler (fp16 on a GPU), or None."""
+    def make_scaler(
+        self, precision: str, device_type: str, init_scale: float
+    ) -> torch.amp.GradScaler | None:
+        """The GradScaler (fp16 on a GPU) starting at ``init_scale``, or None."""
         raise NotImplementedError
 
     def load_before_wrap(

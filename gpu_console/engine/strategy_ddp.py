@@ -28,8 +28,8 @@ class DdpStrategy(Strategy):
     def __init__(self, cfg, d) -> None:
         self.cfg, self.d = cfg, d
 
-    def make_scaler(self, precision_: str, device_type: str) -> Any:
-        return precision.make_scaler(precision_, device_type)
+    def make_scaler(self, precision_: str, device_type: str, init_scale: float) -> Any:
+        return precision.make_scaler(precision_, device_type, init_scale)
 
     def load_before_wrap(self, point: Path, model, optimizers, scalers, d) -> Any:
         # The optimizers keep this profile's settings over the saved ones (optim_set.py).

@@ -30,8 +30,8 @@ class FsdpStrategy(Strategy):
     def __init__(self, cfg, d) -> None:
         self.cfg, self.d = cfg, d
 
-    def make_scaler(self, precision: str, device_type: str) -> Any:
-        return fsdp.make_scaler(precision, device_type)
+    def make_scaler(self, precision: str, device_type: str, init_scale: float) -> Any:
+        return fsdp.make_scaler(precision, device_type, init_scale)
 
     def wrap(self, model, task, precision: str, optimizers, warn) -> None:
         self.wrapped = fsdp.shard(model, task, self.cfg, precision, optimizers, warn)

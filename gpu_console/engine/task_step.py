@@ -217,7 +217,10 @@ def step_optimizers(task, opts: Optimizers, train, d, scaler) -> StepOptimizers:
     scalers = None
     if scaler is not None:
         # The run's kind of scaler (FSDP's sharded one agrees on an overflow over the ranks).
-        scalers = {e.name: type(scaler)(d.device.type) for e in opts.entries}
+        scalers = {
+            e.name: type(scaler)(d.device.type, init_scale=train.loss_scale_init)
+            for e in opts.entries
+        }
     return StepOptimizers(
         opts,
         d.device,
