@@ -19,8 +19,8 @@ from . import diskfull, strict_json
 
 VERSION = 1
 KINDS = {
-    "start", "step", "eval", "early_stop", "progress", "checkpoint", "control", "status", "log",
-    "profile",
+    "start", "step", "eval", "early_stop", "epoch", "progress", "checkpoint", "control",
+    "status", "log", "profile",
 }  # fmt: skip
 CONTROL_COMMANDS = ("checkpoint", "stop", "pause", "resume", "profile")
 

@@ -84,6 +84,9 @@ class RunFold:
         self.max_restarts: int | None = None
         self.mfu_sum, self.mfu_count = 0.0, 0  # this session's step events with an MFU
         self.samples_sum, self.samples_count = 0.0, 0  # and with samples/s
+        # Each whole epoch's wall time (``epoch`` events; a later session's word for an epoch
+        # wins: a restart that trains it again, or a resume that joins it mid-way).
+        self.epoch_seconds: dict[int, float] = {}
         self.last_checkpoint: dict[str, Any] | None = None
         self.best_checkpoint: dict[str, Any] | None = None  # checkpoint.keep_best's newest
         self.train_metrics: dict[str, float] = {}  # the task's, newest value of each
@@ -180,6 +183,13 @@ class RunFold:
                 self.best_checkpoint = {k: e.get(k) for k in ("path", "step", "metric", "value")}
         elif kind == "log" and isinstance(e.get("checkpoint_failed"), dict):
             self.checkpoint_failed = e["checkpoint_failed"]
+        elif kind == "epoch":
+            epoch, seconds = e.get("epoch"), e.get("seconds")
+            if type(epoch) is int:
+                if e.get("whole") is True and type(seconds) in _NUM:
+                    self.epoch_seconds[epoch] = seconds
+                else:
+                    self.epoch_seconds.pop(epoch, None)
 
     # -- what is derived ---------------------------------------------------------------------
     @property
@@ -204,6 +214,11 @@ class RunFold:
 
     def mean_samples_per_s(self) -> float | None:
         return self.samples_sum / self.samples_count if self.samples_count else None
+
+    def epoch_time(self) -> dict[str, float | int] | None:
+        """The mean wall time of the run's whole epochs and how many, or None before one."""
+        times = self.epoch_seconds.values()
+        return {"mean_s": sum(times) / len(times), "epochs": len(times)} if times else None
 
     def eta_s(self) -> float | None:
         """The remaining steps at this torchrun group's pace."""

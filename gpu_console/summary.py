@@ -82,6 +82,7 @@ def summary_fields(st: RunState, run_dir: Path) -> dict[str, Any]:
         "eval": dict(sorted(st.eval.items())),
         "train_metrics": dict(sorted(st.train_metrics.items())),  # the task's, last values
         "samples_per_s": st.mean_samples_per_s(),
+        "epoch_time": st.epoch_time(),  # the mean of whole epochs' wall times, and how many
         "mfu": st.mean_mfu(),
         "mfu_not_shown": st.mfu_not_shown,
         "task": first(st.task, known["task"]),
@@ -259,6 +260,11 @@ def summary_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
     out += [(f"train {k}", fmt(v)) for k, v in f["train_metrics"].items()]
     rate = f["samples_per_s"]
     out.append(("samples/s", f"{rate:,.0f} (mean)" if rate else "-"))
+    if et := f.get("epoch_time"):
+        many = f"{et['epochs']} whole epoch{'s' if et['epochs'] != 1 else ''}"
+        mean = et["mean_s"]
+        shown = f"{mean:.3g} s" if mean < 60 else human_duration(mean)
+        out.append(("time per epoch", f"{shown} (mean of {many})"))
     out.append(("MFU", mfu_text(f)))
     devices = f"{f['world_size'] or '-'} × {f['device_type'] or '-'}, {f['precision'] or '-'}"
     out.append(("devices", devices))

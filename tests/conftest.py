@@ -334,13 +334,14 @@ def rendezvous_port() -> int:
     The head node's agent binds it seconds after this pick (its torch import); a port from the
     ephemeral range can meanwhile become any process's outgoing connection, and the agent then
     connects to a stranger instead of hosting the store. Random, so two test workers rarely
-    pick the same one, and checked free as the store binds (SO_REUSEADDR)."""
+    pick the same one (the system's randomness: a test may have seeded ``random``), and
+    checked free as the store binds (SO_REUSEADDR). The harness's two ranks use one too."""
     import random
 
     from gpu_console.slurm import port_free
 
     for _ in range(200):
-        port = random.randrange(20000, 32768)
+        port = random.SystemRandom().randrange(20000, 32768)
         if port_free(port):
             return port
     raise AssertionError("no free port in 20000-32767 for the rendezvous")

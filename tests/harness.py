@@ -382,10 +382,14 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
 def run_forked(run_dir: Path, ranks: int, cwd: Path, env: dict[str, str], timeout: float) -> None:
     """Every rank forked from the zygote with torchrun's environment; waited for, up to
     ``timeout``, then ended by pid. A rank's exception is raised here."""
+    from conftest import rendezvous_port
+
     from gpu_console import launch
 
     base = launch.worker_env(launch.resolve_placement(f"cpu:{ranks}")) | env
-    port = str(launch.free_port())
+    # Below the ephemeral range: a port the kernel handed out (bind to 0) can become another
+    # process's outgoing connection before rank 0 binds it (EADDRINUSE on a busy machine).
+    port = str(rendezvous_port())
     work = run_dir.parent / f".harness-{run_dir.name}"
     work.mkdir(exist_ok=True)
     for stale in work.glob("rank-*"):  # a previous session's (a resume in place)

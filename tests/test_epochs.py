@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from conftest import events_of, set_args, task_profile, write_profile
 from harness import run_engine
+from headless_text import headless_text
 
 from gpu_console import launch
 from gpu_console.profile import ProfileError, load_profile, parse_toml
@@ -90,3 +91,36 @@ def test_a_user_task_in_epochs_trains_them_and_evaluates_at_each_epochs_end(proc
     assert [e["step"] for e in events_of(run, "eval")] == [4, 8]
     train = parse_toml(run / "run.toml")["train"]
     assert (train["max_steps"], train["max_epochs"], train["eval_every"]) == (8, 0, 4)
+
+
+PACE_S = 0.05
+
+
+def test_each_epochs_end_is_an_event_with_its_wall_time(tmp_path):
+    """256 samples, 2 ranks of 32: an epoch is 4 steps; each end is an ``epoch`` event with
+    the epoch's wall time (paced steps: at least 4 paces), its steps, and whole."""
+    from conftest import paced_profile
+
+    profile = paced_profile(tmp_path, max_steps=12, ranks=2)
+    sets = ("task.train_samples=256", "data.batch_size=32", "train.eval_every=0")
+    run = run_engine(tmp_path, profile, *sets, ranks=2, env={"PACE_S": str(PACE_S)})
+    (start,) = events_of(run, "start")
+    epochs = events_of(run, "epoch")
+    assert [(e["epoch"], e["step"], e["steps"], e["whole"]) for e in epochs] == [
+        (0, 4, 4, True), (1, 8, 4, True), (2, 12, 4, True),
+    ]  # fmt: skip
+    assert all(e["seconds"] >= 4 * PACE_S for e in epochs), epochs
+    # Timed from the loop's first step: inside the span from the start event to the last.
+    assert sum(e["seconds"] for e in epochs) <= epochs[-1]["t"] - start["t"]
+    mean = sum(e["seconds"] for e in epochs) / 3
+    assert f"time per epoch: {mean:.3g} s (mean of 3 whole epochs)" in headless_text(run)
+
+    # Resumed mid-epoch (step 6 of epoch 1's steps 5-8): the session's part of epoch 1 is
+    # not whole; epoch 2 is.
+    cut = run_engine(tmp_path, profile, *sets, "train.max_steps=6", ranks=2,
+                     runs_dir=tmp_path / "cut")  # fmt: skip
+    run_engine(tmp_path, None, "train.max_steps=12", ranks=2, resume=cut,
+               runs_dir=tmp_path / "cut")  # fmt: skip
+    got = [(e["epoch"], e["step"], e["steps"], e["whole"]) for e in events_of(cut, "epoch")]
+    assert got == [(0, 4, 4, True), (1, 8, 2, False), (2, 12, 4, True)]
+    assert "(mean of 2 whole epochs)" in headless_text(cut)  # epoch 1's part is left out

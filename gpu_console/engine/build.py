@@ -35,6 +35,7 @@ from .control_handler import CONTROL_INTERVAL_S, ControlHandler
 from .data import Batches, DataPosition, make_loader, move
 from .early_stop import KEY as EARLY_KEY
 from .early_stop import EarlyStop
+from .epoch_clock import EpochClock
 from .evaluate import Evaluator, without_compute
 from .evaluate import splits as eval_splits
 from .exchange import Exchange
@@ -116,6 +117,7 @@ class Built:
     rescue: FailureCheckpoint  # a failure after an update: its state checkpointed
     timeouts: PhaseTimeouts  # start-up's, then the collectives' after the first step
     early_stop: EarlyStop  # train.early_stop_metric: whether the newest eval ended the run
+    epochs: EpochClock  # an epoch event at each epoch's end: its wall time
 
 
 @dataclass
@@ -328,5 +330,5 @@ def _loop_parts(s: Setup, m: _Model, facts: Facts, start: _Start, compiled, auto
         NanStop(out, d, p.checkpoint, ckpt, m.model, m.opts),
         profiler, exchange, compiled, m.mfu, m.eval_loaders, facts,
         FailureCheckpoint(d, out, state, ckpt, s.run_dir), PhaseTimeouts(p.distributed, shared),
-        early,
+        early, EpochClock(out, state.batches, state.step),
     )  # fmt: skip

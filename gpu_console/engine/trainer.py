@@ -41,6 +41,7 @@ class Trainer:
                 b.evaluator.run(state)  # train.eval_at_start: step 0, or a resume that turns it on
 
         end = end_step(p.train)
+        b.epochs.begin()
         while state.step < end and not b.early_stop.stopping:
             b.checkpointer.settle_finished()  # a background write that ended: its event
             rows: list[Row] | None
@@ -68,6 +69,7 @@ class Trainer:
                 # state in a checkpoint (reason "failure") before the run fails, naming it.
                 with guard("the task's hooks"):
                     b.hooks.step_end(state.step, state.batches, b.model, update.output)
+                b.epochs.step_end(state.step, state.batches)
                 with guard("the profiler"):
                     b.profiler.step_end(state.step)  # a capture moves on, or ends and is written
                 # Log, evaluate, checkpoint. A write in flight settles before the log of a

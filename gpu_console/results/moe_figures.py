@@ -15,9 +15,10 @@ classifier), beside the plots every run gets:
 
 With several runs, the training metrics overlay every ``moe_mnist`` run; the expert figures
 and the summary are the first such run's (the summary has a section per run).
-An epoch's time: from the first logged step of that epoch to the first logged step of the
-next (the ``epoch`` of step events), so it is as fine as ``train.log_every`` and includes
-evals and checkpoints inside the epoch. No torch.
+An epoch's time: the engine's ``epoch`` events (each whole epoch's wall time, evals and
+checkpoints inside it included: engine/epoch_clock.py); for a run written before them, from
+the first logged step of that epoch to the first logged step of the next (the ``epoch`` of
+step events), as fine as ``train.log_every``. No torch.
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ def placement(d: RunData) -> Placement | None:
     return Placement(devices, held, parallel, experts, layers if isinstance(layers, int) else 1)
 
 
+def whole_epoch_times(d: RunData) -> list[tuple[int, float]]:
+    """(epoch, seconds) of each whole epoch: the run's epoch events, else its logged steps."""
+    if d.series.epoch_seconds:
+        return sorted(d.series.epoch_seconds.items())
+    return epoch_times(d.series.steps)
+
+
 def epoch_times(steps: list[dict[str, Any]]) -> list[tuple[int, float]]:
     """(epoch, seconds) of each whole epoch the logged steps span: from the first logged
     step of the epoch to the first logged step of the next."""
@@ -134,7 +142,7 @@ def _training_metrics(f: _Figures, runs: list[RunData]) -> None:
         if axs:
             acc_ax.plot(axs, ays, color=color, marker="o", markersize=3.5,
                         label=f.label(d, "eval"))  # fmt: skip
-        times = epoch_times(d.series.steps)
+        times = whole_epoch_times(d)
         if times:
             time_ax.bar([e + i * width for e, _ in times], [s for _, s in times], width=width,
                         color=color, label=d.name if f.several else None)  # fmt: skip
@@ -246,7 +254,7 @@ def _summary(d: RunData) -> str:
             lines.append(f"final eval loss: {loss:.4f}")
     else:
         lines.append("final accuracy: - (no eval)")
-    times = epoch_times(d.series.steps)
+    times = whole_epoch_times(d)
     if times:
         mean = sum(s for _, s in times) / len(times)
         lines.append(f"time per epoch: {mean:.3f} s (mean of {len(times)} whole epochs)")
