@@ -231,16 +231,17 @@ def test_a_zombie_is_not_alive_for_any_reader():
 # -- through the CLI ---------------------------------------------------------------------------
 
 
-def _finished_run(procs, runs_dir, tmp_path, max_steps=20):
-    profile = fast_profile(tmp_path, max_steps=max_steps)
-    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
-    out, err = console.communicate(timeout=deadline(300))
-    assert console.returncode == 0, out + err
-    return the_run(runs_dir)
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> conftest.FinishedRun:
+    """One run of the fast profile to its end (20 steps, one CPU rank) through the CLI, shared:
+    read where it lies, or copied by a test that resumes it."""
+    tmp = tmp_path_factory.mktemp("one-session")
+    profile = fast_profile(tmp, max_steps=20)
+    return conftest._finished(tmp / "runs", profile, str(profile), cwd=tmp)
 
 
-def test_two_resumes_at_the_same_instant_one_runs_the_other_exits_2(procs, runs_dir, tmp_path):
-    run = _finished_run(procs, runs_dir, tmp_path)
+def test_two_resumes_at_the_same_instant_one_runs_the_other_exits_2(procs, runs_dir, finished):
+    run = finished.copy(runs_dir)
     first = json.loads((run / "meta.json").read_text())
     target = 60
     args = ["run", "--resume", str(run), "--headless", "--set", f"train.max_steps={target}"]
@@ -390,9 +391,9 @@ def test_a_double_ctrl_c_after_the_stop_checkpoint_says_it_was_written(procs, ru
     assert time.time() - final["ended"] < 120
 
 
-def test_a_new_run_is_locked_from_its_first_file(procs, runs_dir, tmp_path):
+def test_a_new_run_is_locked_from_its_first_file(finished):
     """A run's directory has its lock as soon as it is a run; ended, nobody holds it."""
-    run = _finished_run(procs, runs_dir, tmp_path, max_steps=5)
+    run = finished.run  # read where the launch left it, never changed
     assert (run / ".lock").is_file() and is_held(run) is False
     assert session_lock.holder(run) == read_status(run)["pids"]["supervisor"]
     assert Path(run / ".lock").stat().st_mode & 0o777 == 0o600

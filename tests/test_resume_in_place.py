@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
 
 import conftest
+import pytest
 from conftest import (
+    Procs,
     deadline,
     events_of,
     fast_profile,
     pid_alive,
+    pinned_env,
     read_status,
     run_dirs,
     task_profile,
@@ -51,19 +57,40 @@ def _snapshot(run):
     }
 
 
-def test_a_stop_between_log_steps_reports_the_checkpoints_step(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=1_000_000)
-    # No step event before the stop: only the checkpoint and the final status know the step.
-    console = procs.start(
-        "run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-        "--set", "train.log_every=100000",
-    )  # fmt: skip
-    run = wait_for(lambda: the_run(runs_dir), what="the run directory")
-    wait_for(lambda: _beat_step(run) >= 20, what="20 steps (heartbeats)")
-    stopped = procs.cli("stop", str(run), "--runs-dir", str(runs_dir))
-    assert stopped.returncode == 0, stopped.stderr
-    out, err = console.communicate(timeout=deadline(120))
-    assert console.returncode == 0, out + err
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """A run (one CPU rank) stopped by ``gpu-console stop`` between two log steps, through the
+    real CLI; launched from a directory of its own (``launched_in``, left empty) with an exact
+    name, so a test can resume a copy of it by a relative path from elsewhere. Read it, never
+    change it: copy it first."""
+    tmp = tmp_path_factory.mktemp("stopped")
+    runs_dir, launched_in = tmp / "runs", tmp / "launched-in"
+    launched_in.mkdir()
+    profile = fast_profile(tmp, max_steps=1_000_000)
+    procs = Procs(runs_dir)
+    try:
+        # No step event before the stop: only the checkpoint and the final status know the step.
+        console = procs.start(
+            "run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+            "--set", "train.log_every=100000", "--name", "rel", "--exact-name",
+            cwd=launched_in, env=pinned_env(),
+        )  # fmt: skip
+        run = wait_for(lambda: the_run(runs_dir), what="the run directory")
+        wait_for(lambda: _beat_step(run) >= 20, what="20 steps (heartbeats)")
+        stop = procs.cli("stop", str(run), "--runs-dir", str(runs_dir), env=pinned_env())
+        out, err = console.communicate(timeout=deadline(120))
+        yield SimpleNamespace(
+            run=run, runs_dir=runs_dir, tmp=tmp, launched_in=launched_in, stop=stop,
+            console=console, out=out, err=err,
+        )  # fmt: skip
+    finally:
+        procs.cleanup()
+
+
+def test_a_stop_between_log_steps_reports_the_checkpoints_step(procs, stopped):
+    run, runs_dir, out = stopped.run, stopped.runs_dir, stopped.out
+    assert stopped.stop.returncode == 0, stopped.stop.stderr
+    assert stopped.console.returncode == 0, out + stopped.err
 
     assert events_of(run, "step") == []
     (ckpt,) = [c for c in events_of(run, "checkpoint") if c["reason"] == "stop"]
@@ -72,7 +99,7 @@ def test_a_stop_between_log_steps_reports_the_checkpoints_step(procs, runs_dir, 
     final = events_of(run, "status")[-1]
     assert final["state"] == "stopped" and final["step"] == step
     assert read_status(run)["step"] == step
-    (row,) = _ls(procs, runs_dir, tmp_path)
+    (row,) = _ls(procs, runs_dir, stopped.tmp)
     assert row["step"] == step and row["state"] == "stopped"
     assert f"{step}/1000000" in out, out
 
@@ -317,21 +344,20 @@ def test_a_reader_acts_only_on_its_sessions_new_commands(tmp_path):
     assert control.proposal(11)[0] == 0
 
 
-def test_a_resume_by_a_relative_path_from_another_directory(procs, runs_dir, tmp_path):
+def test_a_resume_by_a_relative_path_from_another_directory(procs, runs_dir, tmp_path, stopped):
     # The resumed session's torchrun starts where the run was launched: a run directory the
     # console was given relative to its own directory failed every rank there (and left a
-    # skeleton of logs under that directory).
-    launched_in = tmp_path / "launched-in"
-    launched_in.mkdir()
-    profile = fast_profile(tmp_path, max_steps=5)
-    first = procs.cli(
-        "run", str(profile), "--headless", "--runs-dir", str(runs_dir), "--name", "rel",
-        "--exact-name", cwd=launched_in,
-    )  # fmt: skip
-    assert first.returncode == 0, first.stdout + first.stderr
+    # skeleton of logs under that directory). The module's stopped run, launched in
+    # stopped.launched_in as "rel", copied to ./runs/rel here.
+    launched_in = stopped.launched_in
+    assert stopped.console.returncode == 0, stopped.out + stopped.err
+    run = Path(shutil.copytree(stopped.run, runs_dir / "rel", symlinks=True))
+    assert json.loads((run / "meta.json").read_text())["cwd"] == str(launched_in)
+    at = read_status(run)["step"]
     resumed = procs.cli(
-        "run", "--resume", "runs/rel", "--headless", "--set", "train.max_steps=8", cwd=tmp_path
-    )
+        "run", "--resume", "runs/rel", "--headless", "--set", f"train.max_steps={at + 3}",
+        "--set", "train.log_every=1", cwd=tmp_path,
+    )  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert events_of(runs_dir / "rel", "step")[-1]["step"] == 8
+    assert events_of(runs_dir / "rel", "step")[-1]["step"] == at + 3
     assert list(launched_in.iterdir()) == []

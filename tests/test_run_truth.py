@@ -11,8 +11,18 @@ import os
 import signal
 
 import pytest
-from conftest import deadline, events_of, only_run, read_status, task_profile, wait_for
-from conftest import test_env as cli_env
+from conftest import (
+    FinishedRun,
+    Procs,
+    deadline,
+    events_of,
+    only_run,
+    pinned_env,
+    read_status,
+    task_profile,
+    the_run,
+    wait_for,
+)
 
 from gpu_console.format import human_duration
 from gpu_console.runs import STATUS
@@ -64,28 +74,44 @@ class HeldAtClose(MLPTask):
 """
 
 
-def test_a_sigterm_after_the_run_finished_keeps_it_finished(procs, runs_dir, tmp_path):
-    profile = task_profile(tmp_path, "held", HELD_AT_CLOSE, "HeldAtClose", max_steps=3)
-    go = tmp_path / "go"
-    env = cli_env(GO_FILE=str(go))
-    proc = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-                       cwd=tmp_path, env=env)  # fmt: skip
-    run = wait_for(lambda: only_run(runs_dir) if runs_dir.exists() and any(runs_dir.iterdir())
-                   else None, what="the run directory")  # fmt: skip
-    wait_for(lambda: [e for e in events_of(run, "status") if e.get("state") == "finished"],
-             what="the engine's finished event")  # fmt: skip
-    supervisor = read_status(run)["pids"]["supervisor"]
-    os.kill(supervisor, signal.SIGTERM)  # as SLURM signals every process of the job step
-    torchrun = read_status(run)["pids"].get("torchrun")
-    if torchrun:
-        with contextlib.suppress(ProcessLookupError):  # it may have ended already
-            os.kill(torchrun, signal.SIGTERM)
-    go.write_text("")
-    proc.communicate(timeout=deadline(120))
-    status = wait_for(lambda: (s := read_status(run)).get("ended") and s, what="the end")
+@pytest.fixture(scope="module")
+def held_run(tmp_path_factory):
+    """A run of HeldAtClose (one CPU rank, 3 steps, ``--name "my run"``) through the real CLI,
+    whose supervisor and torchrun get a SIGTERM once the engine said finished, while its ranks
+    are held at close; read by the tests, copied by one that adds runs beside it."""
+    tmp = tmp_path_factory.mktemp("held")
+    runs_dir = tmp / "runs"
+    profile = task_profile(tmp, "held", HELD_AT_CLOSE, "HeldAtClose", max_steps=3)
+    go = tmp / "go"
+    procs = Procs(runs_dir)
+    try:
+        proc = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
+                           "--name", "my run", cwd=tmp,
+                           env=pinned_env(GO_FILE=str(go)))  # fmt: skip
+        # the_run: None until run.toml is written (only_run failed on a directory without one).
+        run = wait_for(lambda: the_run(runs_dir), what="the run directory")
+        wait_for(lambda: [e for e in events_of(run, "status") if e.get("state") == "finished"],
+                 what="the engine's finished event")  # fmt: skip
+        supervisor = read_status(run)["pids"]["supervisor"]
+        os.kill(supervisor, signal.SIGTERM)  # as SLURM signals every process of the job step
+        torchrun = read_status(run)["pids"].get("torchrun")
+        if torchrun:
+            with contextlib.suppress(ProcessLookupError):  # it may have ended already
+                os.kill(torchrun, signal.SIGTERM)
+        go.write_text("")
+        proc.communicate(timeout=deadline(120))
+        wait_for(lambda: read_status(run).get("ended"), what="the end")
+        yield FinishedRun(run, profile, proc)
+    finally:
+        procs.cleanup()
+
+
+def test_a_sigterm_after_the_run_finished_keeps_it_finished(held_run):
+    status = read_status(held_run.run)
+    assert status.get("ended"), status
     assert status["state"] == "finished", status
     assert status["exit_code"] == 0
-    assert proc.returncode == 0
+    assert held_run.result.returncode == 0
 
 
 @pytest.mark.parametrize("trouble", ["read-only", "full"])
@@ -151,14 +177,17 @@ def test_a_held_run_is_not_pruned_until_released(tmp_path):
     assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000003"]
 
 
-def test_the_name_a_user_gave_finds_the_run(procs, runs_dir, tmp_path):
+def test_the_name_a_user_gave_finds_the_run(procs, runs_dir, tmp_path, held_run):
     from conftest import fast_profile
 
+    # "my run": the module's held run (launched with --name "my run"), copied here.
+    held_run.copy(runs_dir)
     profile = fast_profile(tmp_path, max_steps=2)
     for name in ("my run", "ünïcødé-✓"):
-        result = procs.cli("run", str(profile), "--headless", "--name", name, "--runs-dir",
-                           str(runs_dir), cwd=tmp_path)  # fmt: skip
-        assert result.returncode == 0, result.stdout + result.stderr
+        if name != "my run":
+            result = procs.cli("run", str(profile), "--headless", "--name", name, "--runs-dir",
+                               str(runs_dir), cwd=tmp_path)  # fmt: skip
+            assert result.returncode == 0, result.stdout + result.stderr
         status = procs.cli("status", name, "--json", "--runs-dir", str(runs_dir))
         assert status.returncode == 0, status.stdout + status.stderr
         assert json.loads(status.stdout)["state"] == "finished"

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+from types import SimpleNamespace
 
-from conftest import deadline, events_of, fast_profile, read_status, the_run, wait_for
+import pytest
+from conftest import (
+    Procs,
+    deadline,
+    events_of,
+    fast_profile,
+    pinned_env,
+    read_status,
+    the_run,
+    wait_for,
+)
 
 
-def _live(procs, runs_dir, tmp_path):
+def _live(procs, runs_dir, tmp_path, *args, env=None):
     profile = fast_profile(tmp_path, max_steps=1_000_000)
-    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
+    console = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir), *args,
+                          env=env)  # fmt: skip
     run = wait_for(lambda: the_run(runs_dir), what="the run directory")
     wait_for(lambda: events_of(run, "step"), what="a first step")
     # The supervisor folds events into status.json on its own tick, a moment later.
@@ -19,32 +32,61 @@ def _live(procs, runs_dir, tmp_path):
     return console, run
 
 
-def test_ls_checkpoint_and_stop_from_another_shell(procs, runs_dir, tmp_path):
-    console, run = _live(procs, runs_dir, tmp_path)
+@pytest.fixture(scope="module")
+def nightly(tmp_path_factory):
+    """A live run launched as ``--name nightly.v2 --exact-name`` (one CPU rank), then ``ls``,
+    ``checkpoint`` and ``stop`` from another shell while it lives, and a ``stop`` after its
+    end: what each command returned, for the tests to read. Read it, never change it."""
+    tmp = tmp_path_factory.mktemp("nightly")
+    runs_dir = tmp / "runs"
+    procs = Procs(runs_dir)
+    env = pinned_env()
     rd = ["--runs-dir", str(runs_dir)]
 
-    rows = json.loads(procs.cli("ls", "--json", *rd).stdout)
+    def cli(*args):
+        return procs.cli(*args, env=env)
+
+    try:
+        console, run = _live(procs, runs_dir, tmp, "--name", "nightly.v2", "--exact-name", env=env)
+        got = SimpleNamespace(runs_dir=runs_dir, run=run, console=console)
+        got.live_rows = cli("ls", "--json", *rd)
+        got.live_table = cli("ls", *rd)
+        got.checkpoint = cli("checkpoint", run.name, *rd)  # by name, not path
+        got.requested = [c for c in events_of(run, "checkpoint") if c["reason"] == "request"]
+        got.stop = cli("stop", str(run), *rd)
+        got.out, got.err = console.communicate(timeout=deadline(120))
+        got.status = read_status(run)
+        got.ended_rows = cli("ls", "--json", *rd)
+        got.stop_again = cli("stop", run.name, *rd)
+        yield got
+    finally:
+        procs.cleanup()
+
+
+def test_ls_checkpoint_and_stop_from_another_shell(nightly):
+    run = nightly.run
+
+    rows = json.loads(nightly.live_rows.stdout)
     assert [(r["name"], r["state"]) for r in rows] == [(run.name, "running")]
-    table = procs.cli("ls", *rd).stdout
+    table = nightly.live_table.stdout
     assert run.name in table and "running" in table
 
-    done = procs.cli("checkpoint", run.name, *rd)  # by name, not path
+    done = nightly.checkpoint
     assert done.returncode == 0, done.stderr
-    requested = [c for c in events_of(run, "checkpoint") if c["reason"] == "request"]
+    requested = nightly.requested
     assert len(requested) == 1 and requested[0]["path"] in done.stdout
 
-    stopped = procs.cli("stop", str(run), *rd)
+    stopped = nightly.stop
     assert stopped.returncode == 0, stopped.stderr
     assert "stopping with a checkpoint" in stopped.stdout
-    out, err = console.communicate(timeout=deadline(120))
-    assert console.returncode == 0, out + err
-    assert read_status(run)["state"] == "stopped"
+    assert nightly.console.returncode == 0, nightly.out + nightly.err
+    assert nightly.status["state"] == "stopped"
 
-    rows = json.loads(procs.cli("ls", "--json", *rd).stdout)
+    rows = json.loads(nightly.ended_rows.stdout)
     assert rows[0]["state"] == "stopped" and rows[0]["step"] >= requested[0]["step"]
 
     # A command to an ended run is a bad input: exit 2, one line.
-    again = procs.cli("stop", run.name, *rd)
+    again = nightly.stop_again
     assert again.returncode == 2
     assert again.stderr.strip().splitlines() == [
         f"gpu-console: {run}: the run has already ended (state stopped)"
@@ -81,16 +123,19 @@ def test_ls_with_no_runs_and_an_unknown_run(procs, runs_dir):
     assert bad.stderr.startswith("gpu-console: ghost: no such run")
 
 
-def test_exact_name_makes_the_run_directory_exactly_that_and_never_reuses_one(procs, tmp_path):
+def test_exact_name_makes_the_run_directory_exactly_that_and_never_reuses_one(
+    procs, tmp_path, nightly
+):
     from conftest import fast_profile
 
-    runs = tmp_path / "runs"
+    # The module's run, launched with --name nightly.v2 --exact-name (ended by a stop).
+    assert nightly.console.returncode == 0, nightly.out + nightly.err
+    assert [p.name for p in nightly.runs_dir.iterdir()] == ["nightly.v2"]
+    assert (nightly.runs_dir / "nightly.v2" / "run.toml").is_file()
+    runs = tmp_path / "runs"  # a copy, for the refusals below to meet
+    runs.mkdir()
+    shutil.copytree(nightly.run, runs / "nightly.v2", symlinks=True)
     profile = fast_profile(tmp_path, max_steps=3)
-    first = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs),
-                      "--name", "nightly.v2", "--exact-name")  # fmt: skip
-    assert first.returncode == 0, first.stdout + first.stderr
-    assert [p.name for p in runs.iterdir()] == ["nightly.v2"]
-    assert (runs / "nightly.v2" / "run.toml").is_file()
     before = sorted(str(p) for p in runs.rglob("*"))
 
     def refused(*args: str) -> str:
