@@ -367,6 +367,13 @@ class HardwareConfig:
     memory_fraction: float = opt(1.0, "cap of each GPU's memory for this process", gt=0.0, max=1.0)
     cudnn_benchmark: bool = opt(True, "let cuDNN pick the fastest kernels")
     tf32: bool = opt(True, "TF32 matmuls on Ampere and newer")
+    memory_warn_fraction: float = opt(
+        0.95,
+        "warn when a GPU's memory in use (every process's) reaches this fraction of its "
+        "total, judged at log steps (0 = off); allocator retries are always said",
+        min=0.0,
+        max=1.0,
+    )
     memory_snapshot_on_oom: bool = opt(
         False,
         "on CUDA, record allocations and write a memory snapshot into the run directory when a "

@@ -41,11 +41,12 @@ def _table(world: int, rank: int, floats: list[float], ints: list[int]) -> torch
 
 def test_rows_survive_the_sum_exactly():
     """Summing every rank's table (what the all-reduce does) gathers the rows, big ints exact."""
-    big = [2**45 + 12345, 2**40 + 1, 3 * 2**33 + 7, 0, 1, 4, 1, 2**31 + 5, 1000]
+    big = [2**45 + 12345, 2**40 + 1, 3 * 2**33 + 7, 0, 1, 9, 141 * 2**30, 2**37, 4, 1,
+           2**31 + 5, 1000]  # fmt: skip
     rows_in = [
         ([0.1234567, 12.5], big),
-        ([float("nan"), 3.0], [1, 2, 3, 4, 5, 0, 0, 0, 0]),
-        ([2.5, float("inf")], [10**12, 0, 7, 7, 7, 2, 0, 123456789, 3]),
+        ([float("nan"), 3.0], [1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0, 0]),
+        ([2.5, float("inf")], [10**12, 0, 7, 7, 7, 0, 0, 0, 2, 0, 123456789, 3]),
     ]
     total = sum(_table(3, r, f, i) for r, (f, i) in enumerate(rows_in))
     rows = decode(total)
@@ -53,6 +54,9 @@ def test_rows_survive_the_sum_exactly():
     assert rows[1].samples == 1 and rows[1].peak == 5 and rows[1].last_loss != rows[1].last_loss
     assert rows[2].samples == 10**12 and rows[2].next_check == 123456789
     assert rows[2].cmd_arg == 3
+    assert (rows[0].alloc_retries, rows[0].device_used, rows[0].device_total) == (
+        9, 141 * 2**30, 2**37,
+    )  # fmt: skip
     assert rows[2].loss_sum == float("inf")
 
 
@@ -97,7 +101,7 @@ for dtype, name in ((torch.float32, "f32"), (torch.float64, "f64")):
     # still the same bits, and every rank's row arrives.
     ref = grads(plain, 2, dtype)
     ex.prepare([torch.tensor(0.5 + rank), torch.tensor(10.0 * rank)],
-               [100 + rank, 2**40 + rank, rank, 2 * rank, 3 * rank, rank % 2, 0, 0, 0])
+               [100 + rank, 2**40 + rank, rank, 2 * rank, 3 * rank, 0, 0, 0, rank % 2, 0, 0, 0])
     got = grads(hooked, 2, dtype)
     rows = ex.gather()
     out[name] = {
@@ -189,11 +193,13 @@ def test_one_rank_gathers_its_own_row_with_no_collective():
     ex = Exchange(0, 1, torch.device("cpu"))
     loss = torch.tensor(0.1234567, dtype=torch.float32)
     total = 2.5000001  # a host number (the CPU window's loss sum): rounded once, to float32
-    ex.prepare([loss, total], [8, 128, 2**40 + 3, 2**40 + 3, 2**41, 0, 0, 11, 0], [0.75, 8])
+    ints = [8, 128, 2**40 + 3, 2**40 + 3, 2**41, 5, 2**36, 2**37, 0, 0, 11, 0]
+    ex.prepare([loss, total], ints, [0.75, 8])
     (row,) = ex.gather()
     assert row.last_loss == loss.item()
     assert row.loss_sum == torch.tensor(total, dtype=torch.float32).item()
     assert (row.samples, row.tokens, row.allocated, row.peak) == (8, 128, 2**40 + 3, 2**41)
+    assert (row.alloc_retries, row.device_used, row.device_total) == (5, 2**36, 2**37)
     assert row.next_check == 11 and row.extra == [0.75, 8.0]
     assert ex.counts() == {"carried": 0, "separate": 1}
     assert ex.control_only((3, 1, 20, 7))[0].cmd == 3  # a control check: the same, no group

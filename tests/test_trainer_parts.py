@@ -17,6 +17,7 @@ from gpu_console.engine.checkpointer import Checkpointer
 from gpu_console.engine.control import Decision
 from gpu_console.engine.control_handler import ControlHandler
 from gpu_console.engine.exchange import Row
+from gpu_console.engine.memory_watch import MemoryWatch
 from gpu_console.engine.nonfinite import NonFiniteLoss
 from gpu_console.engine.optim_set import Optimizers
 from gpu_console.engine.step_log import Parts, StepLogger
@@ -87,11 +88,11 @@ def logger_of(out: Out, train: TrainConfig, exchange=None) -> StepLogger:
     mfu = SimpleNamespace(of=lambda rate: None)
     control = SimpleNamespace(proposal=lambda step: (0, 0, step + 1, 0))
     return StepLogger(Parts(out, CPU, train, opts, exchange, control, mfu, Stopwatch(),
-                            Metrics(), compiled, Beat()))  # fmt: skip
+                            Metrics(), compiled, Beat(), MemoryWatch(0.95, print)))  # fmt: skip
 
 
 def row(loss: float, samples: int) -> Row:
-    return Row(loss, loss * 2, samples, 0, 1, 2, 3, 0, 0, 0)
+    return Row(loss, loss * 2, samples, 0, 1, 2, 3, 0, 0, 0, 0, 0, 0)
 
 
 def test_the_step_logger_writes_a_step_event_from_the_ranks_rows_and_starts_a_new_window():

@@ -41,6 +41,7 @@ from .evaluate import splits as eval_splits
 from .exchange import Exchange
 from .failure_checkpoint import FailureCheckpoint
 from .hooks import Hooks
+from .memory_watch import MemoryWatch
 from .nan_stop import NanStop
 from .optim_set import Optimizers
 from .refusal import Refused
@@ -320,8 +321,9 @@ def _loop_parts(s: Setup, m: _Model, facts: Facts, start: _Start, compiled, auto
                           m.hooks, ckpt.best, early)  # fmt: skip
     evaluator.bind(m.strategy, autocast)
     assert m.mfu is not None  # _prepare set it
+    memory = MemoryWatch(p.hardware.memory_warn_fraction, lambda w: out.log("warning", w))
     log_parts = LogParts(out, d, p.train, m.opts, exchange, control, m.mfu, s.watch, metrics,
-                         compiled, s.beat)  # fmt: skip
+                         compiled, s.beat, memory)  # fmt: skip
     logger = StepLogger(log_parts)
     handler = ControlHandler(out, d, s.beat, control, exchange, profiler, ckpt, logger)
     return Built(

@@ -44,6 +44,9 @@ INTS = (
     "allocated",
     "reserved",
     "peak",
+    "alloc_retries",
+    "device_used",
+    "device_total",
     "cmd",
     "signalled",
     "next_check",
@@ -64,6 +67,9 @@ class Row:
     allocated: int
     reserved: int
     peak: int
+    alloc_retries: int  # the CUDA caching allocator's retries so far (0 on CPU)
+    device_used: int  # the GPU's memory in use by every process (0 on CPU)
+    device_total: int  # the GPU's memory (0 on CPU)
     cmd: int  # control code proposed by a control reader (0: none)
     signalled: int  # 1 if a stop signal reached this rank
     next_check: int  # the step a control reader proposes for the next check (0: none)

@@ -9,16 +9,24 @@ import torch
 
 
 def memory_sample(device: torch.device) -> list[int]:
-    """[allocated, reserved, peak] bytes of this rank."""
+    """[allocated, reserved, peak] bytes of this rank, then on a GPU [the allocator's retries,
+    the device's memory in use by every process, its total] (zeros on CPU)."""
     if device.type == "cuda":
+        # A retry: an allocation that failed, then succeeded once the allocator had freed its
+        # cache and synchronised (torchtitan counts them too): memory nearly full.
+        retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        free, total = torch.cuda.mem_get_info(device)
         return [
             torch.cuda.memory_allocated(device),
             torch.cuda.memory_reserved(device),
             torch.cuda.max_memory_allocated(device),
+            retries,
+            total - free,
+            total,
         ]
     rss = _rss_bytes()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return [rss, rss, max(peak, rss)]
+    return [rss, rss, max(peak, rss), 0, 0, 0]
 
 
 # /proc/self/statm kept open, with the pid it was opened by: "self" is resolved at open, so a

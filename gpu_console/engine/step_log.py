@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .exchange import Row
+from .memory_watch import MemoryWatch
 from .metrics import memory_sample
 from .nonfinite import NonFiniteLoss
 
@@ -64,6 +65,7 @@ class Parts:
     metrics: TrainMetrics
     compiled: Compiled
     beat: Beat
+    memory: MemoryWatch  # a GPU nearly full, the allocator retrying: warnings
 
 
 class StepLogger:
@@ -138,6 +140,7 @@ class StepLogger:
             raise NonFiniteLoss(f"loss is {loss} in {where} (train.nan_policy = 'stop')")
         if not p.out.active:
             return
+        p.memory.check(step, rows)
         lrs = p.opts.lrs()
         fields = {
             "step": step,
@@ -150,6 +153,15 @@ class StepLogger:
             "step_time_s": elapsed / max(w.steps, 1),
             "memory": [
                 {"rank": i, "allocated": r.allocated, "reserved": r.reserved, "peak": r.peak}
+                | (  # a GPU's: its memory in use by every process, its total, the retries
+                    {
+                        "device_used": r.device_used,
+                        "device_total": r.device_total,
+                        "alloc_retries": r.alloc_retries,
+                    }
+                    if r.device_total
+                    else {}
+                )  # fmt: skip
                 for i, r in enumerate(rows)
             ],
         }
