@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    Procs,
     deadline,
     events_of,
     fake_gpus_env,
     fast_profile,
     only_run,
     paced_profile,
+    pinned_env,
     read_status,
     run_dirs,
     wait_for,
@@ -230,9 +232,10 @@ def test_the_record_framing_and_text_summary_are_the_packages_own(tmp_path):
 
 def test_without_the_package_a_launch_says_so_once_and_the_run_trains(procs, runs_dir, tmp_path):
     env = without_packages(tmp_path, "tensorboard")
+    # One rank: the line is the launch's (launch.py), the ranks never look for the package.
     done = procs.cli(
         "run", str(fast_profile(tmp_path, max_steps=20)), "--headless", "--runs-dir",
-        str(runs_dir), "--devices", "cpu:2", cwd=tmp_path, env=env,
+        str(runs_dir), "--devices", "cpu:1", cwd=tmp_path, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("TensorBoard: off, the tensorboard package is not installed") == 1
@@ -244,7 +247,7 @@ def test_without_the_package_a_launch_says_so_once_and_the_run_trains(procs, run
 def test_logging_tensorboard_false_writes_nothing(procs, runs_dir, tmp_path):
     done = procs.cli(
         "run", str(fast_profile(tmp_path, max_steps=20)), "--headless", "--runs-dir",
-        str(runs_dir), "--devices", "cpu:2", "--set", "logging.tensorboard=false", cwd=tmp_path,
+        str(runs_dir), "--devices", "cpu:1", "--set", "logging.tensorboard=false", cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     run = only_run(runs_dir)
@@ -307,46 +310,97 @@ def _one_curve(run: Path) -> dict[int, float]:
     return _values(acc, "train/loss")
 
 
-def test_ctrl_c_and_a_resume_continue_one_curve(procs, runs_dir, tmp_path):
-    proc, run = _started(procs, runs_dir, tmp_path, max_steps=60, pace_s="0.05")
-    wait_for(lambda: any(e["step"] >= 20 for e in events_of(run, "step")), what="step 20")
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=deadline(600))
-    stopped = read_status(run)
-    assert stopped["state"] == "stopped" and stopped["step"] < 60
-    done = procs.cli("run", "--resume", str(run), "--headless", "--runs-dir", str(runs_dir),
-                     cwd=tmp_path)  # fmt: skip
-    assert done.returncode == 0, done.stderr
+# One run of three sessions serves the two tests below (a launch each fewer): Ctrl-C near the
+# start, a paced resume killed (stop --now) past its checkpoint at 50, a resume to the end.
+RESUMED_STEPS = 150
+
+
+def _tensorboard_files(run: Path) -> tuple[int, int]:
+    """Event files: the run's and the HParams tab's."""
     files = [p for p in (run / "tensorboard").iterdir() if p.is_file()]
-    assert len(files) == 2  # a file per session
-    assert len(list((run / "tensorboard" / "hparams").iterdir())) == 2  # the HParams tab's too
+    return len(files), len(list((run / "tensorboard" / "hparams").iterdir()))
+
+
+@pytest.fixture(scope="module")
+def resumed_twice(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tensorboard_resumes")
+    runs = tmp / "runs"
+    procs = Procs(runs)
+    extra = "[checkpoint]\nevery_steps = 50\n"
+    profile = paced_profile(tmp, max_steps=RESUMED_STEPS, extra=extra)
+    seen: dict = {}
+    try:
+        # Paced at 0.2 s a step: the Ctrl-C lands long before step 50's checkpoint, and the
+        # kill 10 s or more before step 100's.
+        proc = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs),
+                           cwd=tmp, env=pinned_env(PACE_S="0.2"))  # fmt: skip
+        (run,) = wait_for(lambda: run_dirs(runs), what="the run directory")
+        wait_for(lambda: any(e["step"] >= 10 for e in events_of(run, "step")), what="step 10")
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=deadline(600))
+        seen["stopped"] = read_status(run)
+        # The Ctrl-C's resume, paced, killed once past its checkpoint at 50.
+        proc = procs.start("run", "--resume", str(run), "--headless", "--runs-dir", str(runs),
+                           cwd=tmp, env=pinned_env(PACE_S="0.2"))  # fmt: skip
+        wait_for(lambda: any(e["step"] >= 55 for e in events_of(run, "step")), what="step 55")
+        seen["resumed_start"] = events_of(run, "start")[-1]
+        seen["kill"] = procs.cli("stop", str(run), "--now", "--runs-dir", str(runs), cwd=tmp,
+                                 env=pinned_env())  # fmt: skip
+        proc.communicate(timeout=deadline(600))
+        seen["killed"] = read_status(run)
+        seen["before_last"] = events_of(run, "step")
+        # What the Ctrl-C's resume left when its session ended: two sessions' TensorBoard.
+        seen["resumed_files"] = _tensorboard_files(run)
+        seen["resumed_curve"] = _steps_and_values(run)
+        # The last session, unpaced: it runs at speed.
+        seen["done"] = procs.cli("run", "--resume", str(run), "--headless", "--runs-dir",
+                                 str(runs), cwd=tmp, env=pinned_env())  # fmt: skip
+        yield run, seen
+    finally:
+        procs.cleanup()
+
+
+def _steps_and_values(run: Path) -> tuple[list[int], dict[int, float]]:
+    acc = _read(run / "tensorboard")
+    return _steps(acc, "train/loss"), _values(acc, "train/loss")
+
+
+def test_ctrl_c_and_a_resume_continue_one_curve(resumed_twice):
+    run, seen = resumed_twice
+    stopped = seen["stopped"]
+    assert stopped["state"] == "stopped" and stopped["step"] < 50
+    assert seen["resumed_start"]["start_step"] == stopped["step"]  # from the stop checkpoint
+    # When the resumed session ended (killed past step 55): a file per session, the HParams
+    # tab's too, and one curve of both sessions' steps.
+    assert seen["resumed_files"] == (2, 2)
+    steps, losses = seen["resumed_curve"]
+    assert steps == sorted(set(steps))  # each step once, never backwards
+    logged = {e["step"]: e["loss"] for e in seen["before_last"]}
+    assert losses == pytest.approx(logged) and max(logged) >= 55
+    assert list(losses) == list(range(1, max(logged) + 1))  # log_every = 1: every step, once
+    # And at the run's end, after the third session: one curve still.
+    assert seen["done"].returncode == 0, seen["done"].stderr
+    assert _tensorboard_files(run) == (3, 3)
     losses = _one_curve(run)
     assert losses == pytest.approx({e["step"]: e["loss"] for e in events_of(run, "step")})
-    assert list(losses) == list(range(1, 61))  # log_every = 1: every step, once
+    assert list(losses) == list(range(1, RESUMED_STEPS + 1))
 
 
 def test_a_killed_run_resumed_from_an_earlier_checkpoint_drops_what_it_logged_past_it(
-    procs, runs_dir, tmp_path
+    resumed_twice,
 ):
-    # Checkpoints 50 steps apart at 0.2 s a step: the kill lands 10 s or more from the next.
-    extra = "[checkpoint]\nevery_steps = 50\n"
-    proc, run = _started(procs, runs_dir, tmp_path, max_steps=150, pace_s="0.2", extra=extra)
-    wait_for(lambda: any(e["step"] >= 55 for e in events_of(run, "step")), what="step 55")
-    killed = procs.cli("stop", str(run), "--now", "--runs-dir", str(runs_dir), cwd=tmp_path)
-    assert killed.returncode == 0, killed.stderr
-    proc.communicate(timeout=deadline(600))
-    assert read_status(run)["state"] == "killed"
-    first = {e["step"]: e["loss"] for e in events_of(run, "step")}
+    run, seen = resumed_twice
+    assert seen["kill"].returncode == 0, seen["kill"].stderr
+    assert seen["killed"]["state"] == "killed"
+    first = {e["step"]: e["loss"] for e in seen["before_last"]}
     assert 55 <= max(first) < 100  # it logged past its checkpoint at 50
-    done = procs.cli(
-        "run", "--resume", str(run), "--headless", "--runs-dir", str(runs_dir), cwd=tmp_path
-    )  # fmt: skip (unpaced: the resumed session runs at speed)
+    done = seen["done"]
     assert done.returncode == 0, done.stderr
     assert events_of(run, "start")[-1]["start_step"] == 50
-    after = events_of(run, "step")[len(first) :]  # the resumed session's
-    assert [e["step"] for e in after] == list(range(51, 151))
+    after = events_of(run, "step")[len(seen["before_last"]) :]  # the last session's
+    assert [e["step"] for e in after] == list(range(51, RESUMED_STEPS + 1))
     losses = _one_curve(run)
-    assert list(losses) == list(range(1, 151))
+    assert list(losses) == list(range(1, RESUMED_STEPS + 1))
     assert {s: v for s, v in losses.items() if s > 50} == pytest.approx(
         {e["step"]: e["loss"] for e in after}
     )

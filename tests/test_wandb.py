@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    Procs,
     deadline,
     events_of,
     fast_profile,
     only_run,
     paced_profile,
+    pinned_env,
     read_status,
     run_dirs,
     wait_for,
@@ -95,51 +97,69 @@ def _wandb_status(run: Path) -> dict:
         return {}
 
 
-def test_an_offline_run_mirrors_the_scalars_and_the_profile(procs, runs_dir, tmp_path):
-    profile = fast_profile(tmp_path, max_steps=30)
-    done = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir), *OFFLINE,
-                     cwd=tmp_path, env=_env(tmp_path))  # fmt: skip
+RESUMED_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def offline_resumed(tmp_path_factory):
+    """One offline run of two sessions (a Ctrl-C at step 15, a resume to its end), shared by
+    the two tests below: the mirror of a whole run and a resume into the same W&B run."""
+    tmp = tmp_path_factory.mktemp("wandb_offline")
+    runs = tmp / "runs"
+    procs = Procs(runs)
+    profile = paced_profile(tmp, max_steps=RESUMED_STEPS)
+    seen: dict = {}
+    try:
+        env = pinned_env(**_wandb_home(tmp), PACE_S="0.05")
+        proc = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs), *OFFLINE,
+                           cwd=tmp, env=env)  # fmt: skip
+        (run,) = wait_for(lambda: run_dirs(runs), what="the run directory")
+        wait_for(lambda: any(e["step"] >= 15 for e in events_of(run, "step")), what="step 15")
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=deadline(600))
+        seen["stopped"] = read_status(run)
+        seen["first"] = wait_for(lambda: (s := _wandb_status(run)).get("state") == "done" and s,
+                                 what="the first session's W&B end")  # fmt: skip
+        # The first session's supervisor holds the run until its follower is done.
+        wait_for(lambda: not _pid_alive(read_status(run)["pids"]["supervisor"]), what="its end")
+        env = pinned_env(**_wandb_home(tmp))  # the resume unpaced: it runs at speed
+        seen["done"] = procs.cli("run", "--resume", str(run), "--headless", "--runs-dir",
+                                 str(runs), cwd=tmp, env=env)  # fmt: skip
+        seen["status"] = wait_for(
+            lambda: (s := _wandb_status(run)).get("state") == "done" and s,
+            what="the second session's W&B end",
+        )
+        yield run, seen
+    finally:
+        procs.cleanup()
+
+
+def test_an_offline_run_mirrors_the_scalars_and_the_profile(offline_resumed):
+    run, seen = offline_resumed
+    done, status = seen["done"], seen["status"]
     assert done.returncode == 0, done.stderr
-    run = only_run(runs_dir)
-    status = wait_for(lambda: (s := _wandb_status(run)).get("state") == "done" and s,
-                      what="the W&B follower's end")  # fmt: skip
     assert status["mode"] == "offline" and status["id"] == (run / "wandb_id").read_text().strip()
     assert f"W&B: offline run {status['id']}: wandb sync {status['dir']}" in done.stdout
-    rows, config = _history(run)
+    rows, config = _history(run)  # both sessions'
     logged = {e["step"]: e["loss"] for e in events_of(run, "step")}
     losses = {r["_step"]: r["train/loss"] for r in rows if "train/loss" in r}
-    assert losses == pytest.approx(logged) and len(logged) == 30  # log_every = 1
+    assert losses == pytest.approx(logged) and len(logged) == RESUMED_STEPS  # log_every = 1
     evals = {e["step"]: e["loss"] for e in events_of(run, "eval")}
     assert {r["_step"]: r["eval/loss"] for r in rows if "eval/loss" in r} == pytest.approx(evals)
     assert any("host/cpu_percent" in r for r in rows)  # telemetry, on the newest step
-    assert config["train.lr"] == 0.003 and config["task.kind"] == "mlp"
+    assert config["train.lr"] == 0.003 and config["task.kind"] == "paced:Paced"
     assert read_status(run)["state"] == "finished"
 
 
-def test_a_resume_logs_into_the_same_wandb_run(procs, runs_dir, tmp_path):
-    profile = paced_profile(tmp_path, max_steps=60)
-    env = _env(tmp_path, PACE_S="0.05")
-    proc = procs.start("run", str(profile), "--headless", "--runs-dir", str(runs_dir), *OFFLINE,
-                       cwd=tmp_path, env=env)  # fmt: skip
-    (run,) = wait_for(lambda: run_dirs(runs_dir), what="the run directory")
-    wait_for(lambda: any(e["step"] >= 15 for e in events_of(run, "step")), what="step 15")
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=deadline(600))
-    first = wait_for(lambda: (s := _wandb_status(run)).get("state") == "done" and s,
-                     what="the first session's W&B end")  # fmt: skip
-    first_id = first["id"]
-    # The first session's supervisor holds the run until its follower is done.
-    wait_for(lambda: not _pid_alive(read_status(run)["pids"]["supervisor"]), what="its end")
-    done = procs.cli("run", "--resume", str(run), "--headless", "--runs-dir", str(runs_dir),
-                     cwd=tmp_path, env=_env(tmp_path))  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    status = wait_for(lambda: (s := _wandb_status(run)).get("state") == "done" and s,
-                      what="the second session's W&B end")  # fmt: skip
-    assert status["id"] == first_id  # the same W&B run
+def test_a_resume_logs_into_the_same_wandb_run(offline_resumed):
+    run, seen = offline_resumed
+    assert seen["stopped"]["state"] == "stopped" and seen["stopped"]["step"] < RESUMED_STEPS
+    assert seen["done"].returncode == 0, seen["done"].stderr
+    assert seen["status"]["id"] == seen["first"]["id"]  # the same W&B run
     assert len(list(run.glob("wandb/offline-run-*"))) == 2  # an offline directory a session
     rows, _ = _history(run)
     steps = [r["_step"] for r in rows if "train/loss" in r]
-    assert steps == sorted(set(steps)) and steps[-1] == 60
+    assert steps == sorted(set(steps)) and steps[-1] == RESUMED_STEPS
     assert set(steps) == {e["step"] for e in events_of(run, "step")}
 
 
