@@ -150,8 +150,8 @@ def test_off_a_terminal_progress_lines_come_at_a_steady_beat(procs, runs_dir, tm
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    console.wait(timeout=120)
-    reader.join(timeout=30)
+    console.wait(timeout=deadline(120))  # stretched, as every deadline is (tests/README.md)
+    reader.join(timeout=deadline(30))
     assert console.returncode == 0, "\n".join(ln for _, ln in lines) + console.stderr.read()
     progress = [(t, int(m[1])) for t, ln in lines if (m := re.match(r"step (\d+)/60 ", ln))]
     steps = events_of(only_run(runs_dir), "step")
