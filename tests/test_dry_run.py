@@ -1,7 +1,9 @@
 """``gpu-console run PROFILE --dry-run``: the plan a run would start from, and nothing written.
 
-The plan's numbers are checked against the ``start`` event of a real run with the same flags
-(2 CPU ranks through torchrun), so the dry run describes what a run builds, not a guess.
+The plan's numbers are checked against the ``start`` event of a run with the same flags
+(2 CPU ranks of the engine harness, tests/harness.py: the launch and the engine a run makes,
+without torchrun and the supervisor), so the dry run describes what a run builds, not a
+guess. The dry runs themselves go through the real CLI.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import events_of, fast_profile, only_run, task_profile
+from harness import run_engine
 
 TIMEOUT_S = 120.0
 
@@ -60,9 +63,9 @@ def test_the_plan_is_what_a_run_builds_and_nothing_is_written(
     assert tree(tmp_path) == before
     plan = json.loads(as_json.stdout)
 
-    real = procs.cli("run", *args, "--headless", timeout=TIMEOUT_S)
-    assert real.returncode == 0, real.stderr
-    run = only_run(runs_dir)
+    run = run_engine(tmp_path, profile, *sets, ranks=2, runs_dir=runs_dir)
+    assert run == only_run(runs_dir)
+    assert events_of(run, "status")[-1]["state"] == "finished"
     start = events_of(run, "start")[0]
     for key in ("params", "optimizer", "weight_decay", "global_batch", "precision"):
         assert plan[key] == start[key], key
@@ -95,9 +98,9 @@ def test_the_plan_is_what_a_run_builds_and_nothing_is_written(
 
 def test_a_resume_plan_lists_the_changes_and_writes_nothing(procs, runs_dir, tmp_path):
     profile = fast_profile(tmp_path, max_steps=4, ranks=2)
-    first = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
-    assert first.returncode == 0, first.stderr
-    run = only_run(runs_dir)
+    run = run_engine(tmp_path, profile, ranks=2, runs_dir=runs_dir)
+    assert run == only_run(runs_dir)
+    assert events_of(run, "status")[-1]["state"] == "finished"
     before = tree(tmp_path)
     args = ["--resume", str(run), "--devices", "cpu:1", "--set", "train.max_steps=8"]
     as_json = dry_run(procs, *args, as_json=True)

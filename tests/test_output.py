@@ -14,13 +14,16 @@ from pathlib import Path
 import pytest
 import typer
 from conftest import (
-    FAST_RUN_STEPS,
+    FinishedRun,
+    Procs,
     deadline,
     events_of,
     fast_profile,
     only_run,
     paced_profile,
+    pinned_env,
     read_events,
+    task_profile,
 )
 from conftest import test_env as cli_env
 from rich.console import Console
@@ -147,8 +150,8 @@ def test_off_a_terminal_progress_lines_come_at_a_steady_beat(procs, runs_dir, tm
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    console.wait(timeout=120)
-    reader.join(timeout=30)
+    console.wait(timeout=deadline(120))  # stretched, as every deadline is (tests/README.md)
+    reader.join(timeout=deadline(30))
     assert console.returncode == 0, "\n".join(ln for _, ln in lines) + console.stderr.read()
     progress = [(t, int(m[1])) for t, ln in lines if (m := re.match(r"step (\d+)/60 ", ln))]
     steps = events_of(only_run(runs_dir), "step")
@@ -227,16 +230,6 @@ def test_profiles_never_cut_a_path(tmp_path, monkeypatch):
         assert all(c in rest for c in path), text  # its characters all there, in order
 
 
-def test_a_fast_profile_summary_off_a_terminal_has_the_checkpoint_whole(fast_run):
-    result, run = fast_run.result, fast_run.run
-    assert result.returncode == 0, result.stderr
-    assert run == only_run(fast_run.runs_dir)
-    latest = Path("checkpoints") / (run / "checkpoints" / "LATEST").read_text().strip()
-    assert re.search(rf"^checkpoint: {re.escape(str(latest))} \(step {FAST_RUN_STEPS}, \w+\)$",
-                     result.stdout, re.M), result.stdout  # fmt: skip
-    assert f"run dir: {run}" in result.stdout.splitlines()
-
-
 TINY_LOSS_TASK = """
 from gpu_console.tasks.mlp import MLPTask
 
@@ -249,22 +242,48 @@ class TinyLoss(MLPTask):
         return out
 """
 
+EVERY_STEP_STEPS = 40
 
-def test_losses_near_1e_5_print_with_their_digits_everywhere(procs, runs_dir, tmp_path):
+
+@pytest.fixture(scope="module")
+def every_step(tmp_path_factory) -> FinishedRun:
+    """One headless run read by the tests below: the tiny-loss task, unpaced, a checkpoint at
+    every step (all kept), a fast beat (0.1 s); one CPU rank (pinned_env: a module's fixture
+    starts before no_gpu_machine pins the hardware)."""
+    tmp = tmp_path_factory.mktemp("every_step")
+    profile = task_profile(tmp, "tiny_loss", TINY_LOSS_TASK, "TinyLoss", max_steps=EVERY_STEP_STEPS)
+    profile.write_text(profile.read_text() + "[checkpoint]\nevery_steps = 1\nkeep_last = 0\n")
+    runs = tmp / "runs"
+    procs = Procs(runs)
+    try:
+        result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs), cwd=tmp,
+                           env=pinned_env(GPU_CONSOLE_PLAIN_EVERY_S="0.1"))  # fmt: skip
+    finally:
+        procs.cleanup()
+    assert result.returncode == 0, result.stdout + result.stderr
+    return FinishedRun(only_run(runs), profile, result)
+
+
+def test_a_fast_profile_summary_off_a_terminal_has_the_checkpoint_whole(every_step):
+    # The module's run of a fast profile (its task the tiny-loss one): its summary's lines.
+    result, run = every_step.result, every_step.run
+    assert result.returncode == 0, result.stderr
+    assert run == only_run(every_step.runs_dir)
+    latest = Path("checkpoints") / (run / "checkpoints" / "LATEST").read_text().strip()
+    assert latest.name == f"step-{EVERY_STEP_STEPS:08d}"
+    assert re.search(rf"^checkpoint: {re.escape(str(latest))} \(step {EVERY_STEP_STEPS}, \w+\)$",
+                     result.stdout, re.M), result.stdout  # fmt: skip
+    assert f"run dir: {run}" in result.stdout.splitlines()
+
+
+def test_losses_near_1e_5_print_with_their_digits_everywhere(procs, every_step):
     """Four decimals would print them as 0.0000: headless lines, summary and ls keep four
     significant digits instead; a loss of 2.03 still prints as 2.0300."""
-    from conftest import task_profile
-
-    from gpu_console.format import fmt
-
     assert [fmt(v) for v in (2.03, 0.0523, 0.001234, 1.2345e-5, 0.0, None, float("nan"))] == [
         "2.0300", "0.0523", "0.001234", "1.234e-05", "0.0000", "-", "nan"
     ]  # fmt: skip
-    profile = task_profile(tmp_path, "tiny_loss", TINY_LOSS_TASK, "TinyLoss", max_steps=6)
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-                       cwd=tmp_path)  # fmt: skip
+    result, run = every_step.result, every_step.run
     assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(runs_dir)
     final = events_of(run, "step")[-1]["loss"]
     assert 1e-6 < final < 1e-4
     shown = fmt(final)
@@ -272,25 +291,20 @@ def test_losses_near_1e_5_print_with_their_digits_everywhere(procs, runs_dir, tm
     assert f"loss {shown}" in result.stdout  # the progress line
     assert re.search(rf"final loss:? +{re.escape(shown)}", result.stdout), result.stdout
     assert "0.0000" not in result.stdout.split("eval @")[0]  # no loss or metric shown as 0
-    table = procs.cli("ls", "--runs-dir", str(runs_dir)).stdout
+    table = procs.cli("ls", "--runs-dir", str(every_step.runs_dir)).stdout
     assert shown in table, table
 
 
 def test_with_a_checkpoint_every_step_lines_come_in_step_order_each_with_its_own_figures(
-    procs, runs_dir, tmp_path
+    every_step,
 ):
     """Background writes settle after later steps; neither events.jsonl nor the headless
     lines go back a step, and no progress line carries another step's loss. Unpaced, with a
     fast beat: a poll often reads a checkpoint's event together with its step's."""
-    steps = 40
-    profile = fast_profile(tmp_path, max_steps=steps)
-    profile.write_text(profile.read_text() + "[checkpoint]\nevery_steps = 1\nkeep_last = 0\n")
-    env = cli_env(GPU_CONSOLE_PLAIN_EVERY_S="0.1")
-    result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-                       cwd=tmp_path, env=env)  # fmt: skip
+    steps = EVERY_STEP_STEPS
+    result, run = every_step.result, every_step.run
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
-    run = only_run(runs_dir)
     # The engine writes a checkpoint's event before the next step's (a write still in flight
     # settles before a checkpoint step's log).
     kinds = ("step", "checkpoint")

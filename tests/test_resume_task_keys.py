@@ -3,10 +3,11 @@
 A SLURM job that gets a new scratch path resumes its own run: a task key that leaves the
 checkpoint's model loadable is a warning naming it (old → new), one that changes the model is
 refused in one line before anything is written, and a task's ``resume_keys`` has the last
-word on the keys it declares. On one finished run (through the real CLI and torchrun) of a
-user task that reads its data from ``task.data_dir`` (its input width is the file's): the
-refusals through the CLI (its one line, its exit code), the resumed run on the engine
-harness (tests/harness.py); the comparison itself in process.
+word on the keys it declares. On one finished run of a user task that reads its data from
+``task.data_dir`` (its input width is the file's), made by the engine harness
+(tests/harness.py: the launch's own run.toml and meta.json, which is what a resume compares
+with): the refusals through the CLI (its one line, its exit code), the resumed run on the
+engine harness; the comparison itself in process.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Procs, events_of, only_run, pinned_env, write_profile
+from conftest import events_of, only_run, pinned_env, write_profile
 from harness import run_engine
 from headless_text import headless_text
 
@@ -147,20 +148,19 @@ class Finished:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Finished:
-    """One finished run of the data task: 4 steps on one CPU rank, from data1 (4 features)."""
+    """One finished run of the data task: 4 steps on one CPU rank, from data1 (4 features),
+    launched from its folder on the engine harness (pinned_env: a module's fixture starts
+    before no_gpu_machine pins the hardware)."""
     where = tmp_path_factory.mktemp("task_keys")
     done = Finished(where, where)
     write_numbers(done.data)
     (where / "datatask.py").write_text(DATA_TASK.format(record=str(done.record)))
     profile = write_profile(where / "datatask.toml", PROFILE.format(data_dir=done.data))
-    procs = Procs(where / "runs")
-    try:
-        result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(where / "runs"),
-                           cwd=where, env=pinned_env())  # fmt: skip
-    finally:
-        procs.cleanup()
-    assert result.returncode == 0, result.stdout + result.stderr
-    done.run = only_run(where / "runs")
+    done.run = run_engine(where, profile, runs_dir=where / "runs", cwd=where, env=pinned_env())
+    assert done.run == only_run(where / "runs")
+    assert [e["step"] for e in events_of(done.run, "step")] == [1, 2, 3, 4]
+    assert events_of(done.run, "status")[-1]["state"] == "finished"
+    assert (done.run / "checkpoints" / "LATEST").read_text().strip() == "step-00000004"
     assert done.built_by_the_comparison() == 0  # a plain launch compares nothing
     return done
 

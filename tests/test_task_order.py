@@ -4,7 +4,10 @@ docs/tasks.md promises: ``ctx`` set, then ``build_model()``, then the optimizers
 (``configure_optimizers``), then ``build_datasets()``. A task that relies on it (its data
 sets read what its model set) must launch, dry-run and resume. The task below writes each of
 its calls, with the process that made it, to a file; each test holds every process's calls
-against engine/task_parts.py's ORDER, and ORDER against the docs.
+against engine/task_parts.py's ORDER, and ORDER against the docs. The dry run and a refusal
+go through the real CLI; a launch's and a resume's parts (the launch's data count and model
+check, the ranks) on the engine harness (tests/harness.py), which runs the product's own
+functions for them (the data count in this process, the resume's model check in its own).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 
 from conftest import REPO, events_of, only_run, read_status, task_profile
 from conftest import test_env as cli_env
+from harness import run_engine
 
 from gpu_console.engine.task_parts import ORDER
 
@@ -102,9 +106,10 @@ def test_a_task_whose_data_reads_its_model_launches_dry_runs_and_resumes(procs, 
     assert [made for made in seen.values() if made == list(ORDER)], seen  # the plan's
     log.unlink()
 
-    run = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),
-                    cwd=tmp_path, env=env)  # fmt: skip
-    assert run.returncode == 0, run.stdout + run.stderr
+    # The launch: its data check (here, the pytest process: role "check") and 2 ranks.
+    first = run_engine(tmp_path, profile, ranks=2, runs_dir=runs_dir, env={"CALLS_FILE": str(log)})
+    assert first == only_run(runs_dir)
+    assert events_of(first, "status")[-1]["state"] == "finished"
     seen = calls(log)
     assert_in_order(seen)
     full = [who for who, made in seen.items() if made == list(ORDER)]
@@ -113,26 +118,23 @@ def test_a_task_whose_data_reads_its_model_launches_dry_runs_and_resumes(procs, 
     log.unlink()
 
     # A resume with a changed [task] key: the model check (a prefix), then the ranks.
-    first = only_run(runs_dir)
-    again = procs.cli(
-        "run", "--resume", str(first), "--headless", "--runs-dir", str(runs_dir),
-        "--set", 'task.note="more"', "--set", "train.max_steps=6", cwd=tmp_path, env=env,
-    )  # fmt: skip
-    assert again.returncode == 0, again.stdout + again.stderr
+    run_engine(tmp_path, None, 'task.note="more"', "train.max_steps=6", ranks=2, resume=first,
+               runs_dir=runs_dir, env={"CALLS_FILE": str(log)})  # fmt: skip
     seen = calls(log)
     assert_in_order(seen)
     assert ["ctx", "build_model"] in seen.values(), seen  # resume_model's shape check
     roles = sorted(role for (_, role), made in seen.items() if made == list(ORDER))
     assert roles == ["0", "1", "check"], seen  # the data check and both ranks
+    assert events_of(first, "status")[-1]["state"] == "finished"
     assert events_of(first, "step")[-1]["step"] == 6
 
 
 def test_a_data_check_past_its_limit_is_refused_by_the_ranks_in_one_line(procs, runs_dir, tmp_path):
     # The launch's data check gives up at its limit (here at once): the ranks judge the
     # batch against the data set and refuse it as the launch would have: state refused,
-    # exit 2, the key in one line, no traceback.
-    profile = task_profile(tmp_path, "ordered", ORDERED, "Ordered", max_steps=4, ranks=2)
-    text = profile.read_text().replace("train_samples = 8192", "train_samples = 40")
+    # exit 2, the key in one line, no traceback. One rank: each rank judges on its own.
+    profile = task_profile(tmp_path, "ordered", ORDERED, "Ordered", max_steps=4)
+    text = profile.read_text().replace("train_samples = 8192", "train_samples = 20")
     profile.write_text(text)
     env = cli_env(CALLS_FILE=str(tmp_path / "calls.txt"), GPU_CONSOLE_DATA_CHECK_S="0")
     result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(runs_dir),

@@ -1,33 +1,33 @@
-"""A task of the user's own, by import path, through the real CLI from the repo root."""
+"""A task of the user's own, by import path, through the real CLI from the repo root.
+
+Its launch checks (the keys, the data count, their time limit, what the task's own
+processes leave behind) are the console's: through the real CLI. That the example task then
+trains is the engine's (tests/harness.py); one finished launch of a counted task is shared by
+the tests that read it (``counted``).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+from pathlib import Path
 
-from conftest import REPO, events_of, only_run, run_dirs
+import pytest
+from conftest import REPO, Procs, events_of, only_run, pinned_env, run_dirs, task_profile
+from harness import run_engine
 
 
-def test_example_user_task_trains_from_its_import_path(procs, runs_dir):
-    result = procs.cli(
-        "run",
-        "sine",
-        "--headless",
-        "--runs-dir",
-        str(runs_dir),
-        "--devices",
-        "cpu:2",  # the profile says "auto": a GPU wherever NVML sees one
-        "--set",
-        "train.max_steps=120",
-        cwd=REPO,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = only_run(runs_dir)
+def test_example_user_task_trains_from_its_import_path(tmp_path):
+    # The engine's part, launched from the repo root as a user would (the task's import path
+    # resolved there): the launch's key check of it through the CLI is the next test's.
+    run = run_engine(tmp_path, "sine", "train.max_steps=120", cwd=REPO)
     assert events_of(run, "start")[0]["task"] == "examples.sine_task:SineTask"
     steps = events_of(run, "step")
+    assert steps[-1]["step"] == 120
     assert steps[-1]["loss_avg"] < 0.5 * steps[0]["loss"]
     assert "hidden = 64" in (run / "run.toml").read_text()  # the user's keys are resolved too
+    assert events_of(run, "status")[-1]["state"] == "finished"
 
 
 def test_user_task_keys_are_checked_against_its_config(procs, runs_dir):
@@ -88,9 +88,10 @@ def helpers_ended(pids_file):
 
 
 def launch(procs, profile, runs_dir, tmp_path, env, timeout: float) -> str:
-    """``run PROFILE --headless`` on two CPU ranks, which must succeed: its output."""
+    """``run PROFILE --headless`` on one CPU rank (what is checked is the launch's and each
+    rank's own), which must succeed: its output."""
     result = procs.cli(
-        "run", str(profile), "--headless", "--devices", "cpu:2", "--runs-dir", str(runs_dir),
+        "run", str(profile), "--headless", "--devices", "cpu:1", "--runs-dir", str(runs_dir),
         cwd=tmp_path, env=env, timeout=timeout,
     )  # fmt: skip
     both = result.stdout + result.stderr
@@ -121,9 +122,12 @@ def test_a_slow_data_set_does_not_hold_the_launch(procs, runs_dir, tmp_path):
         wait_for(lambda: not any(map(pid_alive, pids)), what="the task's helper to be ended")
 
 
-# Says, in a file, each process that imports it and each that builds its data sets.
+# Says, in a file, each process that imports it and each that builds its data sets; its
+# config has an optional key, left at None.
 COUNTED = """
 import os
+from dataclasses import dataclass
+from gpu_console.tasks.configs import MLPConfig
 from gpu_console.tasks.mlp import MLPTask
 
 def _say(what):
@@ -133,7 +137,14 @@ def _say(what):
 _say("import")
 
 
+@dataclass
+class Config(MLPConfig):
+    limit: int | None = None  # an optional key, left at None
+
+
 class Counted(MLPTask):
+    Config = Config
+
     def build_datasets(self):
         _say("data")
         return super().build_datasets()
@@ -144,40 +155,64 @@ def seen(path) -> list[tuple[str, str, str]]:
     return [tuple(line.split()) for line in path.read_text().splitlines()]
 
 
-def test_a_launch_checks_a_user_task_and_counts_its_data_in_one_process(procs, runs_dir, tmp_path):
-    # Each torch start-up before the run is seconds: the key check and the data count share one.
-    from conftest import task_profile, test_env
+class CountedRun:
+    """A finished launch of the counted task: where it was launched from, its profile, its
+    run, and what its processes said (``seen``), read when it ended."""
 
-    profile = task_profile(tmp_path, "counted", COUNTED, "Counted", max_steps=2)
-    said = tmp_path / "seen.txt"
-    result = procs.cli(
-        "run", str(profile), "--headless", "--devices", "cpu:1", "--runs-dir", str(runs_dir),
-        cwd=tmp_path, env=test_env(SEEN_FILE=str(said)),
-    )  # fmt: skip
+    def __init__(self, where: Path, profile: Path, run: Path, said: list[tuple[str, str, str]]):
+        self.where, self.profile, self.run, self.said = where, profile, run, said
+
+    def refused(self, procs, tmp_path: Path, *more: str):
+        """A launch of the same profile with ``more`` arguments, in ``tmp_path``'s runs
+        directory (a refused one writes none there); the result and what was said."""
+        from conftest import test_env
+
+        said = tmp_path / "seen.txt"
+        said.unlink(missing_ok=True)  # what an earlier launch of the test said
+        result = procs.cli(
+            "run", str(self.profile), "--headless", "--runs-dir", str(tmp_path / "runs"),
+            *more, cwd=self.where, env=test_env(SEEN_FILE=str(said)),
+        )  # fmt: skip
+        return result, seen(said)
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory) -> CountedRun:
+    """One launch of the counted task: 2 steps on the profile's one CPU rank."""
+    where = tmp_path_factory.mktemp("counted")
+    profile = task_profile(where, "counted", COUNTED, "Counted", max_steps=2)
+    said = where / "seen.txt"
+    procs = Procs(where / "runs")
+    try:
+        result = procs.cli("run", str(profile), "--headless", "--runs-dir", str(where / "runs"),
+                           cwd=where, env=pinned_env(SEEN_FILE=str(said)))  # fmt: skip
+    finally:
+        procs.cleanup()
     assert result.returncode == 0, result.stdout + result.stderr
-    before = [s for s in seen(said) if s[2] == "-"]  # not a rank
+    return CountedRun(where, profile, only_run(where / "runs"), seen(said))
+
+
+def test_a_launch_checks_a_user_task_and_counts_its_data_in_one_process(
+    procs, counted, tmp_path, runs_dir
+):
+    # Each torch start-up before the run is seconds: the key check and the data count share one.
+    before = [s for s in counted.said if s[2] == "-"]  # not a rank
     assert [what for what, _, _ in before] == ["import", "data"]
     assert before[0][1] == before[1][1]  # the same process
-    assert ("data", "0") in {(what, rank) for what, _, rank in seen(said)}  # the rank's own
+    assert ("data", "0") in {(what, rank) for what, _, rank in counted.said}  # the rank's own
 
-    said.unlink()
-    result = procs.cli(
-        "run", str(profile), "--headless", "--devices", "cpu:1", "--runs-dir", str(runs_dir),
-        "--set", "task.hiden=3", cwd=tmp_path, env=test_env(SEEN_FILE=str(said)),
-    )  # fmt: skip
+    result, said = counted.refused(procs, tmp_path, "--set", "task.hiden=3")
     assert result.returncode == 2
     assert "task.hiden: unknown key" in result.stderr
-    assert [what for what, _, _ in seen(said)] == ["import"]  # keys wrong: no data built
+    assert [what for what, _, _ in said] == ["import"]  # keys wrong: no data built
 
-    said.unlink()  # the keys hold, a later check refuses: the data sets are not built either
-    result = procs.cli(
-        "run", str(profile), "--headless", "--devices", "cpu:1", "--runs-dir", str(runs_dir),
-        "--precision", "fp16", cwd=tmp_path, env=test_env(SEEN_FILE=str(said)),
-    )  # fmt: skip
+    # The keys hold, a later check refuses: the data sets are not built either.
+    result, said = counted.refused(procs, tmp_path, "--precision", "fp16")
     assert result.returncode == 2
     assert result.stderr.startswith("gpu-console: --precision: train.precision: ")
-    assert [what for what, _, _ in seen(said)] == ["import"]
-    assert len(run_dirs(runs_dir)) == 1  # the first launch's run alone
+    assert [what for what, _, _ in said] == ["import"]
+    assert run_dirs(runs_dir) == []  # neither refusal made a run
+    assert run_dirs(counted.run.parent) == [counted.run]  # the first launch's run alone
 
 
 NO_DATA = """
@@ -279,31 +314,12 @@ def test_a_launch_counts_the_data_of_a_task_that_left_a_helper_running(procs, ru
         wait_for(lambda: not pid_alive(pids[0]), what="the task's helper to be ended")
 
 
-OPTIONAL_KEY = """
-from dataclasses import dataclass
-from gpu_console.tasks.mlp import MLPTask
-from gpu_console.tasks.configs import MLPConfig
-
-
-@dataclass
-class Config(MLPConfig):
-    limit: int | None = None  # an optional key, left at None
-
-
-class WithOptional(MLPTask):
-    Config = Config
-"""
-
-
-def test_an_optional_key_left_at_none_launches_and_is_still_checked(procs, runs_dir, tmp_path):
+def test_an_optional_key_left_at_none_launches_and_is_still_checked(procs, counted, tmp_path):
     # Every launch of such a task failed: "task.limit: expected an integer (got None)".
-    from conftest import task_profile
-
-    profile = task_profile(tmp_path, "optional", OPTIONAL_KEY, "WithOptional", max_steps=2)
-    args = ("run", str(profile), "--headless", "--runs-dir", str(runs_dir))
-    done = procs.cli(*args, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "\nlimit =" not in (only_run(runs_dir) / "run.toml").read_text()  # TOML has no null
-    bad = procs.cli(*args, "--set", 'task.limit="many"', cwd=tmp_path)
+    # The counted task's config has one (``limit``): its launch went through.
+    assert events_of(counted.run, "status")[-1]["state"] == "finished"
+    assert "\nlimit =" not in (counted.run / "run.toml").read_text()  # TOML has no null
+    bad, said = counted.refused(procs, tmp_path, "--set", 'task.limit="many"')
     assert bad.returncode == 2
     assert bad.stderr.strip() == "gpu-console: --set: task.limit: expected an integer (got 'many')"
+    assert [what for what, _, _ in said] == ["import"]  # keys wrong: no data built
