@@ -14,7 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import fake_gpus_env, fast_profile, only_run, paced_profile, read_events, read_status
+from conftest import (
+    deadline,
+    fake_gpus_env,
+    fast_profile,
+    only_run,
+    paced_profile,
+    read_events,
+    read_status,
+)
 from conftest import test_env as cli_env
 from nvml_run_fake import POWER_W, UTIL
 from test_telemetry_fake import GIB, FakeGpu, FakeNvml, install
@@ -81,9 +89,10 @@ def test_a_headless_run_has_gpu_samples_from_its_start_to_its_end(headless_run):
     samples = [x for x in lines if x["kind"] == "sample"]
     assert lines[-1]["kind"] == "summary" and len(samples) == len(lines) - 1
     # From the supervisor's start (its first tick) to its end (the last, at the final status).
-    assert samples[0]["t"] - status["started"] < 2.0
+    # Quiet-machine bounds, stretched on a busy one (a tick can come late, never early).
+    assert samples[0]["t"] - status["started"] < deadline(2.0)
     assert status["ended"] >= samples[-1]["t"] >= read_events(run)[-1]["t"] - 0.01
-    assert all(b["t"] - a["t"] < 1.5 for a, b in zip(samples, samples[1:], strict=False))
+    assert all(b["t"] - a["t"] < deadline(1.5) for a, b in zip(samples, samples[1:], strict=False))
     assert all(s["every_s"] == 1.0 for s in samples)  # a short run is written at every tick
     # The GPUs are the ranks' (by UUID through NVML's process lists), each rank's process too.
     with_ranks = [s for s in samples if {r["rank"] for r in s["ranks"]} == {0, 1}]
