@@ -118,6 +118,16 @@ def run_engine(
     return run_dir
 
 
+def preload(*modules: str) -> None:
+    """The zygote imports ``modules`` too (this worker's, started here if it was not): the
+    ranks forked from it after this start past those imports, as they start past torch's. For
+    a module whose task imports a library of seconds in every rank (transformers, sklearn)."""
+    from conftest import deadline
+
+    answer = _zygote()._ask({"op": "import", "modules": list(modules)}, deadline(ZYGOTE_START_S))
+    assert answer.get("imported") == list(modules), answer
+
+
 def launch_notes(monkeypatch) -> list[str]:
     """The notes of the launches the test makes from now on: the lines ``gpu-console run``
     prints on stderr before it starts a run (``launch.prepare``'s, as the harness's launches
@@ -585,6 +595,10 @@ def _zygote_main() -> None:
             _say(answer, {"pid": pid})
         elif request["op"] == "wait":
             _say(answer, _reap(request["pids"], float(request["timeout"])))
+        elif request["op"] == "import":  # preload()
+            for name in request["modules"]:
+                importlib.import_module(name)
+            _say(answer, {"imported": request["modules"]})
     os._exit(0)  # its parent closed the pipe: no interpreter teardown (torch's takes seconds)
 
 

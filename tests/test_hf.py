@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import events_of, run_dirs
 from conftest import test_env as cli_env
-from harness import cut_and_resumed, run_engine
+from harness import cut_and_resumed, preload, run_engine
 
 from gpu_console.profile import ProfileError, load_profile
 from gpu_console.tasks.hf import HFTask
@@ -20,6 +20,23 @@ from gpu_console.tasks.lm import read_text
 transformers = pytest.importorskip("transformers")
 
 TINY = ["task.config.n_embd=32", "task.config.n_head=2", "task.config.n_layer=1"]
+
+# What the task imports in every rank (some 3 CPU-s of transformers), imported once by the
+# harness's zygote instead: its 2-rank runs' ranks are forked past it.
+RANK_IMPORTS = (
+    "gpu_console.tasks.hf",
+    "transformers",
+    "transformers.models.auto.configuration_auto",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.tokenization_utils_fast",
+)
+
+
+@pytest.fixture
+def preloaded():
+    preload(*RANK_IMPORTS)
 
 
 def test_the_config_table_builds_the_model_and_nested_sets_keep_the_rest_of_it():
@@ -73,7 +90,7 @@ SHORT = [
 ]
 
 
-def test_hf_trains_a_tiny_config_offline_resumes_exactly_and_exports(procs, tmp_path):
+def test_hf_trains_a_tiny_config_offline_resumes_exactly_and_exports(procs, tmp_path, preloaded):
     whole_dir = tmp_path / "whole"
     run = run_engine(tmp_path, "hf", *SHORT, ranks=2, runs_dir=whole_dir)
     losses = {e["step"]: e["loss"] for e in events_of(run, "step")}
@@ -95,14 +112,14 @@ def test_hf_trains_a_tiny_config_offline_resumes_exactly_and_exports(procs, tmp_
     model.load_state_dict(torch.load(out, weights_only=True))  # plain torch, nothing else
 
 
-def test_the_classifier_learns_on_two_ranks(tmp_path):
+def test_the_classifier_learns_on_two_ranks(tmp_path, preloaded):
     sets = [*TINY, "task.head=sequence-classification", "train.max_steps=20",
             "train.eval_every=20", "task.seq_len=32", "task.config.n_positions=32"]  # fmt: skip
     (final,) = events_of(run_engine(tmp_path, "hf", *sets, ranks=2), "eval")
     assert final["accuracy"] > 0.9 and final["loss"] < 0.3, final
 
 
-def test_a_saved_model_directory_trains_through_its_own_tokenizer(tmp_path):
+def test_a_saved_model_directory_trains_through_its_own_tokenizer(tmp_path, preloaded):
     """A model and a word-level tokenizer saved to a directory, as a user's download would
     be: the run loads both with nothing fetched, and the sequences are the tokenizer's."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

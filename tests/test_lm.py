@@ -48,9 +48,16 @@ def test_a_missing_text_file_is_named(tmp_path):
 TEXT = "the cat sat on the mat. the dog ate the log. a bird in the hand.\n" * 400
 
 
+# The profile's model at a quarter of its width (its two blocks kept): what these runs check
+# (learning, samples, an exact resume, the export, FSDP's blocks) is the family's, not its
+# size's; a rank's step costs a fifth of the default's.
+NARROW = ["task.d_model=32", "task.n_heads=2"]
+
+
 def short(text_file) -> list[str]:
     return ["train.max_steps=40", "train.eval_every=20", "train.warmup_steps=5",
-            f"task.text_file={text_file}", "task.sample_bytes=24", "train.log_every=1"]  # fmt: skip
+            f"task.text_file={text_file}", "task.sample_bytes=24", "train.log_every=1",
+            *NARROW]  # fmt: skip
 
 
 def test_lm_on_a_text_file_learns_samples_resumes_exactly_and_exports(procs, tmp_path):
@@ -75,7 +82,7 @@ def test_lm_on_a_text_file_learns_samples_resumes_exactly_and_exports(procs, tmp
     out = tmp_path / "weights.pt"
     exported = procs.cli("export", str(run), "--out", str(out), "--runs-dir", str(whole_dir))
     assert exported.returncode == 0, exported.stdout + exported.stderr
-    model = GPT(load_profile("lm").task)
+    model = GPT(load_profile("lm", NARROW).task)
     model.load_state_dict(torch.load(out, weights_only=True))  # plain torch, nothing else
 
 

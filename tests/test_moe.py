@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from conftest import events_of, run_dirs, set_args
+from conftest import events_of, pinned_env, run_dirs, set_args
 from harness import cut_and_resumed, run_engine
 
 from gpu_console.profile import ProfileError, load_profile
@@ -109,8 +109,18 @@ SMALL = ("task.d_model=32", "task.n_heads=2", "task.num_experts=4", "task.seq_le
          "train.log_every=5", "train.eval_every=20", "checkpoint.every_steps=0")  # fmt: skip
 
 
-def test_it_trains_on_two_ranks_and_reports_each_experts_share(tmp_path):
-    run = run_engine(tmp_path, "moe", *SMALL, ranks=2)
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    """SMALL on 2 ranks, the experts replicated (DDP), a checkpoint every 20 steps: the run
+    the training test reads and the expert-parallel one compares with (read it, never change
+    it). pinned_env: a module's fixture starts before no_gpu_machine pins the hardware."""
+    tmp = tmp_path_factory.mktemp("moe")
+    return run_engine(tmp, "moe", *SMALL, "checkpoint.every_steps=20", ranks=2,
+                      runs_dir=tmp / "rep", env=pinned_env())  # fmt: skip
+
+
+def test_it_trains_on_two_ranks_and_reports_each_experts_share(replicated):
+    run = replicated
     steps = events_of(run, "step")
     assert [s["step"] for s in steps] == list(range(5, 41, 5))
     for s in steps:
@@ -137,9 +147,11 @@ def whole_state(run, step: int) -> dict:
     return torch.load(run / "checkpoints" / f"step-{step:08d}" / "state.pt", weights_only=True)
 
 
-def test_expert_parallel_trains_the_replicated_model_and_checkpoints_it_whole(procs, tmp_path):
-    sets = (*SMALL, "checkpoint.every_steps=20")
-    rep = moe_run(tmp_path, tmp_path / "rep", *sets)
+def test_expert_parallel_trains_the_replicated_model_and_checkpoints_it_whole(
+    procs, tmp_path, replicated
+):
+    sets = (*SMALL, "checkpoint.every_steps=20")  # the replicated run's
+    rep = replicated
     ep = moe_run(tmp_path, tmp_path / "ep", *sets, "task.expert_parallel=true")
     (start,) = events_of(ep, "start")
     assert start["strategy"] == "expert"

@@ -15,7 +15,7 @@ import struct
 import pytest
 import torch
 from conftest import events_of, run_dirs
-from harness import run_engine
+from harness import preload, run_engine
 
 from gpu_console.profile import load_profile
 from gpu_console.schema import KeyProblem
@@ -24,6 +24,12 @@ from gpu_console.tasks.configs import installed
 
 # The digits need scikit-learn (the digits extra; the dev extra has it); the IDX files do not.
 digits = pytest.mark.skipif(not installed("sklearn"), reason="scikit-learn (the digits extra)")
+
+
+def preloaded() -> None:
+    """The task's modules, and scikit-learn's digits (some 2 CPU-s of imports in every
+    rank), imported once by the harness's zygote: the 2-rank runs' ranks fork past them."""
+    preload("gpu_console.tasks.moe_mnist", *(["sklearn.datasets"] if installed("sklearn") else []))
 
 
 # -- the IDX reader ------------------------------------------------------------------------
@@ -91,6 +97,7 @@ QUICK = ("data.batch_size=32", "train.max_steps=60", "train.log_every=5",
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("digits")
+    preloaded()
     return run_engine(tmp, "moe_mnist", *QUICK, ranks=2)
 
 
@@ -191,6 +198,7 @@ K = 10
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity")
+    preloaded()
     rep = run_engine(tmp, "moe_mnist", *PARITY, ranks=2, runs_dir=tmp / "rep")
     ep = run_engine(tmp, "moe_mnist", *PARITY, "task.expert_parallel=true", ranks=2,
                     runs_dir=tmp / "ep")  # fmt: skip
