@@ -103,7 +103,7 @@ for dtype, name in ((torch.float32, "f32"), (torch.float64, "f64")):
     hooked.register_comm_hook(None, ex.hook)
     ref, got = grads(plain, 1, dtype), grads(hooked, 1, dtype)
     ex.prepare([torch.tensor(0.5 + rank), torch.tensor(10.0 * rank)],
-               [100 + rank, 2**40 + rank, rank, 2 * rank, 3 * rank, rank % 2, 0, 0, 0])
+               [100 + rank, 2**40 + rank, rank, 2 * rank, 3 * rank, 0, 0, 0, rank % 2, 0, 0, 0])
     ref2, got2 = grads(plain, 2, dtype), grads(hooked, 2, dtype)
     rows = ex.gather()
     out[name] = {
