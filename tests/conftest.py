@@ -126,17 +126,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # of few tests (the real SLURM's) came last and one worker ended the suite alone.
 HEAVIEST_FIRST = (
     "tests/test_slurm_real.py",
-    "tests/test_survive_signals.py",
     "tests/test_slurm.py",
+    "tests/test_survive_signals.py",
+    "tests/test_multinode.py",
     "tests/test_tensorboard.py",
+    "tests/test_resume_in_place.py",
     "tests/test_control.py",
-    "tests/test_user_task.py",
-    "tests/test_engine.py",
-    "tests/test_one_session.py",
-    "tests/test_dry_run.py",
-    "tests/test_resume_task_keys.py",
-    "tests/test_run_truth.py",
     "tests/test_stall_real_run.py",
+    "tests/test_timeouts.py",
+    "tests/test_bad_input.py",
+    "tests/test_wandb.py",
+    "tests/test_engine.py",
 )
 
 
