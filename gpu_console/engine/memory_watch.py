@@ -17,13 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ..format import human_bytes
 from .exchange import Row
 
 REARM = 0.05  # below the threshold by this much, a GPU may be said nearly full again
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -56,9 +53,10 @@ class MemoryWatch:
             worst = max(full, key=lambda f: f[1])
             self.warn(
                 f"GPU memory nearly full at step {step}: {_ranks([f[0] for f in full])} "
-                f"{worst[1]:.1%} of {_gib(worst[2])} in use (hardware.memory_warn_fraction = "
-                f"{self.fraction:g}); next the allocator retries, then a rank runs out: a "
-                "smaller data.batch_size, train.activation_checkpointing or bf16 make room"
+                f"{worst[1]:.1%} of {human_bytes(worst[2])} in use "
+                f"(hardware.memory_warn_fraction = {self.fraction:g}); next the allocator "
+                "retries, then a rank runs out: a smaller data.batch_size, "
+                "train.activation_checkpointing or bf16 make room"
             )
         if retried:
             counts = ", ".join(f"{n:,}" for _, n in retried)
