@@ -376,12 +376,83 @@ def ls_cmd(
         help="started or updated (newest first), name, state, step (furthest first), loss or "
         "best_loss (lowest first); default: the newest session first.",
     ),
+    sweep: str | None = typer.Option(
+        None,
+        "--sweep",
+        metavar="SWEEP",
+        help="Only the trials of this sweep (its directory, or its name under the runs directory).",
+    ),
 ) -> None:
     """Runs under the runs directory, newest first: state, step, loss, when started and
     last updated."""
     from .commands import runs as command
 
-    command.ls_main(_runs_dir(ctx, runs_dir), as_json, state, since, profile, sort)
+    folder = _runs_dir(ctx, runs_dir)
+    if sweep is not None:
+        from .sweep.store import find_sweep
+
+        folder = find_sweep(sweep, folder)  # its trials are runs under its directory
+    command.ls_main(folder, as_json, state, since, profile, sort)
+
+
+@app.command("sweep")
+def sweep_cmd(
+    ctx: typer.Context,
+    file: str | None = typer.Argument(
+        None, metavar="SWEEP_FILE", help="The sweep file (TOML): docs/sweeps.md."
+    ),
+    resume: str | None = typer.Option(
+        None,
+        "--resume",
+        metavar="SWEEP",
+        help="Continue a sweep (its directory, or its name under the runs directory): ended "
+        "trials kept, running ones taken back, interrupted ones resumed from their checkpoints.",
+    ),
+    devices: str | None = typer.Option(
+        None,
+        "--devices",
+        metavar="D",
+        help="The devices trials are placed on: auto, GPU indices like 0,1, or cpu:N "
+        "(default: the sweep file's sweep.devices, else auto).",
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Check everything and list the trials; start nothing."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
+    headless: bool = typer.Option(
+        False, "--headless", help="Report as text (the only console a sweep has yet)."
+    ),
+    runs_dir: Path | None = RunsDirOpt,
+) -> None:
+    """Run many trials of one profile, placed on the devices as they free up. The sweep
+    keeps going if this terminal goes away."""
+    from . import launch
+    from .commands import sweep as command
+
+    folder = _runs_dir(ctx, runs_dir)
+    if as_json and not dry_run:
+        raise launch.LaunchError("--json: only with --dry-run")
+    if resume is not None:
+        if file is not None:
+            raise launch.LaunchError(
+                f"SWEEP_FILE: --resume continues a sweep with its own plan; leave the file out "
+                f"(got {file!r})"
+            )
+        if dry_run or devices is not None:
+            raise launch.LaunchError(
+                "--resume: a resumed sweep keeps its plan and devices (no --dry-run, --devices)"
+            )
+        raise typer.Exit(command.resume(resume, folder))
+    if file is None:
+        raise launch.LaunchError("SWEEP_FILE: give a sweep file (or --resume SWEEP)")
+    if devices is not None:
+        from .devices import DeviceSpecError, parse_devices
+
+        try:
+            parse_devices(devices)
+        except DeviceSpecError as e:
+            raise launch.LaunchError(f"--devices: {e}") from None
+    raise typer.Exit(command.start(file, devices, folder, dry_run, as_json))
 
 
 @app.command("status")

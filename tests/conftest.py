@@ -11,6 +11,7 @@ same on a laptop, in CI and on a GPU node. Tests marked ``gpu`` and tests that t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -445,7 +446,15 @@ class Procs:
         pids: set[int] = set()
         for proc in self.started:
             pids.add(proc.pid)
-        for run_dir in run_dirs(self.runs_dir):
+        sweeps = sorted(self.runs_dir.glob("*/sweep.json")) if self.runs_dir.is_dir() else []
+        for plan in sweeps:  # a sweep's driver, and its trials below
+            for line in (plan.parent / "sweep.jsonl").read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError, psutil.Error):
+                    pid = json.loads(line).get("pid")
+                    if pid and "gpu_console.sweep.driver" in psutil.Process(pid).cmdline():
+                        pids.add(pid)
+        trials = [run for plan in sweeps for run in run_dirs(plan.parent)]
+        for run_dir in [*run_dirs(self.runs_dir), *trials]:
             status = read_status(run_dir)
             for key in ("supervisor", "torchrun"):
                 pid = status.get("pids", {}).get(key)

@@ -1,0 +1,272 @@
+"""``python -m gpu_console.sweep.driver SWEEP_DIR --lock-fd FD``: a sweep's driver.
+
+A detached process (a session of its own, as a run's supervisor): closing the console or
+losing SSH changes nothing. It holds the sweep's lock for as long as it lives (one driver
+at a time), starts each trial as ``gpu-console run`` would (``launch.prepare`` and
+``launch.start``: every trial is an ordinary run with a supervisor of its own) on a free slot
+(slots.py), records each trial's start and end in ``sweep.jsonl``, and ends the sweep when
+every trial has ended or the budget is spent.
+
+Started again on a sweep (``gpu-console sweep --resume``) after a crash, a ``kill -9`` or a
+reboot, it keeps what the events say ended, takes back the trials still running (their
+supervisors outlive any driver), resumes from its checkpoint every trial that ended without
+finishing, and goes on. No torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .. import launch, lost, runs, session_lock
+from ..events import JsonlTail, append_control, read_events
+from ..profile import ProfileError
+from ..runs import RunDirError
+from . import store
+from .slots import Slot
+
+POLL_S = 0.25
+# The ends a trial's run may record while no driver watched it that its checkpoint continues.
+RESUMABLE = ("stopped", "requeued", "interrupted", "killed", "lost")
+
+
+class Driver:
+    def __init__(self, sweep_dir: Path):
+        self.dir = Path(sweep_dir)
+        self.plan = store.read_plan(self.dir)
+        self.trials = {t["trial"]: t for t in self.plan["trials"]}
+        self.slots = [Slot(s["index"], s["devices"], tuple(s["cores"])) for s in self.plan["slots"]]
+        self.free = list(self.slots)
+        self.live: dict[int, tuple[Slot, Path, Any]] = {}  # trial → (slot, run, supervisor)
+        self.queue: list[tuple[int, Path | None]] = []  # (trial, its run to resume or None)
+        self.session = uuid.uuid4().hex[:8]
+        past = store.read_events(self.dir)
+        self.used_before = _used_seconds(past)
+        self.began = time.monotonic()
+        self.stop_asked = ""
+        self.stop_sent = False
+        control = self.dir / store.CONTROL
+        # Commands given to an earlier driver were answered by it (or died with it).
+        self.control = JsonlTail(control, control.stat().st_size if control.exists() else 0)
+        self.folded = store.fold(past, self.plan)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        resumed = any(e.get("kind") == "sweep" for e in store.read_events(self.dir))
+        store.append_event(self.dir, "sweep", state="running", session=self.session,
+                           pid=os.getpid(), resumed=resumed)  # fmt: skip
+        self.recover()
+        while True:
+            self.read_control()
+            self.reap()
+            if self.stop_asked:
+                if not self.stop_sent:
+                    for _, run, _ in self.live.values():
+                        with contextlib.suppress(OSError):
+                            append_control(run, "stop")
+                    self.stop_sent = True
+                if not self.live:
+                    return self.end("stopped", self.stop_asked)
+            else:
+                spent = self.budget_spent()
+                while self.free and self.queue and not spent:
+                    trial, resume = self.queue.pop(0)
+                    self.start(trial, self.free.pop(0), resume)
+                if not self.live and (not self.queue or spent):
+                    return self.end("finished", spent or "every trial ended")
+            time.sleep(POLL_S)
+
+    def end(self, state: str, reason: str) -> int:
+        folded = store.fold(store.read_events(self.dir), self.plan)
+        best = folded["best"]
+        store.append_event(
+            self.dir, "sweep", state=state, reason=reason, session=self.session,
+            best=None if best is None else {k: best[k] for k in ("trial", "run", "objective")},
+        )  # fmt: skip
+        return 0
+
+    def budget_spent(self) -> str:
+        minutes = float(self.plan["sweep"].get("max_minutes") or 0)
+        used = self.used_before + time.monotonic() - self.began
+        if minutes and used >= minutes * 60:
+            return f"max_minutes reached ({minutes:g})"
+        return ""
+
+    def read_control(self) -> None:
+        for cmd in self.control.read():
+            if cmd.get("cmd") == "stop" and not self.stop_asked:
+                self.stop_asked = "stop asked"
+
+    # -- trials --------------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """What the events and the trials' runs say, before anything starts: ended trials
+        kept, live ones taken back on their slots, the others queued (resumes first)."""
+        resumes: list[tuple[int, Path | None]] = []
+        fresh: list[tuple[int, Path | None]] = []
+        for row in self.folded["trials"]:
+            n, state = row["trial"], row["state"]
+            run = self.dir / row["run"] if row["run"] else None
+            if state in ("finished", "failed"):
+                continue
+            if state == "pending" or run is None or not run.is_dir():
+                fresh.append((n, None))
+                continue
+            status = lost.settle(run)
+            if state == "running" and not status.get("ended"):
+                slot = next((s for s in self.free if s.devices == row["devices"]), None)
+                if slot is not None:
+                    self.free.remove(slot)
+                    self.live[n] = (slot, run, None)
+                    store.append_event(self.dir, "trial", trial=n, state="adopted",
+                                       run=run.name, devices=slot.devices)  # fmt: skip
+                    continue
+            if status.get("state") == "finished":
+                self.record_end(n, run, status)
+            else:
+                resumes.append((n, run))
+        self.queue = resumes + fresh
+
+    def start(self, n: int, slot: Slot, resume: Path | None) -> None:
+        trial = self.trials[n]
+        if resume is not None and runs.latest_checkpoint(resume) is None:
+            resume = None  # ended before its first checkpoint: it starts again, beside it
+        exact = not (self.dir / store.trial_name(n)).exists()
+        try:
+            with pinned(slot.cores):
+                if resume is not None:
+                    prof, placement, resume_from = launch.prepare(
+                        None, devices=slot.devices, resume=str(resume), runs_dir=self.dir
+                    )
+                else:
+                    prof, placement, resume_from = launch.prepare(
+                        self.plan["sweep"]["profile"], devices=slot.devices,
+                        overrides=trial["sets"], runs_dir=self.dir,
+                        name=store.trial_name(n), exact_name=exact,
+                    )  # fmt: skip
+                launched = launch.start(prof, placement, self.dir, resume_from,
+                                        exact_name=resume is None and exact)  # fmt: skip
+        except (launch.LaunchError, ProfileError, RunDirError, OSError) as e:
+            launch.release_resumes()
+            self.free.append(slot)
+            why = "; ".join(e.problems) if isinstance(e, ProfileError) else str(e)
+            store.append_event(self.dir, "trial", trial=n, state="failed",
+                               reason=f"could not start: {why}")  # fmt: skip
+            return
+        step = int(resume_from.name.rsplit("-", 1)[-1]) if resume_from is not None else 0
+        store.append_event(
+            self.dir, "trial", trial=n, state="resumed" if resume is not None else "started",
+            run=launched.run_dir.name, devices=slot.devices, step=step,
+        )  # fmt: skip
+        self.live[n] = (slot, launched.run_dir, launched.supervisor)
+
+    def reap(self) -> None:
+        for n, (slot, run, proc) in list(self.live.items()):
+            if proc is not None:
+                proc.poll()  # a supervisor that exited is not left a zombie
+            status = lost.settle(run)
+            if not status.get("ended"):
+                continue
+            del self.live[n]
+            self.free.append(slot)
+            self.free.sort(key=lambda s: s.index)
+            self.record_end(n, run, status)
+
+    def record_end(self, n: int, run: Path, status: dict[str, Any]) -> None:
+        state = status.get("state")
+        step = status.get("step")
+        if state == "finished":
+            value = objective(run, self.plan["objective"])
+            store.append_event(
+                self.dir, "trial", trial=n, state="finished", run=run.name, objective=value,
+                step=step, reason="" if value is not None else
+                f"no {self.plan['objective']['metric']} in its eval events",
+            )  # fmt: skip
+        elif state in RESUMABLE:
+            store.append_event(self.dir, "trial", trial=n, state="stopped", run=run.name,
+                               step=step, reason=status.get("reason", ""))  # fmt: skip
+        else:
+            store.append_event(self.dir, "trial", trial=n, state="failed", run=run.name,
+                               step=step, reason=status.get("reason") or str(state))  # fmt: skip
+
+
+def objective(run: Path, spec: dict[str, Any]) -> float | None:
+    """The trial's value of the metric: its last eval's, or its best eval's."""
+    name = spec["metric"].split(".", 1)[1]
+    values = [
+        float(e[name])
+        for e in read_events(run / "events.jsonl")
+        if e.get("kind") == "eval" and isinstance(e.get(name), (int, float))
+    ]
+    if not values:
+        return None
+    if spec.get("use") == "best":
+        return min(values) if spec["direction"] == "min" else max(values)
+    return values[-1]
+
+
+def _used_seconds(events: list[dict[str, Any]]) -> float:
+    """The time earlier drivers ran: each session's first event to its last."""
+    spans: dict[str, list[float]] = {}
+    session = None
+    for e in events:
+        if e.get("kind") == "sweep" and e.get("session"):
+            session = e["session"]
+        if session is not None and isinstance(e.get("t"), (int, float)):
+            spans.setdefault(session, []).append(float(e["t"]))
+    return sum(max(ts) - min(ts) for ts in spans.values())
+
+
+@contextlib.contextmanager
+def pinned(cores: tuple[int, ...]) -> Iterator[None]:
+    """This process's CPU affinity set to ``cores`` while a CPU trial starts: its supervisor,
+    torchrun and ranks inherit it (and size their threads by it)."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[1] != "--lock-fd":
+        print("usage: python -m gpu_console.sweep.driver SWEEP_DIR --lock-fd FD", file=sys.stderr)
+        return 2
+    sweep_dir = Path(argv[0])
+    fd = int(argv[2])
+    os.set_inheritable(fd, False)  # the trials' supervisors hold their own runs' locks
+    session_lock.SessionLock(sweep_dir, fd).claim(os.getpid())
+    driver = Driver(sweep_dir)
+
+    def graceful(signum, _frame) -> None:
+        driver.stop_asked = driver.stop_asked or f"signal {signal.Signals(signum).name}"
+
+    signal.signal(signal.SIGTERM, graceful)
+    signal.signal(signal.SIGINT, graceful)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        return driver.run()
+    except Exception as e:  # the driver's own bug: the sweep says so, its trials go on
+        import traceback
+
+        traceback.print_exc()
+        with contextlib.suppress(OSError):
+            store.append_event(sweep_dir, "sweep", state="failed", session=driver.session,
+                               reason=f"driver: crashed: {type(e).__name__}: {e}")  # fmt: skip
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

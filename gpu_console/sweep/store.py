@@ -1,0 +1,158 @@
+"""A sweep's directory: the contract between its driver and every console.
+
+::
+
+    runs/<name>-<YYYYmmdd-HHMMSS>/
+      sweep.toml      the sweep file as given
+      sweep.json      the plan: the resolved sweep, every trial's values and --sets, the slots
+      sweep.jsonl     the driver's events (one writer): sweep states and trial starts/ends
+      control.jsonl   console → driver commands (stop)
+      driver.log      the driver's own output
+      .lock           one driver at a time (session_lock's kind of lock)
+      trial-000/ …    each trial an ordinary run directory
+
+No torch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from .. import strict_json
+from ..events import JsonlTail
+from ..runs import RunDirError, atomic_write_json, read_json, run_dir_name
+
+PLAN = "sweep.json"
+EVENTS = "sweep.jsonl"
+CONTROL = "control.jsonl"
+LOG = "driver.log"
+FILE = "sweep.toml"
+ENDED = ("finished", "stopped", "failed")  # a sweep's end states (its last ``sweep`` event)
+
+
+def create(runs_dir: Path, name: str) -> Path:
+    """``runs_dir/<name>-<stamp>`` (0700), new."""
+    runs_dir = Path(runs_dir)
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"{runs_dir}: cannot create the runs directory ({e.strerror})") from None
+    base = run_dir_name(name)
+    for n in range(1, 1000):
+        path = runs_dir / (base if n == 1 else f"{base}-{n}")
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            why = e.strerror
+            raise RunDirError(f"{runs_dir}: cannot create a sweep directory ({why})") from None
+        return path
+    raise RunDirError(f"{runs_dir}: too many sweeps named {base}")
+
+
+def is_sweep(path: Path) -> bool:
+    return (Path(path) / PLAN).is_file()
+
+
+def find_sweep(arg: str, runs_dir: Path) -> Path:
+    """A sweep directory, or a sweep's name under the runs directory (its newest)."""
+    path = Path(arg).expanduser()
+    if is_sweep(path):
+        return path
+    if "/" not in arg and is_sweep(runs_dir / arg):
+        return runs_dir / arg
+    if runs_dir.is_dir() and "/" not in arg:
+        named = sorted(
+            p for p in runs_dir.iterdir() if p.name.startswith(f"{arg}-") and is_sweep(p)
+        )
+        if named:
+            return named[-1]
+    raise RunDirError(f"{arg}: not a sweep directory, nor a sweep's name under {runs_dir}")
+
+
+def trial_name(n: int) -> str:
+    return f"trial-{n:03d}"
+
+
+def write_plan(sweep_dir: Path, plan: dict[str, Any]) -> None:
+    atomic_write_json(Path(sweep_dir) / PLAN, plan)
+
+
+def read_plan(sweep_dir: Path) -> dict[str, Any]:
+    plan = read_json(Path(sweep_dir) / PLAN)
+    if not plan or "trials" not in plan:
+        raise RunDirError(f"{Path(sweep_dir) / PLAN}: missing or damaged")
+    return plan
+
+
+def append_event(sweep_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
+    """One event, appended whole (a single write of one line): the driver's alone."""
+    event = {"v": 1, "t": round(time.time(), 3), "kind": kind, **fields}
+    fd = os.open(Path(sweep_dir) / EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (strict_json.dumps(event) + "\n").encode())
+    finally:
+        os.close(fd)
+    return event
+
+
+def read_events(sweep_dir: Path) -> list[dict[str, Any]]:
+    return JsonlTail(Path(sweep_dir) / EVENTS).read()
+
+
+def append_control(sweep_dir: Path, cmd: str) -> str:
+    cid = uuid.uuid4().hex[:12]
+    line = strict_json.dumps({"id": cid, "cmd": cmd, "t": round(time.time(), 3)}) + "\n"
+    fd = os.open(Path(sweep_dir) / CONTROL, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+    return cid
+
+
+def fold(events: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
+    """The sweep as its events leave it: its state, each trial's row, the best trial."""
+    rows: dict[int, dict[str, Any]] = {
+        t["trial"]: {
+            "trial": t["trial"],
+            "state": "pending",
+            "params": t["params"],
+            "run": None,
+            "devices": None,
+            "objective": None,
+            "reason": "",
+            "sessions": 0,
+        }  # fmt: skip
+        for t in plan["trials"]
+    }
+    state, reason = "starting", ""
+    for e in events:
+        if e.get("kind") == "sweep":
+            state, reason = e.get("state", state), e.get("reason", "")
+        elif e.get("kind") == "trial" and e.get("trial") in rows:
+            row = rows[e["trial"]]
+            row["state"] = e.get("state", row["state"])
+            for key in ("run", "devices", "objective", "reason", "step"):
+                if key in e:
+                    row[key] = e[key]
+            if e.get("state") in ("started", "resumed", "adopted"):
+                row["state"] = "running"
+                row["sessions"] += e.get("state") != "adopted"
+    objective = plan["objective"]
+    done = [r for r in rows.values() if r["objective"] is not None]
+    best = None
+    for r in done:
+        if best is None or _better(objective["direction"], r["objective"], best["objective"]):
+            best = r
+    return {"state": state, "reason": reason, "trials": [rows[k] for k in sorted(rows)],
+            "best": best}  # fmt: skip
+
+
+def _better(direction: str, a: float, b: float) -> bool:
+    return a < b if direction == "min" else a > b

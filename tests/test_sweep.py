@@ -1,0 +1,344 @@
+"""Sweeps (gpu_console/sweep/, issue 41): the file judged in full before anything starts, the
+trials a search makes, and real sweeps through the CLI: trials packed on ``--devices cpu:2``
+one rank each, every trial an ordinary run, the best named; a console that goes away, a
+driver killed with SIGKILL and trials killed with it, then ``sweep --resume``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import (
+    deadline,
+    events_of,
+    fast_profile,
+    paced_profile,
+    read_status,
+    run_dirs,
+    test_env,
+    wait_for,
+)
+
+from gpu_console.sweep import store
+from gpu_console.sweep.spec import SweepError, load_sweep
+from gpu_console.sweep.trials import make_trials
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def sweep_file(tmp_path: Path, params: str, extra: str = "", sweep: str = "") -> Path:
+    if "trial_devices" not in sweep:
+        sweep = f'trial_devices = "cpu:1"\n{sweep}'
+    return write(
+        tmp_path / "lr.toml",
+        f'[sweep]\nprofile = "fast.toml"\n{sweep}\n'
+        f'[objective]\nmetric = "eval.loss"\n\n[parameters]\n{params}\n{extra}',
+    )
+
+
+# -- the file and the trials ---------------------------------------------------------------
+
+
+def test_a_grid_takes_every_combination_in_order_and_trials_caps_it(tmp_path):
+    fast_profile(tmp_path)
+    path = sweep_file(
+        tmp_path,
+        '"train.lr" = {log_range = [1e-4, 1e-2], num = 3}\n'
+        '"data.batch_size" = [16, 32]\n'
+        '"train.warmup_steps" = {range = [0, 10], step = 5}\n',
+    )
+    trials = make_trials(load_sweep(path))
+    assert len(trials) == 3 * 2 * 3
+    assert [t["train.lr"] for t in trials[::6]] == pytest.approx([1e-4, 1e-3, 1e-2])
+    assert [t["data.batch_size"] for t in trials[:6:3]] == [16, 32]
+    assert [t["train.warmup_steps"] for t in trials[:3]] == [0, 5, 10]
+    path.write_text(path.read_text().replace("[sweep]\n", "[sweep]\ntrials = 4\n"))
+    assert make_trials(load_sweep(path)) == trials[:4]
+
+
+def test_a_random_search_is_seeded_and_stays_in_its_ranges(tmp_path):
+    fast_profile(tmp_path)
+    params = (
+        '"train.lr" = {log_range = [1e-5, 1e-1]}\n'
+        '"data.batch_size" = {range = [8, 64]}\n'
+        '"task.hidden_dim" = [32, 64]\n'
+    )
+    path = sweep_file(tmp_path, params, sweep='search = "random"\ntrials = 200\nseed = 3')
+    first, again = make_trials(load_sweep(path)), make_trials(load_sweep(path))
+    assert first == again and len(first) == 200
+    lrs = [t["train.lr"] for t in first]
+    assert all(1e-5 <= v <= 1e-1 for v in lrs)
+    # log-uniform: about as many draws in each decade
+    decades = [sum(10 ** (-5 + d) <= v < 10 ** (-4 + d) for v in lrs) for d in range(4)]
+    assert min(decades) > 25, decades
+    assert all(type(t["data.batch_size"]) is int and 8 <= t["data.batch_size"] <= 64 for t in first)
+    assert {t["task.hidden_dim"] for t in first} == {32, 64}
+    path.write_text(path.read_text().replace("seed = 3", "seed = 4"))
+    assert make_trials(load_sweep(path)) != first
+
+
+def test_the_file_is_judged_in_full_every_problem_naming_its_key(tmp_path):
+    fast_profile(tmp_path)
+    path = write(
+        tmp_path / "bad.toml",
+        '[sweep]\nprofile = "fast.toml"\nsearch = "bayes"\ntrails = 3\n'
+        '[objective]\nmetric = "accuracy"\n'
+        '[parameters]\n"train.lr" = {range = [0.1, 0.1]}\n"data.batch_size" = []\n'
+        '"train.warmup_steps" = {log_range = [0, 10], num = 3}\n',
+    )
+    with pytest.raises(SweepError) as e:
+        load_sweep(path)
+    problems = e.value.problems
+    expected = [
+        "sweep.trails: unknown key",
+        "sweep.search: expected one of grid, random (got 'bayes')",
+        "objective.metric: expected eval.<metric>",
+        "parameters.train.lr.range: an empty range",
+        "parameters.data.batch_size.values: expected a non-empty list",
+        "parameters.train.warmup_steps.log_range: a log range needs low > 0",
+    ]
+    for part in expected:
+        assert any(p.startswith(f"{path}: ") and part in p for p in problems), (part, problems)
+    assert len(problems) == len(expected), problems
+
+
+# -- the CLI: bad input is one line, exit 2, nothing written ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "params, sweep, devices, expected",
+    [
+        ('"train.lrr" = [0.1, 0.2]', "", "cpu:2", "lr.toml: parameters.train.lrr: unknown key"),
+        ('"train.lr" = {range = [0.2, 0.1], step = 0.1}', "", "cpu:2",
+         "lr.toml: parameters.train.lr.range: an empty range"),
+        ('"train.lr" = [0.1, 0.2]', 'trial_devices = "cpu:3"', "cpu:2",
+         "lr.toml: sweep.trial_devices: a trial needs 3 CPU ranks, the sweep has 2"),
+        ('"train.lr" = [0.1, 0.2]', "trial_devices = 1", "cpu:2",
+         "lr.toml: sweep.trial_devices: a trial of 1 GPU(s), but the sweep's devices are 2 CPU"),
+        ('"train.lr" = [0.1, -0.2]', "", "cpu:2", "lr.toml: trial 1 (train.lr=-0.2): "),
+        ('"train.lr" = [0.1]', "", "cpu:9999", "--devices: 9999 CPU ranks on"),
+    ],
+    ids=["unknown key", "empty range", "more cpus than granted", "gpus on a cpu grant",
+         "a trial's value refused", "devices"],
+)  # fmt: skip
+def test_a_bad_sweep_is_one_line_exit_2_and_nothing_started(
+    tmp_path, procs, runs_dir, params, sweep, devices, expected
+):
+    fast_profile(tmp_path)
+    path = sweep_file(tmp_path, params, sweep=sweep)
+    r = procs.cli("sweep", str(path), "--devices", devices, "--runs-dir", str(runs_dir))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not runs_dir.exists(), "nothing written"
+
+
+# -- real sweeps ------------------------------------------------------------------------------
+
+
+def overlapping(events: list[dict]) -> int:
+    """The most trials running at once, by the driver's own events."""
+    live, most = 0, 0
+    for e in events:
+        if e.get("kind") != "trial":
+            continue
+        if e["state"] in ("started", "resumed"):
+            live += 1
+        elif e["state"] in ("finished", "failed", "stopped"):
+            live -= 1
+        most = max(most, live)
+    return most
+
+
+def test_eight_trials_two_at_a_time_every_trial_a_run_and_the_best_named(tmp_path, procs, runs_dir):
+    fast_profile(tmp_path, max_steps=12, extra="[checkpoint]\nevery_steps = 0\n")
+    path = sweep_file(
+        tmp_path,
+        '"train.lr" = [1e-3, 3e-3, 1e-2, 3e-2]\n"data.batch_size" = [16, 32]\n',
+        extra='[set]\n"train.eval_every" = 6\n',
+    )
+    r = procs.cli("sweep", str(path), "--devices", "cpu:2", "--runs-dir", str(runs_dir),
+                  timeout=600)  # fmt: skip
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    (sweep_dir,) = [p.parent for p in runs_dir.glob("*/sweep.json")]
+    events = store.read_events(sweep_dir)
+    assert overlapping(events) == 2, "two slots, both used, never a third trial"
+    trials = run_dirs(sweep_dir)
+    assert [t.name for t in trials] == [f"trial-{n:03d}" for n in range(8)]
+    plan = store.read_plan(sweep_dir)
+    values = {}
+    for n, run in enumerate(trials):
+        assert read_status(run)["state"] == "finished"
+        toml = (run / "run.toml").read_text()
+        params = plan["trials"][n]["params"]
+        assert (
+            f"lr = {params['train.lr']!r}" in toml
+            and f"batch_size = {params['data.batch_size']}" in toml
+        )
+        evals = events_of(run, "eval")
+        assert [e["step"] for e in evals] == [6, 12]
+        values[n] = evals[-1]["loss"]
+        meta = json.loads((run / "meta.json").read_text())
+        assert meta["placement"]["nproc"] == 1 and meta["placement"]["device_type"] == "cpu"
+    ends = {
+        e["trial"]: e["objective"]
+        for e in events
+        if e["kind"] == "trial" and e["state"] == "finished"
+    }
+    assert ends == values, "each trial's objective is its last eval's loss"
+    best = min(values, key=values.get)
+    assert events[-1]["kind"] == "sweep" and events[-1]["state"] == "finished"
+    assert events[-1]["best"]["trial"] == best and events[-1]["best"]["run"] == f"trial-{best:03d}"
+    assert f"best: trial {best}, eval.loss = {values[best]:.6g}" in r.stdout
+    assert r.stdout.count(" finished: eval.loss = ") == 8
+    # ls finds the trials as the runs they are.
+    ls = procs.cli("ls", "--json", "--sweep", sweep_dir.name, "--runs-dir", str(runs_dir))
+    assert ls.returncode == 0, ls.stderr
+    assert sorted(row["state"] for row in json.loads(ls.stdout)) == ["finished"] * 8
+
+
+def started_sweep(runs_dir: Path, console) -> Path:
+    """The sweep's directory once it exists; the console's words if it ended first."""
+
+    def made() -> Path | None:
+        found = next((p.parent for p in runs_dir.glob("*/sweep.json")), None)
+        if found is None and console.poll() is not None:
+            raise AssertionError(f"the console ended: {console.communicate()}")
+        return found
+
+    return wait_for(made, what="the sweep's directory")
+
+
+def _driver_pid(sweep_dir: Path) -> int:
+    return [e["pid"] for e in store.read_events(sweep_dir) if e.get("pid")][-1]
+
+
+def _kill_run_tree(run: Path) -> None:
+    """A machine's reboot, for one trial: every process of its run, SIGKILL."""
+    status = read_status(run)
+    pids = status.get("pids", {})
+    victims = []
+    for pid in [pids.get("supervisor"), pids.get("torchrun"), *(pids.get("workers") or [])]:
+        if pid:
+            try:
+                p = psutil.Process(pid)
+                victims += [*p.children(recursive=True), p]
+            except psutil.Error:
+                pass
+    for p in victims:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(victims, timeout=deadline(30))
+
+
+def _trial_events(sweep_dir: Path, n: int) -> list[str]:
+    return [e["state"] for e in store.read_events(sweep_dir) if e.get("trial") == n]
+
+
+def test_console_gone_driver_killed_then_resume_keeps_finished_takes_back_and_resumes(
+    tmp_path, procs, runs_dir
+):
+    """Trials 0 and 1 are short and finish; 2 and 3 are long and paced. The console is
+    killed (the sweep goes on), then the driver and trial 2's whole run (SIGKILL) while trial
+    3 lives. ``sweep --resume``: trials 0 and 1 are not repeated, trial 3 is taken back where
+    it runs, trial 2 resumes from its checkpoint, and the sweep ends with every trial."""
+    pace = tmp_path / "pace"
+    pace.touch()
+    paced_profile(tmp_path, max_steps=8, extra="[checkpoint]\nevery_steps = 4\n")
+    path = sweep_file(
+        tmp_path, '"train.max_steps" = [8, 400]\n"train.lr" = [1e-3, 2e-3]\n',
+        extra='[set]\n"train.eval_every" = 4\n',
+    )  # fmt: skip
+    env = test_env(PACE_S="0.05", PACE_WHILE=str(pace))
+    console = procs.start("sweep", str(path), "--devices", "cpu:2", "--runs-dir", str(runs_dir),
+                          env=env, cwd=tmp_path)  # fmt: skip
+    sweep_dir = started_sweep(runs_dir, console)
+    wait_for(lambda: _trial_events(sweep_dir, 3)[:1] == ["started"], what="trial 3 started")
+    console.send_signal(signal.SIGKILL)
+    console.wait()
+    # Both long trials past their first checkpoint, the console gone for a while.
+    for n in (2, 3):
+        run = sweep_dir / f"trial-{n:03d}"
+        wait_for(lambda run=run: len(events_of(run, "checkpoint")) >= 2,
+                 what=f"trial {n}'s second checkpoint")  # fmt: skip
+    finished_before = {n for n in (0, 1) if _trial_events(sweep_dir, n)[-1:] == ["finished"]}
+    assert finished_before == {0, 1}, "the short trials ended while the console was gone"
+    driver = psutil.Process(_driver_pid(sweep_dir))
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(timeout=deadline(30))
+    stopped_at = max(e["step"] for e in events_of(sweep_dir / "trial-002", "checkpoint"))
+    _kill_run_tree(sweep_dir / "trial-002")
+    assert read_status(sweep_dir / "trial-003").get("ended") is None, "trial 3 still runs"
+    pace.unlink()  # the rest at full speed
+
+    r = procs.cli("sweep", "--resume", sweep_dir.name, "--runs-dir", str(runs_dir), env=env,
+                  cwd=tmp_path, timeout=600)  # fmt: skip
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert f"trial 2 resumed from step {stopped_at}" in r.stdout, r.stdout
+    assert "trial 3 still running" in r.stdout, r.stdout
+    assert _trial_events(sweep_dir, 0) == ["started", "finished"], "not repeated"
+    assert _trial_events(sweep_dir, 1) == ["started", "finished"]
+    assert _trial_events(sweep_dir, 2) == ["started", "resumed", "finished"]
+    assert _trial_events(sweep_dir, 3) == ["started", "adopted", "finished"]
+    trial2 = json.loads((sweep_dir / "trial-002" / "meta.json").read_text())
+    assert len(trial2["sessions"]) == 2, "one run, continued in place"
+    steps = [e["step"] for e in events_of(sweep_dir / "trial-002", "step")]
+    assert steps[-1] == 400 and min(s for s in steps if s > stopped_at) == stopped_at + 1
+    last = store.read_events(sweep_dir)[-1]
+    assert last["state"] == "finished" and last["best"] is not None
+    for n in range(4):
+        assert read_status(sweep_dir / f"trial-{n:03d}")["state"] == "finished"
+    # A finished sweep is not resumed again.
+    again = procs.cli("sweep", "--resume", str(sweep_dir), "--runs-dir", str(runs_dir))
+    assert again.returncode == 2 and "nothing to resume" in again.stderr
+
+
+def test_ctrl_c_stops_the_trials_with_checkpoints_and_resume_finishes_them(
+    tmp_path, procs, runs_dir
+):
+    """While the driver lives a second is refused. Ctrl-C at the console: the running trial
+    checkpoints and stops, the sweep ends ``stopped`` (exit 0), the trial not yet started
+    stays pending; ``sweep --resume`` continues the one and starts the other."""
+    pace = tmp_path / "pace"
+    pace.touch()
+    paced_profile(tmp_path, max_steps=300)
+    path = sweep_file(tmp_path, '"train.lr" = [1e-3, 2e-3]\n')
+    env = test_env(PACE_S="0.05", PACE_WHILE=str(pace))
+    console = procs.start("sweep", str(path), "--devices", "cpu:1", "--runs-dir", str(runs_dir),
+                          env=env, cwd=tmp_path)  # fmt: skip
+    sweep_dir = started_sweep(runs_dir, console)
+    run = sweep_dir / "trial-000"
+    wait_for(lambda: len(events_of(run, "step")) >= 3, what="trial 0 training")
+    r = procs.cli("sweep", "--resume", str(sweep_dir), "--runs-dir", str(runs_dir))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.strip() == (
+        f"gpu-console: --resume: {sweep_dir}: its driver is running (pid "
+        f"{_driver_pid(sweep_dir)}); one driver per sweep"
+    )
+    console.send_signal(signal.SIGINT)
+    out, err = console.communicate(timeout=deadline(120))
+    assert console.returncode == 0, (out, err)
+    assert "stopping the sweep" in out and "sweep stopped: stop asked" in out, out
+    status = read_status(run)
+    assert status["state"] == "stopped" and status["checkpointed_on_stop"] is True
+    assert _trial_events(sweep_dir, 0) == ["started", "stopped"]
+    assert _trial_events(sweep_dir, 1) == [], "not started after the stop"
+    stopped_at = status["step"]
+
+    pace.unlink()
+    r = procs.cli("sweep", "--resume", str(sweep_dir), "--runs-dir", str(runs_dir), env=env,
+                  cwd=tmp_path, timeout=600)  # fmt: skip
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert f"trial 0 resumed from step {stopped_at}" in r.stdout, r.stdout
+    assert _trial_events(sweep_dir, 0) == ["started", "stopped", "resumed", "finished"]
+    assert _trial_events(sweep_dir, 1) == ["started", "finished"]
+    assert [e["step"] for e in events_of(run, "step")][-1] == 300
