@@ -47,6 +47,7 @@ def sweep_file(tmp_path: Path, params: str, extra: str = "", sweep: str = "") ->
 # -- the file and the trials ---------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_a_grid_takes_every_combination_in_order_and_trials_caps_it(tmp_path):
     fast_profile(tmp_path)
     path = sweep_file(
@@ -64,6 +65,7 @@ def test_a_grid_takes_every_combination_in_order_and_trials_caps_it(tmp_path):
     assert make_trials(load_sweep(path)) == trials[:4]
 
 
+@pytest.mark.quick
 def test_a_random_search_is_seeded_and_stays_in_its_ranges(tmp_path):
     fast_profile(tmp_path)
     params = (
@@ -85,6 +87,7 @@ def test_a_random_search_is_seeded_and_stays_in_its_ranges(tmp_path):
     assert make_trials(load_sweep(path)) != first
 
 
+@pytest.mark.quick
 def test_the_file_is_judged_in_full_every_problem_naming_its_key(tmp_path):
     fast_profile(tmp_path)
     path = write(
@@ -113,6 +116,7 @@ def test_the_file_is_judged_in_full_every_problem_naming_its_key(tmp_path):
 # -- the CLI: bad input is one line, exit 2, nothing written ----------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "params, sweep, devices, expected",
     [
