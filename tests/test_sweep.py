@@ -93,7 +93,7 @@ def test_the_file_is_judged_in_full_every_problem_naming_its_key(tmp_path):
     path = write(
         tmp_path / "bad.toml",
         '[sweep]\nprofile = "fast.toml"\nsearch = "bayes"\ntrails = 3\n'
-        '[objective]\nmetric = "accuracy"\n'
+        '[objective]\nmetric = "accuracy"\n[pruning]\nkind = "hyperband"\nwarmup_evals = -1\n'
         '[parameters]\n"train.lr" = {range = [0.1, 0.1]}\n"data.batch_size" = []\n'
         '"train.warmup_steps" = {log_range = [0, 10], num = 3}\n',
     )
@@ -104,6 +104,8 @@ def test_the_file_is_judged_in_full_every_problem_naming_its_key(tmp_path):
         "sweep.trails: unknown key",
         "sweep.search: expected one of grid, random (got 'bayes')",
         "objective.metric: expected eval.<metric>",
+        "pruning.kind: expected one of none, median (got 'hyperband')",
+        "pruning.warmup_evals: expected a whole number >= 0 (got -1)",
         "parameters.train.lr.range: an empty range",
         "parameters.data.batch_size.values: expected a non-empty list",
         "parameters.train.warmup_steps.log_range: a log range needs low > 0",
@@ -346,3 +348,41 @@ def test_ctrl_c_stops_the_trials_with_checkpoints_and_resume_finishes_them(
     assert _trial_events(sweep_dir, 0) == ["started", "stopped", "resumed", "finished"]
     assert _trial_events(sweep_dir, 1) == ["started", "finished"]
     assert [e["step"] for e in events_of(run, "step")][-1] == 300
+
+
+def test_a_trial_clearly_worse_than_the_median_is_pruned_with_its_checkpoint(
+    tmp_path, procs, runs_dir
+):
+    """One slot: trials 0 and 1 (a good lr) finish, then trial 2 (an lr that barely moves
+    the weights) is worse than their median at its first eval and stops there, pruned, with
+    its checkpoint; its slot goes on, the best is one of the others."""
+    pace = tmp_path / "pace"  # trial 2 alone is paced: it must not end before the pruner acts
+    paced_profile(tmp_path, max_steps=200)
+    path = sweep_file(
+        tmp_path, '"train.lr" = [3e-3, 2e-3, 1e-7]\n',
+        extra='[pruning]\nkind = "median"\n\n[set]\n"train.eval_every" = 20\n',
+    )  # fmt: skip
+    env = test_env(PACE_S="0.05", PACE_WHILE=str(pace))
+    console = procs.start("sweep", str(path), "--devices", "cpu:1", "--runs-dir", str(runs_dir),
+                          env=env, cwd=tmp_path)  # fmt: skip
+    sweep_dir = started_sweep(runs_dir, console)
+    wait_for(lambda: _trial_events(sweep_dir, 2)[:1] == ["started"], timeout=300,
+             what="trial 2 started")  # fmt: skip
+    pace.touch()
+    out, err = console.communicate(timeout=deadline(300))
+    assert console.returncode == 0, (out, err)
+    assert _trial_events(sweep_dir, 2) == ["started", "pruning", "pruned"], out
+    (pruned,) = [e for e in store.read_events(sweep_dir) if e.get("state") == "pruned"]
+    assert (
+        pruned["reason"].startswith("eval.loss ")
+        and "at step 20, worse than the median" in (pruned["reason"])
+    ), pruned
+    assert f"trial 2 pruned at step {pruned['step']}: eval.loss" in out, out
+    status = read_status(sweep_dir / "trial-002")
+    assert status["state"] == "stopped" and status["checkpointed_on_stop"] is True
+    assert 20 <= status["step"] < 200
+    evals = {n: events_of(sweep_dir / f"trial-{n:03d}", "eval") for n in range(3)}
+    median = sorted(e["loss"] for n in (0, 1) for e in evals[n] if e["step"] == 20)
+    assert evals[2][0]["step"] == 20 and evals[2][0]["loss"] > sum(median) / 2
+    last = store.read_events(sweep_dir)[-1]
+    assert last["state"] == "finished" and last["best"]["trial"] in (0, 1)

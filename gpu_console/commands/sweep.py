@@ -61,6 +61,11 @@ def plan_sweep(file: str, devices: str | None, runs_dir: Path) -> tuple[SweepSpe
         "version": 1,
         "sweep": spec.as_dict(),
         "objective": {"metric": spec.metric, "direction": spec.direction, "use": spec.use},
+        "pruning": {
+            "kind": spec.pruner,
+            "startup_trials": spec.startup_trials,
+            "warmup_evals": spec.warmup_evals,
+        },  # fmt: skip
         "pool": pool_spec,
         "slots": [{"index": s.index, "devices": s.devices, "cores": list(s.cores)} for s in slots],
         "grid": grid_size(spec) if spec.search == "grid" else None,
@@ -85,6 +90,10 @@ def show_plan(plan: dict[str, Any], as_json: bool) -> str:
         f"objective: {plan['objective']['metric']} ({plan['objective']['direction']}, "
         f"{plan['objective']['use']} eval)",
     ]
+    if plan["pruning"]["kind"] != "none":
+        p = plan["pruning"]
+        lines.append(f"pruning: {p['kind']} (after {p['startup_trials']} trials finished, "
+                     f"from a trial's eval {p['warmup_evals'] + 1})")  # fmt: skip
     if sweep.get("max_minutes"):
         lines.append(f"budget: no trial starts after {sweep['max_minutes']:g} minutes")
     keys = sweep["parameters"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import statistics
 import sys
 import time
 import uuid
@@ -56,6 +57,12 @@ class Driver:
         # Commands given to an earlier driver were answered by it (or died with it).
         self.control = JsonlTail(control, control.stat().st_size if control.exists() else 0)
         self.folded = store.fold(past, self.plan)
+        # Pruning: every trial's objective at each eval step (its value, or its best so far),
+        # the finished trials', and the live trials' event tails.
+        self.evals: dict[int, dict[int, float]] = {}
+        self.finished: set[int] = set()
+        self.tails: dict[int, JsonlTail] = {}
+        self.pruning: dict[int, str] = {}  # trial → why it was asked to stop
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -115,13 +122,21 @@ class Driver:
         for row in self.folded["trials"]:
             n, state = row["trial"], row["state"]
             run = self.dir / row["run"] if row["run"] else None
-            if state in ("finished", "failed"):
+            if state == "finished" and run is not None:
+                self.finished.add(n)
+                self.evals[n] = eval_curve(run, self.plan["objective"])
+            if state in ("finished", "failed", "pruned"):
                 continue
             if state == "pending" or run is None or not run.is_dir():
                 fresh.append((n, None))
                 continue
             status = lost.settle(run)
-            if state == "running" and not status.get("ended"):
+            if state == "pruning":
+                self.pruning[n] = row["reason"]
+                if status.get("ended"):
+                    self.record_end(n, run, status)
+                    continue
+            if state in ("running", "pruning") and not status.get("ended"):
                 slot = next((s for s in self.free if s.devices == row["devices"]), None)
                 if slot is not None:
                     self.free.remove(slot)
@@ -172,6 +187,7 @@ class Driver:
         for n, (slot, run, proc) in list(self.live.items()):
             if proc is not None:
                 proc.poll()  # a supervisor that exited is not left a zombie
+            self.watch_evals(n, run)
             status = lost.settle(run)
             if not status.get("ended"):
                 continue
@@ -180,10 +196,51 @@ class Driver:
             self.free.sort(key=lambda s: s.index)
             self.record_end(n, run, status)
 
+    def watch_evals(self, n: int, run: Path) -> None:
+        """A live trial's new evals; the pruner's verdict on its newest."""
+        tail = self.tails.setdefault(n, JsonlTail(run / "events.jsonl"))
+        curve = self.evals.setdefault(n, {})
+        for e in tail.read():
+            add_eval(curve, e, self.plan["objective"])
+        if curve and n not in self.pruning and (why := self.prune_verdict(n, curve)):
+            self.pruning[n] = why
+            with contextlib.suppress(OSError):
+                append_control(run, "stop")
+            store.append_event(self.dir, "trial", trial=n, state="pruning", reason=why)
+
+    def prune_verdict(self, n: int, curve: dict[int, float]) -> str:
+        """Why trial ``n`` stops now (Optuna's median rule), or "": its value at its newest
+        eval step worse than the median of the finished trials' at the same step."""
+        rule = self.plan.get("pruning") or {}
+        if rule.get("kind") != "median" or len(self.finished) < rule["startup_trials"]:
+            return ""
+        if len(curve) <= rule["warmup_evals"]:
+            return ""
+        step = max(curve)
+        others = [self.evals[m][step] for m in self.finished if step in self.evals.get(m, {})]
+        if not others:
+            return ""
+        middle = statistics.median(others)
+        value = curve[step]
+        direction = self.plan["objective"]["direction"]
+        if not (value > middle if direction == "min" else value < middle):
+            return ""
+        metric = self.plan["objective"]["metric"]
+        return (
+            f"{metric} {value:.4g} at step {step}, worse than the median {middle:.4g} of "
+            f"{len(others)} finished trial{'s' if len(others) > 1 else ''}"
+        )
+
     def record_end(self, n: int, run: Path, status: dict[str, Any]) -> None:
         state = status.get("state")
         step = status.get("step")
+        if n in self.pruning and state in RESUMABLE:
+            store.append_event(self.dir, "trial", trial=n, state="pruned", run=run.name,
+                               step=step, reason=self.pruning[n])  # fmt: skip
+            return
         if state == "finished":
+            self.finished.add(n)
+            self.evals[n] = eval_curve(run, self.plan["objective"])
             value = objective(run, self.plan["objective"])
             store.append_event(
                 self.dir, "trial", trial=n, state="finished", run=run.name, objective=value,
@@ -200,17 +257,31 @@ class Driver:
 
 def objective(run: Path, spec: dict[str, Any]) -> float | None:
     """The trial's value of the metric: its last eval's, or its best eval's."""
+    curve = eval_curve(run, spec)
+    return curve[max(curve)] if curve else None
+
+
+def eval_curve(run: Path, spec: dict[str, Any]) -> dict[int, float]:
+    """A run's objective at each eval step: its value, or (``use = "best"``) its best so far."""
+    curve: dict[int, float] = {}
+    for e in read_events(run / "events.jsonl"):
+        add_eval(curve, e, spec)
+    return curve
+
+
+def add_eval(curve: dict[int, float], e: dict[str, Any], spec: dict[str, Any]) -> None:
+    """``curve`` with the eval event ``e``'s value of the objective's metric, if it has one."""
     name = spec["metric"].split(".", 1)[1]
-    values = [
-        float(e[name])
-        for e in read_events(run / "events.jsonl")
-        if e.get("kind") == "eval" and isinstance(e.get(name), (int, float))
-    ]
-    if not values:
-        return None
-    if spec.get("use") == "best":
-        return min(values) if spec["direction"] == "min" else max(values)
-    return values[-1]
+    if e.get("kind") != "eval" or not isinstance(e.get(name), (int, float)):
+        return
+    value = float(e[name])
+    if spec.get("use") == "best" and curve:
+        value = _best(spec["direction"], value, curve[max(curve)])
+    curve[int(e.get("step", 0))] = value
+
+
+def _best(direction: str, a: float, b: float) -> float:
+    return min(a, b) if direction == "min" else max(a, b)
 
 
 def _used_seconds(events: list[dict[str, Any]]) -> float:

@@ -56,6 +56,8 @@ def event_line(e: dict[str, Any], plan: dict[str, Any], best: float | None) -> s
         return f"trial {n} stopped at step {e.get('step')} (its checkpoint: --resume continues it)"
     if state == "failed":
         return f"trial {n} failed: {e.get('reason')}"
+    if state == "pruned":
+        return f"trial {n} pruned at step {e.get('step')}: {e.get('reason')}"
     return None
 
 

@@ -37,6 +37,13 @@ OBJECTIVE_KEYS = {
     "direction": "min or max is better; auto: min for a *loss* metric",
     "use": "last (the trial's last eval) or best (its best eval)",
 }
+PRUNERS = ("none", "median")
+PRUNING_KEYS = {
+    "kind": "none, or median: a trial whose eval is worse than the median of the other "
+    "trials' at the same step stops early, pruned",
+    "startup_trials": "no pruning before this many trials ended (finished or pruned)",
+    "warmup_evals": "a trial is never pruned at its first warmup_evals evals",
+}
 PARAM_FORMS = ("values", "range", "log_range", "step", "num")
 
 
@@ -92,6 +99,9 @@ class SweepSpec:
     metric: str = "eval.loss"
     direction: str = "min"
     use: str = "last"
+    pruner: str = "none"
+    startup_trials: int = 2
+    warmup_evals: int = 0
     params: list[Param] = field(default_factory=list)
     sets: dict[str, Any] = field(default_factory=dict)
 
@@ -109,6 +119,8 @@ class SweepSpec:
             "trials": self.trials, "max_minutes": self.max_minutes,
             "trial_devices": self.trial_devices, "devices": self.devices, "seed": self.seed,
             "objective": {"metric": self.metric, "direction": self.direction, "use": self.use},
+            "pruning": {"kind": self.pruner, "startup_trials": self.startup_trials,
+                        "warmup_evals": self.warmup_evals},
             "parameters": [p.key for p in self.params], "set": self.sets,
         }  # fmt: skip
 
@@ -135,9 +147,9 @@ def load_sweep(path: str | Path) -> SweepSpec:
         problems.append(f"{where}: {key}: {why} (got {show(value)})")
 
     for section in doc:
-        if section not in ("sweep", "objective", "parameters", "set"):
-            bad(section, "unknown section; expected [sweep], [objective], [parameters], [set]",
-                section)  # fmt: skip
+        if section not in ("sweep", "objective", "pruning", "parameters", "set"):
+            bad(section, "unknown section; expected [sweep], [objective], [pruning], "
+                "[parameters], [set]", section)  # fmt: skip
     sweep = _table(doc, "sweep", bad)
     objective = _table(doc, "objective", bad)
     for key in sweep:
@@ -223,6 +235,22 @@ def load_sweep(path: str | Path) -> SweepSpec:
         bad("objective.use", f"expected one of {', '.join(USES)}", use)
     else:
         spec.use = use
+
+    pruning = _table(doc, "pruning", bad)
+    for key in pruning:
+        if key not in PRUNING_KEYS:
+            bad(f"pruning.{key}", f"unknown key; expected one of {', '.join(PRUNING_KEYS)}", key)
+    kind = pruning.get("kind", "none")
+    if kind not in PRUNERS:
+        bad("pruning.kind", f"expected one of {', '.join(PRUNERS)}", kind)
+    else:
+        spec.pruner = kind
+    for key, least in (("startup_trials", 1), ("warmup_evals", 0)):
+        value = pruning.get(key, getattr(spec, key))
+        if type(value) is not int or value < least:
+            bad(f"pruning.{key}", f"expected a whole number >= {least}", value)
+        else:
+            setattr(spec, key, value)
 
     params = doc.get("parameters", {})
     if not isinstance(params, dict) or not params:

@@ -32,6 +32,7 @@ CONTROL = "control.jsonl"
 LOG = "driver.log"
 FILE = "sweep.toml"
 ENDED = ("finished", "stopped", "failed")  # a sweep's end states (its last ``sweep`` event)
+TRIAL_ENDS = ("finished", "stopped", "failed", "pruned")
 
 
 def create(runs_dir: Path, name: str) -> Path:
