@@ -11,6 +11,7 @@ import json
 import signal
 from pathlib import Path
 
+import optuna
 import psutil
 import pytest
 from conftest import (
@@ -22,10 +23,12 @@ from conftest import (
     run_dirs,
     test_env,
     wait_for,
+    without_packages,
 )
 
 from gpu_console.sweep import store
 from gpu_console.sweep.spec import SweepError, load_sweep
+from gpu_console.sweep.study import storage_url
 from gpu_console.sweep.trials import make_trials
 
 
@@ -102,7 +105,7 @@ def test_the_file_is_judged_in_full_every_problem_naming_its_key(tmp_path):
     problems = e.value.problems
     expected = [
         "sweep.trails: unknown key",
-        "sweep.search: expected one of grid, random (got 'bayes')",
+        "sweep.search: expected one of grid, random, tpe (got 'bayes')",
         "objective.metric: expected eval.<metric>",
         "pruning.kind: expected one of none, median (got 'hyperband')",
         "pruning.warmup_evals: expected a whole number >= 0 (got -1)",
@@ -206,6 +209,12 @@ def test_eight_trials_two_at_a_time_every_trial_a_run_and_the_best_named(tmp_pat
     assert events[-1]["best"]["trial"] == best and events[-1]["best"]["run"] == f"trial-{best:03d}"
     assert f"best: trial {best}, eval.loss = {values[best]:.6g}" in r.stdout
     assert r.stdout.count(" finished: eval.loss = ") == 8
+    # The sweep's Optuna study holds the same trials, values and objectives.
+    study = optuna.load_study(study_name=sweep_dir.name, storage=storage_url(sweep_dir))
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 8
+    assert {t.user_attrs["sweep_trial"]: t.value for t in study.trials} == values
+    assert [t.params for t in study.trials] == [plan["trials"][n]["params"] for n in range(8)]
+    assert [sorted(t.intermediate_values) for t in study.trials] == [[6, 12]] * 8
     # ls finds the trials as the runs they are.
     ls = procs.cli("ls", "--json", "--sweep", sweep_dir.name, "--runs-dir", str(runs_dir))
     assert ls.returncode == 0, ls.stderr
@@ -386,3 +395,53 @@ def test_a_trial_clearly_worse_than_the_median_is_pruned_with_its_checkpoint(
     assert evals[2][0]["step"] == 20 and evals[2][0]["loss"] > sum(median) / 2
     last = store.read_events(sweep_dir)[-1]
     assert last["state"] == "finished" and last["best"]["trial"] in (0, 1)
+
+
+@pytest.mark.quick
+def test_tpe_without_optuna_is_one_line_naming_the_extra(tmp_path, procs, runs_dir):
+    fast_profile(tmp_path)
+    path = sweep_file(tmp_path, '"train.lr" = {log_range = [1e-4, 1e-2]}\n',
+                      sweep='search = "tpe"\ntrials = 3')  # fmt: skip
+    env = without_packages(tmp_path, "optuna")
+    r = procs.cli("sweep", str(path), "--devices", "cpu:2", "--runs-dir", str(runs_dir), env=env)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.strip() == (
+        f"gpu-console: {path}: sweep.search: tpe needs Optuna: pip install "
+        "\"gpu-console[sweep]\" (got 'tpe')"
+    )
+    assert not runs_dir.exists()
+
+
+def test_a_tpe_search_asks_optuna_for_each_trial_and_its_study_reads_back(
+    tmp_path, procs, runs_dir
+):
+    """Four trials chosen by Optuna's TPE (seeded) as slots free up, each in the plan as it
+    starts; Optuna's own API opens the sweep's storage and lists them with their values."""
+    fast_profile(tmp_path, max_steps=12, extra="[checkpoint]\nevery_steps = 0\n")
+    path = sweep_file(
+        tmp_path, '"train.lr" = {log_range = [1e-4, 1e-1]}\n"task.hidden_dim" = [16, 32, 64]\n',
+        sweep='search = "tpe"\ntrials = 4\nseed = 7', extra='[set]\n"train.eval_every" = 6\n',
+    )  # fmt: skip
+    dry = procs.cli("sweep", str(path), "--devices", "cpu:2", "--dry-run", "--json",
+                    "--runs-dir", str(runs_dir))  # fmt: skip
+    assert dry.returncode == 0 and json.loads(dry.stdout)["trials"] == [], dry.stderr
+    r = procs.cli("sweep", str(path), "--devices", "cpu:2", "--runs-dir", str(runs_dir),
+                  timeout=600)  # fmt: skip
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    (sweep_dir,) = [p.parent for p in runs_dir.glob("*/sweep.json")]
+    plan = store.read_plan(sweep_dir)
+    assert [t["trial"] for t in plan["trials"]] == [0, 1, 2, 3]
+    events = store.read_events(sweep_dir)
+    assert overlapping(events) == 2
+    ends = {e["trial"]: e["objective"] for e in events if e["kind"] == "trial"
+            and e["state"] == "finished"}  # fmt: skip
+    study = optuna.load_study(study_name=sweep_dir.name, storage=storage_url(sweep_dir))
+    assert {t.user_attrs["sweep_trial"]: t.value for t in study.trials} == ends
+    assert len(ends) == 4
+    for t in study.trials:
+        n = t.user_attrs["sweep_trial"]
+        assert t.params == plan["trials"][n]["params"]
+        assert 1e-4 <= t.params["train.lr"] <= 1e-1 and t.params["task.hidden_dim"] in (16, 32, 64)
+        toml = (sweep_dir / f"trial-{n:03d}" / "run.toml").read_text()
+        assert f"hidden_dim = {t.params['task.hidden_dim']}" in toml
+    assert study.best_trial.user_attrs["sweep_trial"] == events[-1]["best"]["trial"]

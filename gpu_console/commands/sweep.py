@@ -23,7 +23,7 @@ from ..sweep import store
 from ..sweep.follow import follow, params_text
 from ..sweep.slots import Slot, cores_note, cut
 from ..sweep.spec import SweepError, SweepSpec, check_keys, load_sweep, trial_sets
-from ..sweep.trials import grid_size, make_trials
+from ..sweep.trials import corners, grid_size, make_trials
 
 
 def plan_sweep(file: str, devices: str | None, runs_dir: Path) -> tuple[SweepSpec, dict[str, Any]]:
@@ -42,16 +42,20 @@ def plan_sweep(file: str, devices: str | None, runs_dir: Path) -> tuple[SweepSpe
         raise SweepError([f"{spec.path}: sweep.trial_devices: {why} (got {got})"])
     trials = make_trials(spec)
     problems = []
-    for n, params in enumerate(trials):
+    # A search that chooses as it goes (tpe) is checked at the edges of what it may choose.
+    checked = [(f"trial {n}", p) for n, p in enumerate(trials)] or [
+        ("a trial", p) for p in corners(spec)
+    ]
+    for which, params in checked:
         try:
             launch.prepare(
-                spec.profile, devices=slots[0].devices, overrides=trial_sets(spec, params),
-                runs_dir=runs_dir, name=store.trial_name(n),
+                spec.profile, devices=slots[0].devices, overrides=trial_sets(spec.sets, params),
+                runs_dir=runs_dir, name=store.trial_name(0),
             )  # fmt: skip
         except ProfileError as e:
-            problems += [f"{spec.path}: trial {n} ({params_text(params)}): {p}" for p in e.problems]
+            problems += [f"{spec.path}: {which} ({params_text(params)}): {p}" for p in e.problems]
         except launch.LaunchError as e:
-            problems.append(f"{spec.path}: trial {n} ({params_text(params)}): {e}")
+            problems.append(f"{spec.path}: {which} ({params_text(params)}): {e}")
         if len(problems) >= 10:
             problems.append(f"{spec.path}: more trials not checked after these")
             break
@@ -69,8 +73,9 @@ def plan_sweep(file: str, devices: str | None, runs_dir: Path) -> tuple[SweepSpe
         "pool": pool_spec,
         "slots": [{"index": s.index, "devices": s.devices, "cores": list(s.cores)} for s in slots],
         "grid": grid_size(spec) if spec.search == "grid" else None,
+        "params": spec.params_dict(),
         "trials": [
-            {"trial": n, "params": params, "sets": trial_sets(spec, params)}
+            {"trial": n, "params": params, "sets": trial_sets(spec.sets, params)}
             for n, params in enumerate(trials)
         ],
     }
@@ -82,8 +87,9 @@ def show_plan(plan: dict[str, Any], as_json: bool) -> str:
         return strict_json.dumps(plan, indent=2)
     sweep = plan["sweep"]
     slots = [Slot(s["index"], s["devices"], tuple(s["cores"])) for s in plan["slots"]]
+    count = sweep["trials"] if sweep["search"] == "tpe" else len(plan["trials"])
     lines = [
-        f"sweep {sweep['name']}: {len(plan['trials'])} trials ({sweep['search']}"
+        f"sweep {sweep['name']}: {count} trials ({sweep['search']}"
         + (f", of a grid of {plan['grid']}" if plan["grid"] else "")
         + f"), {len(slots)} at a time on {', '.join(s.describe() for s in slots)}",
         f"base profile: {sweep['profile']}",
@@ -97,6 +103,9 @@ def show_plan(plan: dict[str, Any], as_json: bool) -> str:
     if sweep.get("max_minutes"):
         lines.append(f"budget: no trial starts after {sweep['max_minutes']:g} minutes")
     keys = sweep["parameters"]
+    if sweep["search"] == "tpe":
+        lines.append("trials: chosen by Optuna's TPE as results come in, over "
+                     + ", ".join(keys))  # fmt: skip
     lines += [
         f"  trial {t['trial']}: {params_text({k: t['params'][k] for k in keys})}"
         for t in plan["trials"]

@@ -32,6 +32,9 @@ from ..profile import ProfileError
 from ..runs import RunDirError
 from . import store
 from .slots import Slot
+from .spec import trial_sets
+from .study import Study
+from .study import available as study_available
 
 POLL_S = 0.25
 # The ends a trial's run may record while no driver watched it that its checkpoint continues.
@@ -63,6 +66,9 @@ class Driver:
         self.finished: set[int] = set()
         self.tails: dict[int, JsonlTail] = {}
         self.pruning: dict[int, str] = {}  # trial → why it was asked to stop
+        # With Optuna installed, every trial is one of the study in the sweep's directory
+        # (study.py); a tpe search needs it, a grid or random one only mirrors into it.
+        self.study = open_study(self.dir, self.plan)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -148,9 +154,22 @@ class Driver:
                 self.record_end(n, run, status)
             else:
                 resumes.append((n, run))
+        if self.plan["sweep"]["search"] == "tpe":  # its trials are asked for as slots free up
+            fresh += [(n, None) for n in range(len(self.trials), self.plan["sweep"]["trials"])]
         self.queue = resumes + fresh
 
     def start(self, n: int, slot: Slot, resume: Path | None) -> None:
+        if n not in self.trials:  # tpe: Optuna chooses its values now
+            assert self.study is not None
+            params = self.study.begin(n, None)
+            keys = self.plan["sweep"]["parameters"]
+            params = {k: params[k] for k in keys}
+            self.trials[n] = {"trial": n, "params": params,
+                              "sets": trial_sets(self.plan["sweep"]["set"], params)}  # fmt: skip
+            self.plan["trials"].append(self.trials[n])
+            store.write_plan(self.dir, self.plan)
+        elif self.study is not None:
+            self.study.begin(n, self.trials[n]["params"])
         trial = self.trials[n]
         if resume is not None and runs.latest_checkpoint(resume) is None:
             resume = None  # ended before its first checkpoint: it starts again, beside it
@@ -175,6 +194,9 @@ class Driver:
             why = "; ".join(e.problems) if isinstance(e, ProfileError) else str(e)
             store.append_event(self.dir, "trial", trial=n, state="failed",
                                reason=f"could not start: {why}")  # fmt: skip
+            if self.study is not None:
+                with contextlib.suppress(Exception):  # a mirror: the sweep goes on without it
+                    self.study.end(n, "failed", None)
             return
         step = int(resume_from.name.rsplit("-", 1)[-1]) if resume_from is not None else 0
         store.append_event(
@@ -201,7 +223,10 @@ class Driver:
         tail = self.tails.setdefault(n, JsonlTail(run / "events.jsonl"))
         curve = self.evals.setdefault(n, {})
         for e in tail.read():
+            before = len(curve)
             add_eval(curve, e, self.plan["objective"])
+            if self.study is not None and len(curve) > before:
+                self.study.report(n, max(curve), curve[max(curve)])
         if curve and n not in self.pruning and (why := self.prune_verdict(n, curve)):
             self.pruning[n] = why
             with contextlib.suppress(OSError):
@@ -232,27 +257,47 @@ class Driver:
         )
 
     def record_end(self, n: int, run: Path, status: dict[str, Any]) -> None:
+        event = self._record_end(n, run, status)
+        if self.study is not None and event["state"] != "stopped":
+            try:
+                self.study.end(n, event["state"], event.get("objective"))
+            except Exception as e:  # the study is a mirror: the sweep goes on without it
+                print(f"optuna: trial {n}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def _record_end(self, n: int, run: Path, status: dict[str, Any]) -> dict[str, Any]:
         state = status.get("state")
         step = status.get("step")
         if n in self.pruning and state in RESUMABLE:
-            store.append_event(self.dir, "trial", trial=n, state="pruned", run=run.name,
-                               step=step, reason=self.pruning[n])  # fmt: skip
-            return
+            return store.append_event(self.dir, "trial", trial=n, state="pruned", run=run.name,
+                                      step=step, reason=self.pruning[n])  # fmt: skip
         if state == "finished":
             self.finished.add(n)
             self.evals[n] = eval_curve(run, self.plan["objective"])
             value = objective(run, self.plan["objective"])
-            store.append_event(
+            return store.append_event(
                 self.dir, "trial", trial=n, state="finished", run=run.name, objective=value,
                 step=step, reason="" if value is not None else
                 f"no {self.plan['objective']['metric']} in its eval events",
             )  # fmt: skip
-        elif state in RESUMABLE:
-            store.append_event(self.dir, "trial", trial=n, state="stopped", run=run.name,
+        if state in RESUMABLE:
+            return store.append_event(self.dir, "trial", trial=n, state="stopped", run=run.name,
                                step=step, reason=status.get("reason", ""))  # fmt: skip
-        else:
-            store.append_event(self.dir, "trial", trial=n, state="failed", run=run.name,
+        return store.append_event(self.dir, "trial", trial=n, state="failed", run=run.name,
                                step=step, reason=status.get("reason") or str(state))  # fmt: skip
+
+
+def open_study(sweep_dir: Path, plan: dict[str, Any]) -> Study | None:
+    """The sweep's Optuna study where Optuna is installed (a tpe search's sampler); a grid or
+    random sweep whose study cannot be opened goes on without it, saying why."""
+    if not study_available():
+        return None
+    try:
+        return Study(sweep_dir, plan)
+    except Exception as e:
+        if plan["sweep"]["search"] == "tpe":
+            raise
+        print(f"optuna: the study is off: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return None
 
 
 def objective(run: Path, spec: dict[str, Any]) -> float | None:

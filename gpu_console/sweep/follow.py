@@ -117,6 +117,8 @@ def follow(sweep_dir: Path, driver_alive: Callable[[], bool], offset: int = 0, p
                 print_(f"left the console; the sweep goes on stopping ({sweep_dir})")
                 return 130
             for e in tail.read():
+                if e.get("trial", -1) >= len(plan["trials"]):
+                    plan = store.read_plan(sweep_dir)  # a tpe trial its driver just chose
                 value = e.get("objective") if e.get("state") == "finished" else None
                 if isinstance(value, (int, float)) and (
                     best is None or (value < best if direction == "min" else value > best)
@@ -126,7 +128,7 @@ def follow(sweep_dir: Path, driver_alive: Callable[[], bool], offset: int = 0, p
                 if line:
                     print_(line)
                 if e.get("kind") == "sweep" and e.get("state") in store.ENDED:
-                    print_(table(sweep_dir, plan))
+                    print_(table(sweep_dir, store.read_plan(sweep_dir)))
                     return 1 if e["state"] == "failed" else 0
             if not driver_alive() and not _ended(sweep_dir, offset):
                 print_(f"the sweep's driver exited without ending the sweep (see "

@@ -19,13 +19,14 @@ from ..schema import show
 from ..toml_text import TOMLDecodeError
 from ..toml_text import loads as toml_loads
 
-SEARCHES = ("grid", "random")
+SEARCHES = ("grid", "random", "tpe")
 DIRECTIONS = ("min", "max", "auto")
 USES = ("last", "best")
 SWEEP_KEYS = {
     "name": "the sweep's name (its directory under the runs directory; default: the file's)",
     "profile": "the base profile every trial starts from: a name or a TOML file",
-    "search": "grid (every combination) or random (draws, seeded)",
+    "search": "grid (every combination), random (draws, seeded) or tpe (Optuna's TPE, the "
+    "sweep extra)",
     "trials": "the most trials (random: how many; grid: the first of its combinations)",
     "max_minutes": "no trial starts after this many minutes of the sweep (0: no limit)",
     "trial_devices": "each trial's devices: cpu:N (N ranks on the CPU) or a GPU count",
@@ -113,6 +114,14 @@ class SweepSpec:
     def better(self, a: float, b: float) -> bool:
         return a < b if self.direction == "min" else a > b
 
+    def params_dict(self) -> list[dict[str, Any]]:
+        """The parameters as the plan keeps them (Optuna's distributions are made from it)."""
+        return [
+            {"key": p.key, "values": list(p.values) or None, "low": p.low, "high": p.high,
+             "log": p.log, "step": p.step, "num": p.num, "integer": p.integer}
+            for p in self.params
+        ]  # fmt: skip
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "profile": self.profile, "search": self.search,
@@ -182,12 +191,14 @@ def load_sweep(path: str | Path) -> SweepSpec:
     if search not in SEARCHES:
         bad("sweep.search", f"expected one of {', '.join(SEARCHES)}", search)
     else:
-        spec.search = search
+        spec.search = search  # judged as asked for below, Optuna or not
+        if search == "tpe" and not _optuna():
+            bad("sweep.search", 'tpe needs Optuna: pip install "gpu-console[sweep]"', search)
     trials = sweep.get("trials")
     if trials is not None and (type(trials) is not int or trials < 1):
         bad("sweep.trials", "expected a whole number >= 1", trials)
-    elif trials is None and spec.search == "random":
-        bad("sweep.trials", "a random search needs its number of trials", None)
+    elif trials is None and spec.search in ("random", "tpe"):
+        bad("sweep.trials", f"a {spec.search} search needs its number of trials", None)
     else:
         spec.trials = trials
     minutes = sweep.get("max_minutes", 0)
@@ -273,6 +284,12 @@ def load_sweep(path: str | Path) -> SweepSpec:
     if problems:
         raise SweepError(problems)
     return spec
+
+
+def _optuna() -> bool:
+    from .study import available
+
+    return available()
 
 
 def _table(doc: dict, name: str, bad) -> dict:
@@ -369,9 +386,9 @@ def _cpu_ranks(text: str) -> int | None:
     return None
 
 
-def trial_sets(spec: SweepSpec, params: dict[str, Any]) -> list[str]:
-    """A trial's ``--set``s: the sweep's fixed ones, then its own values."""
-    return [f"{k}={toml_value(v)}" for k, v in {**spec.sets, **params}.items()]
+def trial_sets(fixed: dict[str, Any], params: dict[str, Any]) -> list[str]:
+    """A trial's ``--set``s: the sweep's fixed ones (``[set]``), then its own values."""
+    return [f"{k}={toml_value(v)}" for k, v in {**fixed, **params}.items()]
 
 
 def toml_value(v: Any) -> str:

@@ -13,7 +13,10 @@ from .spec import Param, SweepSpec
 
 
 def make_trials(spec: SweepSpec) -> list[dict[str, Any]]:
-    """Each trial's parameter values, by key, in the order they start."""
+    """Each trial's parameter values, by key, in the order they start (a ``tpe`` search: none
+    yet, its driver asks Optuna for each as a slot frees up)."""
+    if spec.search == "tpe":
+        return []
     if spec.search == "grid":
         keys = [p.key for p in spec.params]
         combos = itertools.product(*(p.grid() for p in spec.params))
@@ -23,6 +26,17 @@ def make_trials(spec: SweepSpec) -> list[dict[str, Any]]:
     rng = random.Random(spec.seed)
     assert spec.trials is not None  # load_sweep: a random search names its count
     return [{p.key: draw(p, rng) for p in spec.params} for _ in range(spec.trials)]
+
+
+def corners(spec: SweepSpec) -> list[dict[str, Any]]:
+    """What a search that chooses as it goes may choose, at its edges: every key at its low
+    end, at its high end, and each listed value once (checked before a ``tpe`` sweep starts)."""
+    lows = {p.key: p.values[0] if p.values else p.low for p in spec.params}
+    highs = {p.key: p.values[-1] if p.values else p.high for p in spec.params}
+    out = [lows, highs]
+    for p in spec.params:
+        out += [{**lows, p.key: v} for v in p.values[1:-1]]
+    return out
 
 
 def grid_size(spec: SweepSpec) -> int:
