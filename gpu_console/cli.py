@@ -499,10 +499,17 @@ def report_cmd(
     runs_dir: Path | None = RunsDirOpt,
 ) -> None:
     """PNG plots and one HTML page of a run (several: their curves overlaid, their profiles
-    compared); needs matplotlib (pip install 'gpu-console[report]')."""
+    compared), or of a sweep (its objective against each parameter, every trial's curve);
+    needs matplotlib (pip install 'gpu-console[report]')."""
     from .results import report as command
+    from .sweep import store
 
-    raise typer.Exit(command.main(runs, _runs_dir(ctx, runs_dir), out))
+    folder = _runs_dir(ctx, runs_dir)
+    if len(runs) == 1 and (sweep := store.sweep_or_none(runs[0], folder)) is not None:
+        from .sweep import report as sweep_report
+
+        raise typer.Exit(sweep_report.main(sweep, out))
+    raise typer.Exit(command.main(runs, folder, out))
 
 
 @app.command("stop")

@@ -215,6 +215,16 @@ def test_eight_trials_two_at_a_time_every_trial_a_run_and_the_best_named(tmp_pat
     assert {t.user_attrs["sweep_trial"]: t.value for t in study.trials} == values
     assert [t.params for t in study.trials] == [plan["trials"][n]["params"] for n in range(8)]
     assert [sorted(t.intermediate_values) for t in study.trials] == [[6, 12]] * 8
+    # report SWEEP: the two figures and a page with every trial's objective, the best marked.
+    rep = procs.cli("report", sweep_dir.name, "--runs-dir", str(runs_dir))
+    assert rep.returncode == 0, rep.stderr
+    page = (sweep_dir / "report" / "index.html").read_text()
+    for n, value in values.items():
+        star = "★ " if n == best else ""
+        assert f"<td>{star}{n}</td><td>finished</td>" in page and f"<td>{value:.6g}</td>" in page
+    for name in ("objective", "curves"):
+        png = sweep_dir / "report" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     # ls finds the trials as the runs they are.
     ls = procs.cli("ls", "--json", "--sweep", sweep_dir.name, "--runs-dir", str(runs_dir))
     assert ls.returncode == 0, ls.stderr

@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import launch, lost, runs, session_lock
-from ..events import JsonlTail, append_control, read_events
+from ..events import JsonlTail, append_control
 from ..profile import ProfileError
 from ..runs import RunDirError
 from . import store
 from .slots import Slot
 from .spec import trial_sets
+from .store import add_eval, eval_curve, objective
 from .study import Study
 from .study import available as study_available
 
@@ -298,35 +299,6 @@ def open_study(sweep_dir: Path, plan: dict[str, Any]) -> Study | None:
             raise
         print(f"optuna: the study is off: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return None
-
-
-def objective(run: Path, spec: dict[str, Any]) -> float | None:
-    """The trial's value of the metric: its last eval's, or its best eval's."""
-    curve = eval_curve(run, spec)
-    return curve[max(curve)] if curve else None
-
-
-def eval_curve(run: Path, spec: dict[str, Any]) -> dict[int, float]:
-    """A run's objective at each eval step: its value, or (``use = "best"``) its best so far."""
-    curve: dict[int, float] = {}
-    for e in read_events(run / "events.jsonl"):
-        add_eval(curve, e, spec)
-    return curve
-
-
-def add_eval(curve: dict[int, float], e: dict[str, Any], spec: dict[str, Any]) -> None:
-    """``curve`` with the eval event ``e``'s value of the objective's metric, if it has one."""
-    name = spec["metric"].split(".", 1)[1]
-    if e.get("kind") != "eval" or not isinstance(e.get(name), (int, float)):
-        return
-    value = float(e[name])
-    if spec.get("use") == "best" and curve:
-        value = _best(spec["direction"], value, curve[max(curve)])
-    curve[int(e.get("step", 0))] = value
-
-
-def _best(direction: str, a: float, b: float) -> float:
-    return min(a, b) if direction == "min" else max(a, b)
 
 
 def _used_seconds(events: list[dict[str, Any]]) -> float:

@@ -24,6 +24,7 @@ from typing import Any
 
 from .. import strict_json
 from ..events import JsonlTail
+from ..events import read_events as read_run_events
 from ..runs import RunDirError, atomic_write_json, read_json, run_dir_name
 
 PLAN = "sweep.json"
@@ -74,6 +75,14 @@ def find_sweep(arg: str, runs_dir: Path) -> Path:
         if named:
             return named[-1]
     raise RunDirError(f"{arg}: not a sweep directory, nor a sweep's name under {runs_dir}")
+
+
+def sweep_or_none(arg: str, runs_dir: Path) -> Path | None:
+    """:func:`find_sweep`'s sweep, or None where ``arg`` names none (a run, maybe)."""
+    try:
+        return find_sweep(arg, runs_dir)
+    except RunDirError:
+        return None
 
 
 def trial_name(n: int) -> str:
@@ -157,3 +166,35 @@ def fold(events: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
 
 def _better(direction: str, a: float, b: float) -> bool:
     return a < b if direction == "min" else a > b
+
+
+# -- a trial's objective, from its run's eval events ----------------------------------------
+
+
+def objective(run: Path, spec: dict[str, Any]) -> float | None:
+    """The trial's value of the metric: its last eval's, or its best eval's."""
+    curve = eval_curve(run, spec)
+    return curve[max(curve)] if curve else None
+
+
+def eval_curve(run: Path, spec: dict[str, Any]) -> dict[int, float]:
+    """A run's objective at each eval step: its value, or (``use = "best"``) its best so far."""
+    curve: dict[int, float] = {}
+    for e in read_run_events(run / "events.jsonl"):
+        add_eval(curve, e, spec)
+    return curve
+
+
+def add_eval(curve: dict[int, float], e: dict[str, Any], spec: dict[str, Any]) -> None:
+    """``curve`` with the eval event ``e``'s value of the objective's metric, if it has one."""
+    name = spec["metric"].split(".", 1)[1]
+    if e.get("kind") != "eval" or not isinstance(e.get(name), (int, float)):
+        return
+    value = float(e[name])
+    if spec.get("use") == "best" and curve:
+        value = _best(spec["direction"], value, curve[max(curve)])
+    curve[int(e.get("step", 0))] = value
+
+
+def _best(direction: str, a: float, b: float) -> float:
+    return min(a, b) if direction == "min" else max(a, b)
