@@ -420,7 +420,7 @@ def sweep_cmd(
     ),
     as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
     headless: bool = typer.Option(
-        False, "--headless", help="Report as text (the only console a sweep has yet)."
+        False, "--headless", help="Report as text: a line per trial event, then every trial."
     ),
     runs_dir: Path | None = RunsDirOpt,
 ) -> None:
@@ -442,7 +442,7 @@ def sweep_cmd(
             raise launch.LaunchError(
                 "--resume: a resumed sweep keeps its plan and devices (no --dry-run, --devices)"
             )
-        raise typer.Exit(command.resume(resume, folder))
+        raise typer.Exit(command.resume(resume, folder, headless))
     if file is None:
         raise launch.LaunchError("SWEEP_FILE: give a sweep file (or --resume SWEEP)")
     if devices is not None:
@@ -452,7 +452,7 @@ def sweep_cmd(
             parse_devices(devices)
         except DeviceSpecError as e:
             raise launch.LaunchError(f"--devices: {e}") from None
-    raise typer.Exit(command.start(file, devices, folder, dry_run, as_json))
+    raise typer.Exit(command.start(file, devices, folder, dry_run, as_json, headless))
 
 
 @app.command("status")

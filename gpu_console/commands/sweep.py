@@ -113,7 +113,9 @@ def show_plan(plan: dict[str, Any], as_json: bool) -> str:
     return "\n".join(lines)
 
 
-def start(file: str, devices: str | None, runs_dir: Path, dry_run: bool, as_json: bool) -> int:
+def start(
+    file: str, devices: str | None, runs_dir: Path, dry_run: bool, as_json: bool, headless: bool
+) -> int:
     spec, plan = plan_sweep(file, devices, runs_dir)
     if dry_run:
         print(show_plan(plan, as_json))
@@ -131,10 +133,24 @@ def start(file: str, devices: str | None, runs_dir: Path, dry_run: bool, as_json
         shutil.rmtree(sweep_dir, ignore_errors=True)
         raise
     print(show_plan(plan, False).splitlines()[0] + f"  ({sweep_dir})")
-    return follow(sweep_dir, lambda: proc.poll() is None)
+    return console(sweep_dir, proc, headless)
 
 
-def resume(arg: str, runs_dir: Path) -> int:
+def console(sweep_dir: Path, proc: subprocess.Popen, headless: bool, told: int = 0) -> int:
+    """The sweep screen on a terminal (quitting it leaves the sweep running), else the
+    headless lines."""
+    if headless or not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return follow(sweep_dir, lambda: proc.poll() is None, told)
+    from ..held_signals import release
+    from ..tui.app import ConsoleApp
+
+    release()
+    app = ConsoleApp(runs_dir=sweep_dir, sweep_dir=sweep_dir)
+    app.run()
+    return app.return_code or 0
+
+
+def resume(arg: str, runs_dir: Path, headless: bool = True) -> int:
     sweep_dir = store.find_sweep(arg, runs_dir)
     store.read_plan(sweep_dir)  # a damaged plan is one line, before the lock
     events = store.read_events(sweep_dir)
@@ -147,7 +163,7 @@ def resume(arg: str, runs_dir: Path) -> int:
     told = (sweep_dir / store.EVENTS).stat().st_size if (sweep_dir / store.EVENTS).exists() else 0
     proc = spawn_driver(sweep_dir)
     print(f"sweep {sweep_dir.name} resumed  ({sweep_dir})")
-    return follow(sweep_dir, lambda: proc.poll() is None, told)
+    return console(sweep_dir, proc, headless, told)
 
 
 def spawn_driver(sweep_dir: Path) -> subprocess.Popen:

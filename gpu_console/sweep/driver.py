@@ -118,6 +118,15 @@ class Driver:
         for cmd in self.control.read():
             if cmd.get("cmd") == "stop" and not self.stop_asked:
                 self.stop_asked = "stop asked"
+            elif cmd.get("cmd") in ("stop_trial", "prune") and cmd.get("trial") in self.live:
+                n = cmd["trial"]
+                _, run, _ = self.live[n]
+                if cmd["cmd"] == "prune" and n not in self.pruning:
+                    self.pruning[n] = "pruned by hand"
+                    store.append_event(self.dir, "trial", trial=n, state="pruning",
+                                       reason=self.pruning[n])  # fmt: skip
+                with contextlib.suppress(OSError):
+                    append_control(run, "stop")
 
     # -- trials --------------------------------------------------------------------------------
 

@@ -115,9 +115,16 @@ def read_events(sweep_dir: Path) -> list[dict[str, Any]]:
     return JsonlTail(Path(sweep_dir) / EVENTS).read()
 
 
-def append_control(sweep_dir: Path, cmd: str) -> str:
+COMMANDS = ("stop", "stop_trial", "prune")  # the sweep; a trial (resumable); a trial (ended)
+
+
+def append_control(sweep_dir: Path, cmd: str, **args: Any) -> str:
+    """One command to the sweep's driver: ``stop`` (the sweep), ``stop_trial`` or ``prune``
+    (``trial=N``)."""
+    if cmd not in COMMANDS:
+        raise ValueError(f"unknown sweep command {cmd!r}")
     cid = uuid.uuid4().hex[:12]
-    line = strict_json.dumps({"id": cid, "cmd": cmd, "t": round(time.time(), 3)}) + "\n"
+    line = strict_json.dumps({"id": cid, "cmd": cmd, "t": round(time.time(), 3), **args}) + "\n"
     fd = os.open(Path(sweep_dir) / CONTROL, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         os.write(fd, line.encode())

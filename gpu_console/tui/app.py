@@ -42,6 +42,7 @@ class ConsoleApp(App[int]):
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
         Binding("ctrl+c", "quit", "quit", show=False, priority=True),
+        Binding("escape", "to_sweep", "sweep", show=False),
     ]
 
     def __init__(
@@ -57,6 +58,7 @@ class ConsoleApp(App[int]):
         sample_interval_s: float = 1.0,
         telemetry: bool = True,
         devices_every_s: float = 3.0,
+        sweep_dir: Path | None = None,
     ) -> None:
         super().__init__()
         self.runs_dir = Path(runs_dir)
@@ -71,11 +73,16 @@ class ConsoleApp(App[int]):
             "telemetry": telemetry,
         }
         self.devices_every_s = devices_every_s
+        self.sweep_dir = sweep_dir
 
     def get_default_screen(self) -> Screen:
         """The first screen is the default one: no blank screen is drawn before it."""
         if self.start_run is not None:
             return self._run_screen(self.start_run, self.start_owner, self.start_supervisor)
+        if self.sweep_dir is not None:
+            from .screens.sweep import SweepScreen
+
+            return SweepScreen(self.sweep_dir)
         from .screens.launch import LaunchScreen
 
         return LaunchScreen(self.runs_dir, self.devices_every_s)
@@ -121,6 +128,11 @@ class ConsoleApp(App[int]):
         from .screens.runs import RunsScreen
 
         self.push_screen(RunsScreen(self.runs_dir))
+
+    def action_to_sweep(self) -> None:
+        """Back to the sweep screen from a trial's run screen opened on it."""
+        if len(self.screen_stack) > 1 and _is(self.screen_stack[-2], "SweepScreen"):
+            self.pop_screen()
 
     def action_help(self) -> None:
         from .screens.modals import HelpScreen
