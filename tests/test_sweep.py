@@ -243,6 +243,19 @@ def started_sweep(runs_dir: Path, console) -> Path:
     return wait_for(made, what="the sweep's directory")
 
 
+def paced_sweep(tmp_path, procs, runs_dir, params, extra, devices, paced=True):
+    """A sweep of paced.toml's task started by the console, paced while the file ``pace``
+    exists (made here unless ``paced`` is False): (pace, env, console, sweep directory)."""
+    pace = tmp_path / "pace"
+    if paced:
+        pace.touch()
+    path = sweep_file(tmp_path, params, extra=extra)
+    env = test_env(PACE_S="0.05", PACE_WHILE=str(pace))
+    console = procs.start("sweep", str(path), "--devices", devices, "--runs-dir", str(runs_dir),
+                          env=env, cwd=tmp_path)  # fmt: skip
+    return pace, env, console, started_sweep(runs_dir, console)
+
+
 def _driver_pid(sweep_dir: Path) -> int:
     return [e["pid"] for e in store.read_events(sweep_dir) if e.get("pid")][-1]
 
@@ -276,17 +289,11 @@ def test_console_gone_driver_killed_then_resume_keeps_finished_takes_back_and_re
     killed (the sweep goes on), then the driver and trial 2's whole run (SIGKILL) while trial
     3 lives. ``sweep --resume``: trials 0 and 1 are not repeated, trial 3 is taken back where
     it runs, trial 2 resumes from its checkpoint, and the sweep ends with every trial."""
-    pace = tmp_path / "pace"
-    pace.touch()
     paced_profile(tmp_path, max_steps=8, extra="[checkpoint]\nevery_steps = 4\n")
-    path = sweep_file(
-        tmp_path, '"train.max_steps" = [8, 400]\n"train.lr" = [1e-3, 2e-3]\n',
-        extra='[set]\n"train.eval_every" = 4\n',
+    pace, env, console, sweep_dir = paced_sweep(
+        tmp_path, procs, runs_dir, '"train.max_steps" = [8, 400]\n"train.lr" = [1e-3, 2e-3]\n',
+        '[set]\n"train.eval_every" = 4\n', "cpu:2",
     )  # fmt: skip
-    env = test_env(PACE_S="0.05", PACE_WHILE=str(pace))
-    console = procs.start("sweep", str(path), "--devices", "cpu:2", "--runs-dir", str(runs_dir),
-                          env=env, cwd=tmp_path)  # fmt: skip
-    sweep_dir = started_sweep(runs_dir, console)
     wait_for(lambda: _trial_events(sweep_dir, 3)[:1] == ["started"], what="trial 3 started")
     console.send_signal(signal.SIGKILL)
     console.wait()
@@ -333,14 +340,10 @@ def test_ctrl_c_stops_the_trials_with_checkpoints_and_resume_finishes_them(
     """While the driver lives a second is refused. Ctrl-C at the console: the running trial
     checkpoints and stops, the sweep ends ``stopped`` (exit 0), the trial not yet started
     stays pending; ``sweep --resume`` continues the one and starts the other."""
-    pace = tmp_path / "pace"
-    pace.touch()
     paced_profile(tmp_path, max_steps=300)
-    path = sweep_file(tmp_path, '"train.lr" = [1e-3, 2e-3]\n')
-    env = test_env(PACE_S="0.05", PACE_WHILE=str(pace))
-    console = procs.start("sweep", str(path), "--devices", "cpu:1", "--runs-dir", str(runs_dir),
-                          env=env, cwd=tmp_path)  # fmt: skip
-    sweep_dir = started_sweep(runs_dir, console)
+    pace, env, console, sweep_dir = paced_sweep(
+        tmp_path, procs, runs_dir, '"train.lr" = [1e-3, 2e-3]\n', "", "cpu:1"
+    )
     run = sweep_dir / "trial-000"
     wait_for(lambda: len(events_of(run, "step")) >= 3, what="trial 0 training")
     r = procs.cli("sweep", "--resume", str(sweep_dir), "--runs-dir", str(runs_dir))
@@ -375,16 +378,13 @@ def test_a_trial_clearly_worse_than_the_median_is_pruned_with_its_checkpoint(
     """One slot: trials 0 and 1 (a good lr) finish, then trial 2 (an lr that barely moves
     the weights) is worse than their median at its first eval and stops there, pruned, with
     its checkpoint; its slot goes on, the best is one of the others."""
-    pace = tmp_path / "pace"  # trial 2 alone is paced: it must not end before the pruner acts
     paced_profile(tmp_path, max_steps=200)
-    path = sweep_file(
-        tmp_path, '"train.lr" = [3e-3, 2e-3, 1e-7]\n',
-        extra='[pruning]\nkind = "median"\n\n[set]\n"train.eval_every" = 20\n',
+    # Trial 2 alone is paced (the file made once it started): it must not end before the
+    # pruner acts.
+    pace, _, console, sweep_dir = paced_sweep(
+        tmp_path, procs, runs_dir, '"train.lr" = [3e-3, 2e-3, 1e-7]\n',
+        '[pruning]\nkind = "median"\n\n[set]\n"train.eval_every" = 20\n', "cpu:1", paced=False,
     )  # fmt: skip
-    env = test_env(PACE_S="0.05", PACE_WHILE=str(pace))
-    console = procs.start("sweep", str(path), "--devices", "cpu:1", "--runs-dir", str(runs_dir),
-                          env=env, cwd=tmp_path)  # fmt: skip
-    sweep_dir = started_sweep(runs_dir, console)
     wait_for(lambda: _trial_events(sweep_dir, 2)[:1] == ["started"], timeout=300,
              what="trial 2 started")  # fmt: skip
     pace.touch()
