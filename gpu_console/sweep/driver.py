@@ -219,6 +219,12 @@ class Driver:
         for n, (slot, run, proc) in list(self.live.items()):
             if proc is not None:
                 proc.poll()  # a supervisor that exited is not left a zombie
+            if not run.is_dir():  # deleted under the sweep: nothing will ever end it
+                del self.live[n]
+                self.free.append(slot)
+                store.append_event(self.dir, "trial", trial=n, state="failed", run=run.name,
+                                   reason="its run directory is gone")  # fmt: skip
+                continue
             self.watch_evals(n, run)
             status = lost.settle(run)
             if not status.get("ended"):
