@@ -127,8 +127,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # of few tests (the real SLURM's) came last and one worker ended the suite alone.
 HEAVIEST_FIRST = (
     "tests/test_slurm_real.py",
+    "tests/test_sweep.py",  # 206 s of real sweeps (measured 2026-11-29, the faster machine)
     "tests/test_slurm.py",
-    "tests/test_sweep.py",  # not yet in a measured run: its sweeps are some 3 minutes
     "tests/test_survive_signals.py",
     "tests/test_multinode.py",
     "tests/test_tensorboard.py",

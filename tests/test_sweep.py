@@ -21,10 +21,10 @@ from conftest import (
     paced_profile,
     read_status,
     run_dirs,
-    test_env,
     wait_for,
     without_packages,
 )
+from conftest import test_env as cli_env
 
 from gpu_console.sweep import store
 from gpu_console.sweep.spec import SweepError, load_sweep
@@ -250,7 +250,7 @@ def paced_sweep(tmp_path, procs, runs_dir, params, extra, devices, paced=True):
     if paced:
         pace.touch()
     path = sweep_file(tmp_path, params, extra=extra)
-    env = test_env(PACE_S="0.05", PACE_WHILE=str(pace))
+    env = cli_env(PACE_S="0.05", PACE_WHILE=str(pace))
     console = procs.start("sweep", str(path), "--devices", devices, "--runs-dir", str(runs_dir),
                           env=env, cwd=tmp_path)  # fmt: skip
     return pace, env, console, started_sweep(runs_dir, console)
