@@ -20,10 +20,10 @@ POLL_S = 0.2
 
 
 def params_text(params: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={_value(v)}" for k, v in params.items())
+    return ", ".join(f"{k}={value_text(v)}" for k, v in params.items())
 
 
-def _value(v: Any) -> str:
+def value_text(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
@@ -79,7 +79,7 @@ def table(sweep_dir: Path, plan: dict[str, Any]) -> str:
         value = r["objective"]
         star = "*" if best is not None and r["trial"] == best["trial"] else " "
         rows.append([
-            f"{star}{r['trial']}", r["state"], *(_value(r["params"][k]) for k in keys),
+            f"{star}{r['trial']}", r["state"], *(value_text(r["params"][k]) for k in keys),
             "" if value is None else f"{value:.6g}", r["run"] or "",
         ])  # fmt: skip
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]

@@ -16,7 +16,7 @@ from typing import Any
 from ..results.report import CSS, _pyplot
 from ..runs import atomic_write_text
 from . import store
-from .follow import _value
+from .follow import value_text
 
 
 def trial_rows(sweep_dir: Path, plan: dict[str, Any]) -> list[dict[str, Any]]:
@@ -100,7 +100,7 @@ def page(sweep_dir: Path, plan: dict[str, Any], rows, best, pngs: list[Path]) ->
     for r in rows:
         cells = [
             f"{'★ ' if r['trial'] == best else ''}{r['trial']}", r["state"],
-            *(_value(r["params"].get(k, "")) for k in keys),
+            *(value_text(r["params"].get(k, "")) for k in keys),
             "" if r["objective"] is None else f"{r['objective']:.6g}",
             r["run"] or "",
         ]  # fmt: skip

@@ -17,7 +17,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
 from ...sweep import store
-from ...sweep.follow import _value
+from ...sweep.follow import value_text
 from ..widgets.text import STATE_STYLE
 
 TRIAL_STYLE = {**STATE_STYLE, "pending": "dim", "pruned": "yellow", "pruning": "yellow"}
@@ -86,7 +86,7 @@ class SweepScreen(Screen):
                 Text(f"{'★ ' if star else ''}{r['trial']}", style="bold" if star else ""),
                 Text(r["state"], style=TRIAL_STYLE.get(r["state"], "")),
                 r["devices"] or "",
-                *(_value(r["params"].get(k, "")) for k in keys),
+                *(value_text(r["params"].get(k, "")) for k in keys),
                 "" if step is None else str(step),
                 Text(
                     "" if r["objective"] is None else f"{r['objective']:.6g}",
