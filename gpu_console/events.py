@@ -143,11 +143,21 @@ def append_control(run_dir: Path, cmd: str, **args: Any) -> str:
     ``args`` ride in the same line (``profile``'s ``steps``)."""
     if cmd not in CONTROL_COMMANDS:
         raise ValueError(f"unknown control command {cmd!r}")
+    return append_command(Path(run_dir) / "control.jsonl", cmd, **args)
+
+
+def append_command(path: Path, cmd: str, **args: Any) -> str:
+    """One command line (``id``, ``cmd``, ``t``, ``args``) appended whole to a control file
+    (mode 0600: a run's, a sweep's); its id."""
     cid = uuid.uuid4().hex[:12]
-    line = strict_json.dumps({"id": cid, "cmd": cmd, "t": round(time.time(), 3), **args}) + "\n"
-    fd = os.open(Path(run_dir) / "control.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    append_line(path, {"id": cid, "cmd": cmd, "t": round(time.time(), 3), **args}, 0o600)
+    return cid
+
+
+def append_line(path: Path, obj: dict[str, Any], mode: int = 0o644) -> None:
+    """``obj`` as one strict JSON line, appended in a single write (readers never see half)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
     try:
-        os.write(fd, line.encode())
+        os.write(fd, (strict_json.dumps(obj) + "\n").encode())
     finally:
         os.close(fd)
-    return cid

@@ -134,9 +134,11 @@ def test_the_file_is_judged_in_full_every_problem_naming_its_key(tmp_path):
          "lr.toml: sweep.trial_devices: a trial of 1 GPU(s), but the sweep's devices are 2 CPU"),
         ('"train.lr" = [0.1, -0.2]', "", "cpu:2", "lr.toml: trial 1 (train.lr=-0.2): "),
         ('"train.lr" = [0.1]', "", "cpu:9999", "--devices: 9999 CPU ranks on"),
+        ('"train.lr" = {range = [0.1, 0.2], step = 1e-9}', "", "cpu:2",
+         "lr.toml: parameters.train.lr.step: a grid of 100,000,001 values; at most 10,000"),
     ],
     ids=["unknown key", "empty range", "more cpus than granted", "gpus on a cpu grant",
-         "a trial's value refused", "devices"],
+         "a trial's value refused", "devices", "a grid too big"],
 )  # fmt: skip
 def test_a_bad_sweep_is_one_line_exit_2_and_nothing_started(
     tmp_path, procs, runs_dir, params, sweep, devices, expected

@@ -71,7 +71,7 @@ def plan_sweep(file: str, devices: str | None, runs_dir: Path) -> tuple[SweepSpe
             "warmup_evals": spec.warmup_evals,
         },  # fmt: skip
         "pool": pool_spec,
-        "slots": [{"index": s.index, "devices": s.devices, "cores": list(s.cores)} for s in slots],
+        "slots": [s.as_dict() for s in slots],
         "grid": grid_size(spec) if spec.search == "grid" else None,
         "params": spec.params_dict(),
         "trials": [
@@ -86,7 +86,7 @@ def show_plan(plan: dict[str, Any], as_json: bool) -> str:
     if as_json:
         return strict_json.dumps(plan, indent=2)
     sweep = plan["sweep"]
-    slots = [Slot(s["index"], s["devices"], tuple(s["cores"])) for s in plan["slots"]]
+    slots = [Slot.from_dict(s) for s in plan["slots"]]
     count = sweep["trials"] if sweep["search"] == "tpe" else len(plan["trials"])
     lines = [
         f"sweep {sweep['name']}: {count} trials ({sweep['search']}"
@@ -120,7 +120,7 @@ def start(
     if dry_run:
         print(show_plan(plan, as_json))
         return 0
-    slots = [Slot(s["index"], s["devices"], tuple(s["cores"])) for s in plan["slots"]]
+    slots = [Slot.from_dict(s) for s in plan["slots"]]
     if note := cores_note(slots):
         print(note, file=sys.stderr)
     sweep_dir = store.create(runs_dir, spec.name)

@@ -33,7 +33,7 @@ from ..runs import RunDirError
 from . import store
 from .slots import Slot
 from .spec import trial_sets
-from .store import add_eval, eval_curve, objective
+from .store import add_eval, better, eval_curve, last
 from .study import Study
 from .study import available as study_available
 
@@ -47,12 +47,13 @@ class Driver:
         self.dir = Path(sweep_dir)
         self.plan = store.read_plan(self.dir)
         self.trials = {t["trial"]: t for t in self.plan["trials"]}
-        self.slots = [Slot(s["index"], s["devices"], tuple(s["cores"])) for s in self.plan["slots"]]
+        self.slots = [Slot.from_dict(s) for s in self.plan["slots"]]
         self.free = list(self.slots)
         self.live: dict[int, tuple[Slot, Path, Any]] = {}  # trial → (slot, run, supervisor)
         self.queue: list[tuple[int, Path | None]] = []  # (trial, its run to resume or None)
         self.session = uuid.uuid4().hex[:8]
         past = store.read_events(self.dir)
+        self.resumed = any(e.get("kind") == "sweep" for e in past)
         self.used_before = _used_seconds(past)
         self.began = time.monotonic()
         self.stop_asked = ""
@@ -74,9 +75,8 @@ class Driver:
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> int:
-        resumed = any(e.get("kind") == "sweep" for e in store.read_events(self.dir))
         store.append_event(self.dir, "sweep", state="running", session=self.session,
-                           pid=os.getpid(), resumed=resumed)  # fmt: skip
+                           pid=os.getpid(), resumed=self.resumed)  # fmt: skip
         self.recover()
         while True:
             self.read_control()
@@ -216,12 +216,11 @@ class Driver:
         self.live[n] = (slot, launched.run_dir, launched.supervisor)
 
     def reap(self) -> None:
-        for n, (slot, run, proc) in list(self.live.items()):
+        for n, (_, run, proc) in list(self.live.items()):
             if proc is not None:
                 proc.poll()  # a supervisor that exited is not left a zombie
             if not run.is_dir():  # deleted under the sweep: nothing will ever end it
-                del self.live[n]
-                self.free.append(slot)
+                self.release(n)
                 store.append_event(self.dir, "trial", trial=n, state="failed", run=run.name,
                                    reason="its run directory is gone")  # fmt: skip
                 continue
@@ -229,10 +228,14 @@ class Driver:
             status = lost.settle(run)
             if not status.get("ended"):
                 continue
-            del self.live[n]
-            self.free.append(slot)
-            self.free.sort(key=lambda s: s.index)
+            self.release(n)
             self.record_end(n, run, status)
+
+    def release(self, n: int) -> None:
+        """Trial ``n`` is no longer live: its slot is free again (the lowest taken first)."""
+        slot, _, _ = self.live.pop(n)
+        self.free.append(slot)
+        self.free.sort(key=lambda s: s.index)
 
     def watch_evals(self, n: int, run: Path) -> None:
         """A live trial's new evals; the pruner's verdict on its newest."""
@@ -263,8 +266,7 @@ class Driver:
             return ""
         middle = statistics.median(others)
         value = curve[step]
-        direction = self.plan["objective"]["direction"]
-        if not (value > middle if direction == "min" else value < middle):
+        if not better(self.plan["objective"]["direction"], middle, value):
             return ""
         metric = self.plan["objective"]["metric"]
         return (
@@ -289,7 +291,7 @@ class Driver:
         if state == "finished":
             self.finished.add(n)
             self.evals[n] = eval_curve(run, self.plan["objective"])
-            value = objective(run, self.plan["objective"])
+            value = last(self.evals[n])
             return store.append_event(
                 self.dir, "trial", trial=n, state="finished", run=run.name, objective=value,
                 step=step, reason="" if value is not None else

@@ -108,8 +108,10 @@ def follow(sweep_dir: Path, driver_alive: Callable[[], bool], offset: int = 0, p
                    "this console")  # fmt: skip
 
     previous = signal.signal(signal.SIGINT, on_sigint)
-    earlier = store.fold(JsonlTail(sweep_dir / store.EVENTS).read(offset or None), plan)
-    best: float | None = earlier["best"]["objective"] if offset and earlier["best"] else None
+    best: float | None = None
+    if offset:  # the best of the sweep's earlier drivers
+        earlier = store.fold(JsonlTail(sweep_dir / store.EVENTS).read(offset), plan)["best"]
+        best = earlier["objective"] if earlier else None
     direction = plan["objective"]["direction"]
     try:
         while True:
@@ -121,7 +123,7 @@ def follow(sweep_dir: Path, driver_alive: Callable[[], bool], offset: int = 0, p
                     plan = store.read_plan(sweep_dir)  # a tpe trial its driver just chose
                 value = e.get("objective") if e.get("state") == "finished" else None
                 if isinstance(value, (int, float)) and (
-                    best is None or (value < best if direction == "min" else value > best)
+                    best is None or store.better(direction, value, best)
                 ):
                     best = value
                 line = event_line(e, plan, best)

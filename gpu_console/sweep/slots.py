@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from ..devices import Placement, usable_cores
-from .spec import _cpu_ranks
+from .spec import cpu_ranks
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,13 @@ class Slot:
     devices: str  # the trial's --devices: "cpu:2", "0,1"
     cores: tuple[int, ...] = ()  # the CPU cores a CPU trial is pinned to
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Slot:
+        return cls(d["index"], d["devices"], tuple(d["cores"]))
+
+    def as_dict(self) -> dict:
+        return {"index": self.index, "devices": self.devices, "cores": list(self.cores)}
+
     def describe(self) -> str:
         return self.devices if self.devices.startswith("cpu") else f"GPU {self.devices}"
 
@@ -28,7 +35,7 @@ class Slot:
 def cut(pool: Placement, trial_devices: str) -> tuple[list[Slot], str]:
     """The slots, or ``[]`` and why a trial does not fit the pool (blamed on
     ``sweep.trial_devices`` by the caller)."""
-    ranks = _cpu_ranks(trial_devices)
+    ranks = cpu_ranks(trial_devices)
     if pool.device_type == "cpu":
         if ranks is None:
             return [], (

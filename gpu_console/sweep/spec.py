@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..devices import DeviceSpecError, parse_devices
 from ..profile import BEST_METRIC, ProfileError, find_profile, load_profile
 from ..schema import show
 from ..toml_text import TOMLDecodeError
@@ -38,6 +39,9 @@ OBJECTIVE_KEYS = {
     "direction": "min or max is better; auto: min for a *loss* metric",
     "use": "last (the trial's last eval) or best (its best eval)",
 }
+# Beyond these a typo (a step of 1e-9) would build millions of trials before saying anything.
+MAX_POINTS = 10_000  # values of one parameter's grid
+MAX_TRIALS = 100_000  # trials of one sweep
 PRUNERS = ("none", "median")
 PRUNING_KEYS = {
     "kind": "none, or median: a trial whose eval is worse than the median of the other "
@@ -69,6 +73,15 @@ class Param:
     def integer(self) -> bool:
         return isinstance(self.low, int) and isinstance(self.high, int)
 
+    def count(self) -> int:
+        """How many values a grid takes (without making them)."""
+        if self.values:
+            return len(self.values)
+        if self.log:
+            return self.num or 2
+        assert self.low is not None and self.high is not None
+        return int(math.floor((self.high - self.low) / (self.step or 1) + 1e-9)) + 1
+
     def grid(self) -> list[Any]:
         """The values a grid search takes, in order."""
         if self.values:
@@ -79,11 +92,16 @@ class Param:
             a, b = math.log(self.low), math.log(self.high)
             points = [math.exp(a + (b - a) * i / (n - 1)) for i in range(n)]
             points[0], points[-1] = self.low, self.high  # the ends as written, not rounded
-            return [round(p) for p in points] if self.integer else points
+            # whole numbers close to the low end round alike: each once
+            return list(dict.fromkeys(round(p) for p in points)) if self.integer else points
+        return [self.point(i) for i in range(self.count())]
+
+    def point(self, i: int) -> Any:
+        """A range's ``i``-th value on its step's grid."""
+        assert self.low is not None
         step = self.step if self.step is not None else 1
-        n = int(math.floor((self.high - self.low) / step + 1e-9)) + 1
-        out = [self.low + i * step for i in range(n)]
-        return [round(v) for v in out] if self.integer and float(step).is_integer() else out
+        value = self.low + i * step
+        return round(value) if self.integer and float(step).is_integer() else value
 
 
 @dataclass
@@ -106,14 +124,6 @@ class SweepSpec:
     params: list[Param] = field(default_factory=list)
     sets: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def metric_field(self) -> str:
-        """The eval event's field the metric names (``eval.loss`` → ``loss``)."""
-        return self.metric.split(".", 1)[1]
-
-    def better(self, a: float, b: float) -> bool:
-        return a < b if self.direction == "min" else a > b
-
     def params_dict(self) -> list[dict[str, Any]]:
         """The parameters as the plan keeps them (Optuna's distributions are made from it)."""
         return [
@@ -127,9 +137,6 @@ class SweepSpec:
             "name": self.name, "profile": self.profile, "search": self.search,
             "trials": self.trials, "max_minutes": self.max_minutes,
             "trial_devices": self.trial_devices, "devices": self.devices, "seed": self.seed,
-            "objective": {"metric": self.metric, "direction": self.direction, "use": self.use},
-            "pruning": {"kind": self.pruner, "startup_trials": self.startup_trials,
-                        "warmup_evals": self.warmup_evals},
             "parameters": [p.key for p in self.params], "set": self.sets,
         }  # fmt: skip
 
@@ -195,8 +202,8 @@ def load_sweep(path: str | Path) -> SweepSpec:
         if search == "tpe" and not _optuna():
             bad("sweep.search", 'tpe needs Optuna: pip install "gpu-console[sweep]"', search)
     trials = sweep.get("trials")
-    if trials is not None and (type(trials) is not int or trials < 1):
-        bad("sweep.trials", "expected a whole number >= 1", trials)
+    if trials is not None and (type(trials) is not int or not 1 <= trials <= MAX_TRIALS):
+        bad("sweep.trials", f"expected a whole number from 1 to {MAX_TRIALS:,}", trials)
     elif trials is None and spec.search in ("random", "tpe"):
         bad("sweep.trials", f"a {spec.search} search needs its number of trials", None)
     else:
@@ -209,7 +216,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
     per_trial = sweep.get("trial_devices", "cpu:1")
     if type(per_trial) is int and per_trial >= 1:
         spec.trial_devices = str(per_trial)
-    elif isinstance(per_trial, str) and _cpu_ranks(per_trial) is not None:
+    elif isinstance(per_trial, str) and cpu_ranks(per_trial) is not None:
         spec.trial_devices = per_trial.strip().lower()
     else:
         bad("sweep.trial_devices", "expected cpu:N (N >= 1) or a number of GPUs >= 1", per_trial)
@@ -271,6 +278,11 @@ def load_sweep(path: str | Path) -> SweepSpec:
         param = _param(f"parameters.{key}", key, value, spec.search, bad)
         if param is not None:
             spec.params.append(param)
+    if spec.search == "grid" and spec.trials is None and spec.params:
+        size = math.prod(p.count() for p in spec.params)
+        if size > MAX_TRIALS:
+            bad("parameters", f"a grid of {size:,} trials; at most {MAX_TRIALS:,}: narrow it, or "
+                "take its first ones with sweep.trials", size)  # fmt: skip
     sets = doc.get("set", {})
     if not isinstance(sets, dict):
         bad("set", "expected a table of profile keys and values", sets)
@@ -376,14 +388,22 @@ def _param(where: str, key: str, value: Any, search: str, bad) -> Param | None:
         if not log and step is None and not integer:
             bad(f"{where}.step", "a grid over a range of floats needs its step", step)
             return None
-    return Param(key, low=low, high=high, log=log, step=step, num=num)
+    param = Param(key, low=low, high=high, log=log, step=step, num=num)
+    if param.count() > MAX_POINTS:
+        form = "num" if log else "step"
+        bad(f"{where}.{form}", f"a grid of {param.count():,} values; at most {MAX_POINTS:,}",
+            value.get(form))  # fmt: skip
+        return None
+    return param
 
 
-def _cpu_ranks(text: str) -> int | None:
-    text = text.strip().lower()
-    if text.startswith("cpu:") and text[4:].isdigit() and int(text[4:]) >= 1:
-        return int(text[4:])
-    return None
+def cpu_ranks(text: str) -> int | None:
+    """N of a ``cpu:N`` device spec (devices.parse_devices's reading), else None."""
+    try:
+        spec = parse_devices(text)
+    except DeviceSpecError:
+        return None
+    return spec.nproc if spec.kind == "cpu" else None
 
 
 def trial_sets(fixed: dict[str, Any], params: dict[str, Any]) -> list[str]:

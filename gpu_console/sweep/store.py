@@ -16,14 +16,11 @@ No torch.
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from .. import strict_json
-from ..events import JsonlTail
+from ..events import JsonlTail, append_command, append_line
 from ..events import read_events as read_run_events
 from ..runs import RunDirError, atomic_write_json, read_json, run_dir_name
 
@@ -103,11 +100,7 @@ def read_plan(sweep_dir: Path) -> dict[str, Any]:
 def append_event(sweep_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
     """One event, appended whole (a single write of one line): the driver's alone."""
     event = {"v": 1, "t": round(time.time(), 3), "kind": kind, **fields}
-    fd = os.open(Path(sweep_dir) / EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (strict_json.dumps(event) + "\n").encode())
-    finally:
-        os.close(fd)
+    append_line(Path(sweep_dir) / EVENTS, event)
     return event
 
 
@@ -123,14 +116,7 @@ def append_control(sweep_dir: Path, cmd: str, **args: Any) -> str:
     (``trial=N``)."""
     if cmd not in COMMANDS:
         raise ValueError(f"unknown sweep command {cmd!r}")
-    cid = uuid.uuid4().hex[:12]
-    line = strict_json.dumps({"id": cid, "cmd": cmd, "t": round(time.time(), 3), **args}) + "\n"
-    fd = os.open(Path(sweep_dir) / CONTROL, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
-    return cid
+    return append_command(Path(sweep_dir) / CONTROL, cmd, **args)
 
 
 def fold(events: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
@@ -165,23 +151,18 @@ def fold(events: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
     done = [r for r in rows.values() if r["objective"] is not None]
     best = None
     for r in done:
-        if best is None or _better(objective["direction"], r["objective"], best["objective"]):
+        if best is None or better(objective["direction"], r["objective"], best["objective"]):
             best = r
     return {"state": state, "reason": reason, "trials": [rows[k] for k in sorted(rows)],
             "best": best}  # fmt: skip
 
 
-def _better(direction: str, a: float, b: float) -> bool:
+def better(direction: str, a: float, b: float) -> bool:
+    """Whether objective value ``a`` beats ``b`` (``direction``: min or max)."""
     return a < b if direction == "min" else a > b
 
 
 # -- a trial's objective, from its run's eval events ----------------------------------------
-
-
-def objective(run: Path, spec: dict[str, Any]) -> float | None:
-    """The trial's value of the metric: its last eval's, or its best eval's."""
-    curve = eval_curve(run, spec)
-    return curve[max(curve)] if curve else None
 
 
 def eval_curve(run: Path, spec: dict[str, Any]) -> dict[int, float]:
@@ -199,9 +180,11 @@ def add_eval(curve: dict[int, float], e: dict[str, Any], spec: dict[str, Any]) -
         return
     value = float(e[name])
     if spec.get("use") == "best" and curve:
-        value = _best(spec["direction"], value, curve[max(curve)])
+        so_far = curve[max(curve)]
+        value = value if better(spec["direction"], value, so_far) else so_far
     curve[int(e.get("step", 0))] = value
 
 
-def _best(direction: str, a: float, b: float) -> float:
-    return min(a, b) if direction == "min" else max(a, b)
+def last(curve: dict[int, float]) -> float | None:
+    """A curve's newest value: the trial's objective (its last eval's, or its best so far)."""
+    return curve[max(curve)] if curve else None

@@ -40,7 +40,7 @@ def corners(spec: SweepSpec) -> list[dict[str, Any]]:
 
 
 def grid_size(spec: SweepSpec) -> int:
-    return math.prod(len(p.grid()) for p in spec.params)
+    return math.prod(p.count() for p in spec.params)
 
 
 def draw(p: Param, rng: random.Random) -> Any:
@@ -50,7 +50,7 @@ def draw(p: Param, rng: random.Random) -> Any:
         return rng.choice(p.values)
     assert p.low is not None and p.high is not None
     if p.step is not None:
-        return rng.choice(p.grid())
+        return p.point(rng.randrange(p.count()))
     if p.log:
         value = math.exp(rng.uniform(math.log(p.low), math.log(p.high)))
     else:
