@@ -26,6 +26,7 @@ from conftest import (
 )
 from conftest import test_env as cli_env
 
+from gpu_console.runs import latest_checkpoint
 from gpu_console.sweep import store
 from gpu_console.sweep.spec import SweepError, load_sweep
 from gpu_console.sweep.study import storage_url
@@ -309,8 +310,10 @@ def test_console_gone_driver_killed_then_resume_keeps_finished_takes_back_and_re
     driver = psutil.Process(_driver_pid(sweep_dir))
     driver.send_signal(signal.SIGKILL)
     driver.wait(timeout=deadline(30))
-    stopped_at = max(e["step"] for e in events_of(sweep_dir / "trial-002", "checkpoint"))
     _kill_run_tree(sweep_dir / "trial-002")
+    # Where it stopped: its newest complete checkpoint once every process of it is gone (read
+    # before the kill, a checkpoint written meanwhile would be newer).
+    stopped_at = int(latest_checkpoint(sweep_dir / "trial-002").name.rsplit("-", 1)[-1])
     assert read_status(sweep_dir / "trial-003").get("ended") is None, "trial 3 still runs"
     pace.unlink()  # the rest at full speed
 
