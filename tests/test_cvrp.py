@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import events_of, set_args, without_packages
+from conftest import REPO, events_of, set_args, without_packages
 from harness import cut_and_resumed, run_engine
 from headless_text import headless_text
 
@@ -435,6 +435,59 @@ def test_the_eval_runs_on_a_file_of_instances(tmp_path):
     cw = clarke_wright_lengths(coords.numpy(), demand.numpy(), 20.0)
     assert e["cw"] == pytest.approx(float(cw.mean()))
     assert e["sampled"] <= e["greedy"]
+
+
+def test_the_end_eval_samples_end_sampled_tours_and_the_others_eval_sampled_tours(tmp_path):
+    """``task.end_sampled_tours`` changes the schedule's last eval alone: with 2 tours at
+    every eval and 48 at the end, the end eval is exactly a run's that samples 48 at every
+    eval (the eval's sampling draws from its own stream, so training is the same), and the
+    eval before it exactly a run's that samples 2; the log says so once."""
+    sets = small_sets("train.max_steps=4", "train.eval_every=2", "checkpoint.every_steps=0")
+    for name in ("both", "few", "many"):
+        (tmp_path / name).mkdir()
+    both = run_engine(tmp_path / "both", "cvrp20", *sets, "task.eval_sampled_tours=2",
+                      "task.end_sampled_tours=48")  # fmt: skip
+    few = run_engine(tmp_path / "few", "cvrp20", *sets, "task.eval_sampled_tours=2")
+    many = run_engine(tmp_path / "many", "cvrp20", *sets, "task.eval_sampled_tours=48")
+    evals = {name: events_of(run, "eval") for name, run in
+             (("both", both), ("few", few), ("many", many))}  # fmt: skip
+    assert [e["step"] for e in evals["both"]] == [2, 4]
+
+    def measured(e):
+        return {k: v for k, v in e.items() if k not in ("t", "seconds")}
+
+    assert measured(evals["both"][0]) == measured(evals["few"][0])
+    assert measured(evals["both"][1]) == measured(evals["many"][1])
+    assert evals["many"][1]["sampled"] < evals["few"][1]["sampled"]  # 48 tours beat 2 here
+    said = [e["message"] for e in events_of(both, "log") if "end_sampled_tours" in e["message"]]
+    assert said == [
+        "the eval at step 4, the schedule's end: sampled is the best of 48 tours per "
+        "instance (task.end_sampled_tours), not 2"
+    ]
+    assert not [e for e in events_of(many, "log") if "end_sampled_tours" in e["message"]]
+
+
+def test_the_example_schedules_are_the_papers_and_the_cpu_hours():
+    """examples/cvrp/: the paper's schedule as it reports it, and the documented CPU hour:
+    the built-in cvrp20's model and optimizer, trained longer, its end eval sampling as the
+    paper tests."""
+    paper = load_profile(str(REPO / "examples" / "cvrp" / "cvrp20_paper.toml"))
+    t = paper.task
+    assert (t.num_customers, t.encoder, t.embed_dim, t.n_heads, t.n_layers, t.ff_dim) == (
+        20, "gat", 128, 8, 3, 512)  # fmt: skip
+    assert (paper.data.batch_size, paper.train.lr, paper.train.schedule) == (512, 1e-4, "constant")
+    assert paper.train.max_steps * paper.data.batch_size == 100 * t.epoch_instances == 128_000_000
+    assert (t.baseline_instances, t.eval_instances, t.eval_sampled_tours) == (10_000, 10_000, 1280)
+    hour = load_profile(str(REPO / "examples" / "cvrp" / "cvrp20_cpu_hour.toml"))
+    built_in = load_profile("cvrp20")
+    model_keys = ("num_customers", "encoder", "embed_dim", "n_heads", "n_layers", "ff_dim",
+                  "epoch_instances", "eval_instances", "data_seed")  # fmt: skip
+    assert [getattr(hour.task, k) for k in model_keys] == [
+        getattr(built_in.task, k) for k in model_keys
+    ]
+    assert hour.data == built_in.data and hour.train.lr == built_in.train.lr
+    assert hour.train.max_steps == 14 * built_in.train.max_steps
+    assert hour.task.end_sampled_tours == 1280 and hour.hardware.devices == "cpu:2"
 
 
 def cvrp_profile(tmp_path, eval_file: str) -> str:

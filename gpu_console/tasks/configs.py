@@ -347,6 +347,12 @@ class CVRPConfig:
         "greedy tour (0: no sampling; the paper samples 1280 at test time)",
         min=0,
     )
+    end_sampled_tours: int = opt(
+        0,
+        "tours sampled per eval instance by the eval at train.max_steps, the schedule's end, "
+        "as papers sample at test time (1280); 0: eval_sampled_tours, as every eval",
+        min=0,
+    )
     eval_tours_at_once: int = opt(
         32768,
         "at most this many sampled tours driven at once by the eval (instances × samples, "

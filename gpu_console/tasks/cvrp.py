@@ -24,7 +24,8 @@ Training instances are made on the rank's device from the run's step and the bat
 indices, so every rank draws its own and a resume draws them again. The eval drives greedily
 over ``eval_instances`` fixed instances (or ``eval_file``'s, cvrp_files.py): its loss is the
 mean greedy tour length. Beside it: the shortest of the greedy tour and ``eval_sampled_tours``
-sampled ones (``sampled``), optionally a beam search's (``beam``), and the references on the
+sampled ones (``sampled``; at the schedule's last step ``end_sampled_tours`` where set, as a
+paper samples at test time), optionally a beam search's (``beam``), and the references on the
 same instances, each computed once per instance and kept: the nearest-neighbour heuristic
 (``nn``), Clarke-Wright savings (``cw``, cvrp_solvers.py) and optionally PyVRP (``pyvrp``,
 kept on disk too); ``on_eval_end`` adds the gaps in percent (docs/tasks.md).
@@ -523,13 +524,22 @@ class CVRPTask:
         if self.cfg.eval_beam_width:
             beam, _ = beam_search(policy, coords, demand, self.cfg.eval_beam_width)
             metrics["beam"] = beam.mean()
-        if self.cfg.eval_sampled_tours:
+        if samples := self.sampled_tours():
             sampled, _ = best_of_samples(
-                policy, coords, demand, self.cfg.eval_sampled_tours,
+                policy, coords, demand, samples,
                 self.eval_generator(index, coords.device), self.cfg.eval_tours_at_once,
             )  # fmt: skip
             metrics["sampled"] = torch.minimum(sampled, length).mean()
         return TaskOutput(loss=length.mean(), samples=len(coords), metrics=metrics)
+
+    def sampled_tours(self) -> int:
+        """Tours sampled per instance by the eval now: ``end_sampled_tours`` at the schedule's
+        last step where set (its end eval), else ``eval_sampled_tours``."""
+        c, ctx = self.cfg, self.ctx
+        end = ctx.profile.train.max_steps
+        if c.end_sampled_tours and end and ctx.step >= end:
+            return c.end_sampled_tours
+        return c.eval_sampled_tours
 
     def write_tours(
         self, coords: torch.Tensor, demand: torch.Tensor, index: torch.Tensor, greedy: Routes
@@ -689,6 +699,13 @@ class CVRPTask:
         neighbour's (``gap_pct``), and each tour's to Clarke-Wright's (``*_gap_cw_pct``;
         negative: shorter than the savings heuristic's)."""
         gaps = {"gap_pct": 100.0 * (metrics["loss"] / metrics["nn"] - 1.0)}
+        samples = self.sampled_tours()
+        if "sampled" in metrics and samples != self.cfg.eval_sampled_tours and ctx.rank == 0:
+            ctx.log(
+                f"the eval at step {ctx.step}, the schedule's end: sampled is the best of "
+                f"{samples} tours per instance (task.end_sampled_tours), not "
+                f"{self.cfg.eval_sampled_tours}"
+            )
         for name in ("greedy", "sampled", "beam", "nn"):
             if name in metrics:
                 gaps[f"{name}_gap_cw_pct"] = 100.0 * (metrics[name] / metrics["cw"] - 1.0)
