@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
+
+END_SAMPLES = re.compile(r"the eval at step (?P<step>\d+).*best of (?P<tours>\d+) tours")
 
 
 def evals(run: Path) -> list[dict[str, Any]]:
@@ -29,7 +32,17 @@ def evals(run: Path) -> list[dict[str, Any]]:
     if not events:
         return []
     t0 = events[0]["t"]
-    return [{**e, "minutes": (e["t"] - t0) / 60} for e in events if e.get("kind") == "eval"]
+    # The task's log line at an end eval that sampled task.end_sampled_tours (tasks/cvrp.py).
+    end_samples = {}
+    for e in events:
+        said = END_SAMPLES.search(str(e.get("message", ""))) if e.get("kind") == "log" else None
+        if said:
+            end_samples[int(said["step"])] = int(said["tours"])
+    return [
+        {**e, "minutes": (e["t"] - t0) / 60, "end_samples": end_samples.get(e["step"])}
+        for e in events
+        if e.get("kind") == "eval"
+    ]
 
 
 def table(label: str, rows: list[dict[str, Any]]) -> str:
@@ -42,8 +55,9 @@ def table(label: str, rows: list[dict[str, Any]]) -> str:
     nan = float("nan")
     for r in rows:
         sampled, sampled_gap = r.get("sampled", nan), r.get("sampled_gap_cw_pct", nan)
+        tours = f" (best of {r['end_samples']:,})" if r["end_samples"] else ""
         lines.append(
-            f"| {r['minutes']:.1f} | {r['step']} | {r['greedy']:.3f} | {sampled:.3f} "
+            f"| {r['minutes']:.1f} | {r['step']} | {r['greedy']:.3f} | {sampled:.3f}{tours} "
             f"| {r['greedy_gap_cw_pct']:+.1f} % | {sampled_gap:+.1f} % |"
         )
     if rows:
@@ -73,6 +87,17 @@ def draw(runs: list[tuple[str, list[dict[str, Any]]]], out: Path) -> None:
                 color=c,
                 label=f"{label}: best of the samples",
             )
+            for r in sampled:
+                if r["end_samples"]:
+                    ax.annotate(
+                        f"best of {r['end_samples']:,}",
+                        (r["minutes"], r["sampled_gap_cw_pct"]),
+                        textcoords="offset points",
+                        xytext=(-8, 6),
+                        ha="right",
+                        fontsize=8,
+                        color=c,
+                    )
     ax.axhline(0.0, color="black", linewidth=0.8)
     ax.text(0.0, 0.0, " Clarke-Wright", va="bottom", fontsize=8)
     ax.set_xlabel("minutes since the launch (2 CPU cores)")
