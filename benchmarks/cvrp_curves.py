@@ -13,22 +13,18 @@ include everything the run spent until then (start-up, training, the evals befor
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 from typing import Any
+
+from gpu_console.events import read_events
 
 END_SAMPLES = re.compile(r"the eval at step (?P<step>\d+).*best of (?P<tours>\d+) tours")
 
 
 def evals(run: Path) -> list[dict[str, Any]]:
     """The run's eval events, each with ``minutes`` since the run's first event."""
-    events = []
-    for line in (run / "events.jsonl").read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except ValueError:  # a torn last line of a run that is still writing
-            continue
+    events = read_events(run / "events.jsonl")  # a running run's torn last line skipped
     if not events:
         return []
     t0 = events[0]["t"]
@@ -116,6 +112,9 @@ def main() -> None:
     parser.add_argument("--label", action="append", default=[], help="one per run, in order")
     parser.add_argument("--png", type=Path)
     args = parser.parse_args()
+    for run in args.runs:
+        if not (run / "events.jsonl").is_file():
+            parser.error(f"{run}: not a run directory (no events.jsonl)")
     labels = args.label + [r.name for r in args.runs[len(args.label) :]]
     runs = [(label, evals(run)) for label, run in zip(labels, args.runs, strict=True)]
     for label, rows in runs:
