@@ -12,6 +12,7 @@ of test_slurm.py stays for what a real one cannot produce (a refused requeue).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
@@ -78,10 +79,15 @@ def told_on_failure(request, tmp_path):
     and events (a busy machine's failure is read from CI's log, the directories are gone)."""
     yield
     if request.node.stash.get(conftest._CALL_FAILED, False):
-        for runs in sorted(p for p in tmp_path.iterdir() if p.is_dir()):
-            for out in sorted(runs.glob("job-*.out")):
-                print(f"== {out}:\n{out.read_text(errors='replace')}")
-            print(conftest.describe_runs(runs, lines=40))
+        shared = request.getfixturevalue("jobs") if "jobs" in request.fixturenames else {}
+        _tell([p for p in tmp_path.iterdir() if p.is_dir()] + [v[0] for v in shared.values()])
+
+
+def _tell(dirs: list[Path]) -> None:
+    for runs in sorted(dirs):
+        for out in sorted(runs.glob("job-*.out")):
+            print(f"== {out}:\n{out.read_text(errors='replace')}")
+        print(conftest.describe_runs(runs, lines=40))
 
 
 def job_env(work: Path, runs: Path, **extra: str) -> dict[str, str]:
@@ -112,11 +118,52 @@ def job_output(runs: Path, job_id: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, work, tmp_path_factory):
-    """One node, no time limit to speak of: the losses an uninterrupted run logs."""
-    runs = tmp_path_factory.mktemp("reference")
+def jobs(cluster, work, tmp_path_factory):
+    """The module's minute-scale jobs, submitted together and followed side by side (a time
+    limit is a wait of one to two minutes that costs no CPU; one after another they were
+    three and a half minutes of the suite): the one-node and two-node uninterrupted runs, the
+    same stopped by a time limit, and one signalled in its first second. Each test reads its
+    own from here: {name: (runs directory, job id, the job's last state, what was seen)}."""
+    root = tmp_path_factory.mktemp("jobs")
+    started = {
+        "reference": (_uninterrupted, (cluster, work, root / "reference", 1)),
+        "reference2": (_uninterrupted, (cluster, work, root / "reference2", 2)),
+        "limited": (limited_job, (cluster, work, root / "limited", 1)),
+        "limited2": (limited_job, (cluster, work, root / "limited2", 2)),
+        "signalled": (_signalled_at_once, (cluster, work, root / "signalled")),
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
+        futures = {name: pool.submit(call, *args) for name, (call, args) in started.items()}
+        concurrent.futures.wait(futures.values())
+    try:
+        return {name: (root / name, *f.result()) for name, f in futures.items()}
+    except BaseException:
+        _tell([root / name for name in started if (root / name).is_dir()])
+        raise
+
+
+def _uninterrupted(cluster, work: Path, runs: Path, nodes: int):
+    job_id = submit(cluster, work, runs, f"--nodes={nodes}", "--time=10")
+    return job_id, cluster.wait_job(job_id, ended, deadline(300), "end"), {}
+
+
+def _signalled_at_once(cluster, work: Path, runs: Path):
+    """``scancel --signal=USR1`` as soon as the run directory exists."""
     job_id = submit(cluster, work, runs, "--nodes=1", "--time=10")
-    job = cluster.wait_job(job_id, ended, deadline(300), "end")
+    cluster.wait_job(job_id, lambda j: run_dirs(runs) or ended(j), deadline(120), "run dir")
+    signalled = cluster.run("scancel", "--signal=USR1", job_id, check=False)
+    (run,) = run_dirs(runs)
+    seen = {
+        "scancel": (signalled.returncode, signalled.stderr),
+        "stepped": (run / "events.jsonl").exists() and bool(events_of(run, "step")),
+    }
+    return job_id, cluster.wait_job(job_id, ended, deadline(300), "end"), seen
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, jobs):
+    """One node, no time limit to speak of: the losses an uninterrupted run logs."""
+    runs, job_id, job, _ = jobs["reference"]
     assert job["JobState"] == "COMPLETED", (job, job_output(runs, job_id), cluster.logs())
     (run,) = run_dirs(runs)
     assert read_status(run)["state"] == "finished"
@@ -155,8 +202,9 @@ def trained(runs: Path, steps: int) -> bool:
     )
 
 
-def limited_job(cluster, work: Path, runs: Path, nodes: int) -> tuple[str, dict[str, str]]:
-    """A job stopped by its time limit, then requeued by the run, to its end: (id, last state).
+def limited_job(cluster, work: Path, runs: Path, nodes: int):
+    """A job stopped by its time limit, then requeued by the run, to its end: (id, last
+    state, nothing more).
 
     The limit is brought in (``scontrol update TimeLimit``, which a user may do to their own
     job) once the run trains: the first whole minute at least 75 s away, so the warning comes
@@ -181,16 +229,15 @@ def limited_job(cluster, work: Path, runs: Path, nodes: int) -> tuple[str, dict[
     pace.unlink()
     if not ended(job):
         cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=10")
-    return job_id, cluster.wait_job(job_id, ended, deadline(600), "end")
+    return job_id, cluster.wait_job(job_id, ended, deadline(600), "end"), {}
 
 
 @pytest.mark.timeout(1200)
-def test_a_time_limit_requeues_and_the_run_resumes_exactly(cluster, work, reference, tmp_path):
+def test_a_time_limit_requeues_and_the_run_resumes_exactly(cluster, jobs, reference):
     """The example script stopped by its time limit: the warning (SIGUSR1, 70 s before the
     limit, which SLURM sends up to half a minute early) lands wherever it lands; each job
     checkpoints, records ``requeued`` and requeues itself; the next one resumes."""
-    runs = tmp_path / "runs"
-    job_id, job = limited_job(cluster, work, runs, nodes=1)
+    runs, job_id, job, _ = jobs["limited"]
     out = job_output(runs, job_id)
     assert job["JobState"] == "COMPLETED", (job, out, cluster.logs())
     assert int(job["Restarts"]) >= 1, ("the limit came before the run's end", job, out)
@@ -204,20 +251,14 @@ def test_a_time_limit_requeues_and_the_run_resumes_exactly(cluster, work, refere
     assert out.count(f"requeue asked: scontrol requeue {job_id}") <= len(states) - 1, out
 
 
-@pytest.mark.timeout(600)
-def test_a_signal_in_the_jobs_first_second_requeues_and_the_run_goes_on(
-    cluster, work, reference, tmp_path
-):
+@pytest.mark.timeout(1200)
+def test_a_signal_in_the_jobs_first_second_requeues_and_the_run_goes_on(jobs, reference):
     """``scancel --signal=USR1`` as soon as the run directory exists: the console is still
     starting, torchrun's workers do not exist. The job is requeued and the run continues."""
-    runs = tmp_path / "runs"
-    job_id = submit(cluster, work, runs, "--nodes=1", "--time=10")
-    cluster.wait_job(job_id, lambda j: run_dirs(runs) or ended(j), deadline(120), "run dir")
-    signalled = cluster.run("scancel", "--signal=USR1", job_id, check=False)
-    assert signalled.returncode == 0, signalled.stderr
+    runs, job_id, job, seen = jobs["signalled"]
+    assert seen["scancel"][0] == 0, seen["scancel"][1]
+    assert not seen["stepped"], "too late"
     (run,) = run_dirs(runs)
-    assert not (run / "events.jsonl").exists() or not events_of(run, "step"), "too late"
-    job = cluster.wait_job(job_id, ended, deadline(300), "end")
     out = job_output(runs, job_id)
     assert job["JobState"] == "COMPLETED" and int(job["Restarts"]) == 1, (job, out)
     assert [s["state"] for s in sessions(run)] == ["requeued", "finished"], out
@@ -229,20 +270,17 @@ def test_a_signal_in_the_jobs_first_second_requeues_and_the_run_goes_on(
 
 
 @pytest.mark.timeout(1200)
-def test_a_two_node_job_stopped_by_its_limit_resumes_exactly(cluster, work, tmp_path):
+def test_a_two_node_job_stopped_by_its_limit_resumes_exactly(cluster, jobs):
     """Two nodes (two slurmd on this host): the uninterrupted two-node run, then the same
     stopped by its time limit; every node resumes from rank 0's checkpoint."""
-    reference_runs = tmp_path / "reference"
-    job_id = submit(cluster, work, reference_runs, "--nodes=2", "--time=10")
-    job = cluster.wait_job(job_id, ended, deadline(300), "end")
+    reference_runs, job_id, job, _ = jobs["reference2"]
     assert job["JobState"] == "COMPLETED", (job, job_output(reference_runs, job_id))
     assert len(run_dirs(reference_runs)) == 2, "one run dir per node"
     (head,) = node_runs(reference_runs, 0)
     uninterrupted = losses(head)
     assert sorted(uninterrupted) == list(range(1, STEPS + 1))
 
-    runs = tmp_path / "runs"
-    job_id, job = limited_job(cluster, work, runs, nodes=2)
+    runs, job_id, job, _ = jobs["limited2"]
     out = job_output(runs, job_id)
     assert job["JobState"] == "COMPLETED" and int(job["Restarts"]) >= 1, (job, out)
     assert "NOT requeued" not in out and "failed" not in out, out
