@@ -272,7 +272,10 @@ def _tags(run: Path) -> set[str]:
 
 
 def test_a_run_is_read_while_it_trains_and_after(procs, runs_dir, tmp_path):
-    env = fake_gpus_env()
+    # Paced until what is read while it trains was read; then the rest of it at speed.
+    pace = tmp_path / "pace"
+    pace.touch()
+    env = fake_gpus_env(PACE_WHILE=str(pace))
     proc, run = _started(procs, runs_dir, tmp_path, max_steps=150, pace_s="0.1", env=env, ranks=2)
 
     def two_steps():
@@ -284,6 +287,7 @@ def test_a_run_is_read_while_it_trains_and_after(procs, runs_dir, tmp_path):
     wait_for(lambda: "host/cpu_percent" in _tags(run), what="telemetry in TensorBoard")
     assert read_status(run)["state"] == "running"  # all of it read while the run trains
     assert {"profile", "start"} <= set(_read(run / "tensorboard").Tags()["tensors"])
+    pace.unlink()
     out, err = proc.communicate(timeout=deadline(600))
     assert proc.returncode == 0, err
     acc = _read(run / "tensorboard")
