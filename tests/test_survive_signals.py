@@ -72,7 +72,10 @@ def _stopped_by_signal(run, console, status):
 
 def test_hanging_up_the_console_terminal_never_stops_training(procs, runs_dir, tmp_path):
     """The console runs on a pseudo-terminal as in an SSH session; closing it sends SIGHUP."""
-    profile = paced_profile(tmp_path, max_steps=300)  # 300 steps of 20 ms: the hang-up is early
+    # 300 steps of 20 ms, paced while `pace` exists: the hang-up is early; then full speed.
+    profile = paced_profile(tmp_path, max_steps=300)
+    pace = tmp_path / "pace"
+    pace.touch()
     master, slave = pty.openpty()
 
     def controlling_terminal() -> None:  # a session of its own, the pty as its terminal
@@ -87,7 +90,7 @@ def test_hanging_up_the_console_terminal_never_stops_training(procs, runs_dir, t
         stdout=slave,
         stderr=slave,
         preexec_fn=controlling_terminal,
-        env=conftest.test_env(PACE_S="0.02"),
+        env=conftest.test_env(PACE_S="0.02", PACE_WHILE=str(pace)),
         cwd=tmp_path,
     )
     procs.started.append(console)
@@ -114,6 +117,7 @@ def test_hanging_up_the_console_terminal_never_stops_training(procs, runs_dir, t
     assert hung_up_at < 300
     os.close(master)  # the SSH connection drops
     assert console.wait(timeout=60) == -signal.SIGHUP
+    pace.unlink()  # the console is gone: the run trains on to its end at full speed
 
     final = wait_for(lambda: (s := read_status(run)).get("ended") and s, what="the run's end")
     assert final["state"] == "finished" and final["exit_code"] == 0
