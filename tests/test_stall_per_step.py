@@ -56,6 +56,37 @@ def test_fast_steps_logged_every_50_are_never_stalled():
     assert stall.no_progress(status, NOW + 31, 0.1, beats)
 
 
+def test_an_eval_batch_is_judged_by_the_eval_batches_pace_not_a_steps():
+    # 0.1 s steps, 20 s eval batches (a batch that samples many tours of each instance).
+    status = live(last_step_t=NOW - 300, step_time_s=0.1)
+    progress = {"step": 500, "done": 3, "total": 8, "t": NOW - 100}
+    status["eval_progress"] = progress
+    beats = [{**beat(r, 500, NOW - 100, 0.1, phase="eval"), "eval_s": 20.0} for r in (0, 1)]
+    assert not stall.no_progress(status, NOW, 0.1, beats)  # 100 s of a 20 s batch: 10× is 200
+    assert stall.no_progress(status, NOW + 101, 0.1, beats)
+    # Back to training, the step's pace judges again.
+    training = [beat(r, 501, NOW - 100, 0.1) for r in (0, 1)]
+    assert stall.no_progress({**status, "eval_progress": None}, NOW, 0.1, training)
+
+
+def test_the_runs_first_eval_batch_is_judged_as_a_first_step_is(tmp_path):
+    """Nobody knows its time yet: however long it takes, only a frozen heartbeat is a stall
+    (a rank's heartbeat thread goes on beating while the batch computes)."""
+    now = time.time()
+    status = live(last_step_t=now - 900, step_time_s=0.1, started=now - 3600)
+    status["eval_progress"] = {"step": 500, "done": 0, "total": 8, "t": now - 600}
+    beats = [beat(r, 500, now - 600, 0.1, phase="eval", t=now - 0.5) for r in (0, 1)]
+    assert not stall.no_progress(status, now, 0.1, beats)
+    _write_beats(tmp_path, beats)
+    assert not stall.stalled("running", status, now, 0.1, run_dir=tmp_path)
+    _write_beats(tmp_path, [{**beats[0], "t": now - 60}, beats[1]])  # rank 0's thread silent
+    assert stall.stalled("running", status, now, 0.1, run_dir=tmp_path)
+    # An eval at the run's start: no step measured either.
+    at_start = live(eval_progress={"step": 0, "done": 0, "total": 8, "t": NOW - 600})
+    first = [beat(r, 0, NOW - 600, None, phase="eval") for r in (0, 1)]
+    assert not stall.no_progress(at_start, NOW, None, first)
+
+
 def test_ranks_that_stop_advancing_are_stalled_after_the_limit():
     status = live(last_step_t=NOW - 200, step_time_s=6.0)
     # 6 s steps: the limit is 10 × 6 s = 60 s after the last advance, not the 30 s floor.
@@ -196,13 +227,49 @@ def test_the_heartbeat_says_when_the_rank_moved_and_its_pace_without_pauses(tmp_
         hb.close("done")
 
 
+def test_the_heartbeat_times_eval_batches_within_an_eval_and_keeps_it_to_the_next(
+    tmp_path, monkeypatch
+):
+    from gpu_console.engine import heartbeat as hb_module
+
+    clock = Clock()
+    monkeypatch.setattr(hb_module, "time", clock)
+    hb = hb_module.Heartbeat(tmp_path, rank=0, local_rank=0, restart=0)
+    try:
+        hb.set(4, "update")
+        clock.t += 100.0  # whatever came before the eval is not a batch's time
+        hb.set(4, "eval")
+        hb.set(4, "eval", "0/3")
+        assert hb.eval_s is None  # the first batch has only begun
+        clock.t += 40.0
+        hb.set(4, "eval", "1/3")
+        assert hb.eval_s == pytest.approx(40.0) and hb.moved == clock.t
+        clock.t += 40.0
+        hb.set(4, "eval", "2/3")
+        assert hb.eval_s == pytest.approx(40.0)
+        clock.t += 40.0
+        hb.set(5, "data")  # training again: the last batch's time is not measured
+        clock.t += 500.0
+        hb.set(9, "eval")  # the next eval: its first batch is judged by the last eval's pace
+        hb.set(9, "eval", "0/3")
+        assert hb.eval_s == pytest.approx(40.0)
+        clock.t += 20.0
+        hb.set(9, "eval", "1/3")
+        assert hb.eval_s == pytest.approx(40.0 + hb_module.STEP_S_WEIGHT * (20.0 - 40.0))
+        hb._write()
+        (record,) = read_heartbeats(tmp_path)
+        assert record["eval_s"] == pytest.approx(hb.eval_s)
+    finally:
+        hb.close("done")
+
+
 def test_the_heartbeat_record_with_its_new_fields_fits_its_fixed_size(tmp_path):
     from gpu_console.engine.heartbeat import RECORD_BYTES, Heartbeat
 
     hb = Heartbeat(tmp_path, rank=12345, local_rank=7, restart=99)
     try:
         hb._host = "h" * 64  # the longest host name
-        hb.moved, hb.step_s = time.time(), 1234.5678
+        hb.moved, hb.step_s, hb.eval_s = time.time(), 1234.5678, 12345.6789
         hb.set(2**40, "checkpoint", "train_est 12345678/12345678")
         assert len(hb._record()) == RECORD_BYTES
         assert hb._record().rstrip().endswith(b"}")  # whole, not cut

@@ -18,6 +18,10 @@ place (one ``pwrite`` of a fixed-size record, so the file never shrinks or grows
   or a checkpoint came between them); null until it has a step to measure. A reader judges
   a stall from these, per step, whatever the log interval (``gpu_console/stall.py``); both
   are kept by :meth:`Heartbeat.set`, which the loop calls anyway: no write, no collective.
+- ``eval_s``: the rank's own time per eval batch, measured the same way from one batch's
+  start to the next's within an eval and kept from one eval to the next; null until a
+  batch was measured. An eval batch is judged against it, not against a training step
+  (a batch that samples 1,280 tours of each instance is minutes where a step is a second).
 
 This is not a writer of ``events.jsonl`` (rank 0 alone writes that). No torch here.
 """
@@ -68,6 +72,8 @@ class Heartbeat:
         self.since = time.time()
         self.moved: float | None = None  # when the rank last advanced: a step, an eval batch
         self.step_s: float | None = None  # the rank's time per step, measured
+        self.eval_s: float | None = None  # the rank's time per eval batch, measured
+        self._batch_t: float | None = None  # when the eval batch in progress began
         self._step_t: float | None = None  # when the step in progress began
         self._measurable = False  # nothing but the step's own work since it began
         self._host = socket.gethostname()
@@ -86,7 +92,10 @@ class Heartbeat:
         if step != self.step:
             self._advanced(step, now)
         elif detail and detail != self.detail:  # the eval's next batch
+            self._next_batch(phase, now)
             self.moved = now
+        if phase == "eval" and not detail:  # an eval begins: its first batch is not timed yet
+            self._batch_t = None
         if phase in NOT_A_STEP:
             self._measurable = False
         self.step = step
@@ -104,6 +113,16 @@ class Heartbeat:
         self._measurable = self._step_t is not None
         self._step_t = self.moved = now
 
+    def _next_batch(self, phase: str, now: float) -> None:
+        """An eval batch began: the one before it in this eval (if any) into ``eval_s``."""
+        if phase != "eval":
+            return
+        if self.phase == "eval" and self.detail and self._batch_t is not None:
+            took = now - self._batch_t
+            s = self.eval_s
+            self.eval_s = took if s is None else s + STEP_S_WEIGHT * (took - s)
+        self._batch_t = now
+
     def _record(self) -> bytes:
         doc = {
             "rank": self.rank,
@@ -117,6 +136,7 @@ class Heartbeat:
             "since": round(self.since, 3),
             "moved": None if self.moved is None else round(self.moved, 3),
             "step_s": None if self.step_s is None else round(self.step_s, 4),
+            "eval_s": None if self.eval_s is None else round(self.eval_s, 4),
             "t": round(time.time(), 3),
         }
         data = strict_json.dumps(doc, separators=(",", ":")).encode()
