@@ -217,17 +217,6 @@ def _run_pids(status):
     return [status["pids"]["torchrun"], *status["pids"]["workers"]]
 
 
-def test_second_ctrl_c_kills_a_run_that_cannot_stop(procs, runs_dir, tmp_path):
-    console, run, status = _hung_run(procs, runs_dir, tmp_path)
-    console.send_signal(signal.SIGINT)
-    _, err = console.communicate(timeout=deadline(120))
-    assert console.returncode == 130, _printed(tmp_path) + err
-    final = read_status(run)
-    assert (final["state"], final["exit_code"]) == ("interrupted", 130)
-    assert not final["checkpointed_on_stop"]
-    assert not any(pid_alive(p) for p in _run_pids(status))
-
-
 def test_third_ctrl_c_kills_the_run_at_once(procs, runs_dir, tmp_path):
     console, run, status = _hung_run(procs, runs_dir, tmp_path)
     console.send_signal(signal.SIGINT)

@@ -106,16 +106,6 @@ def test_a_run_whose_supervisor_is_gone_is_lost_not_running(procs, runs_dir, tmp
     assert procs.cli("checkpoint", run.name, "--runs-dir", str(runs_dir)).returncode == 2
 
 
-def test_stop_now_kills(procs, runs_dir, tmp_path):
-    console, run = _live(procs, runs_dir, tmp_path)
-    result = procs.cli("stop", run.name, "--now", "--runs-dir", str(runs_dir))
-    assert result.returncode == 0, result.stderr
-    out, err = console.communicate(timeout=deadline(120))
-    status = read_status(run)
-    assert (status["state"], status["exit_code"]) == ("killed", 137)
-    assert console.returncode == 137, out + err
-
-
 def test_ls_with_no_runs_and_an_unknown_run(procs, runs_dir):
     assert "no runs under" in procs.cli("ls", "--runs-dir", str(runs_dir)).stdout
     bad = procs.cli("stop", "ghost", "--runs-dir", str(runs_dir))
