@@ -12,9 +12,10 @@ A run is stalled when
   (a reader on a machine that cannot see them, an engine older than them, a rank still in
   its first step), the events stand in for it, and their limit is a log interval's:
   :data:`STALL_FACTOR` × the time per step × the steps between step events;
-  while a rank evaluates, the time per eval batch (the heartbeats' ``eval_s``) counts as a
-  step's: an eval batch may take minutes where a step takes a second. The run's first eval
-  batch, whose time nobody knows yet, is judged as a first step is: only by the second rule;
+  while a rank evaluates, the time per eval batch (the heartbeats' ``eval_s``, this eval's
+  own) counts as a step's: an eval batch may take minutes where a step takes a second. An
+  eval's first batch, whose time nobody knows yet (another eval's may be forty times
+  shorter), is judged as a first step is: only by the second rule;
 - or, in any live state, a live rank's heartbeat thread has been silent for
   :func:`stall_min_s` (:func:`.heartbeats.frozen_ranks`: it writes every second whatever
   the rank does, so a long phase is never a stall while it beats).
@@ -117,7 +118,7 @@ def no_progress(
         batches = [b["eval_s"] for b in live if _number(b.get("eval_s"))]
         since = _newest(last, moved)
         if not batches or since is None:
-            return False  # the run's first eval batch: not timed yet, as a first step
+            return False  # an eval's first batch: not timed yet, as a first step
         return now - since > stall_limit_s(max([step_time_s or 0.0, *paces, *batches]))
     if moved is not None and paces:
         per_step = max([step_time_s or 0.0, *paces])

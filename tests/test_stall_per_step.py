@@ -227,9 +227,7 @@ def test_the_heartbeat_says_when_the_rank_moved_and_its_pace_without_pauses(tmp_
         hb.close("done")
 
 
-def test_the_heartbeat_times_eval_batches_within_an_eval_and_keeps_it_to_the_next(
-    tmp_path, monkeypatch
-):
+def test_the_heartbeat_times_each_evals_batches_on_their_own(tmp_path, monkeypatch):
     from gpu_console.engine import heartbeat as hb_module
 
     clock = Clock()
@@ -241,24 +239,33 @@ def test_the_heartbeat_times_eval_batches_within_an_eval_and_keeps_it_to_the_nex
         hb.set(4, "eval")
         hb.set(4, "eval", "0/3")
         assert hb.eval_s is None  # the first batch has only begun
-        clock.t += 40.0
+        clock.t += 4.0
         hb.set(4, "eval", "1/3")
-        assert hb.eval_s == pytest.approx(40.0) and hb.moved == clock.t
-        clock.t += 40.0
+        assert hb.eval_s == pytest.approx(4.0) and hb.moved == clock.t
+        clock.t += 6.0
         hb.set(4, "eval", "2/3")
-        assert hb.eval_s == pytest.approx(40.0)
-        clock.t += 40.0
-        hb.set(5, "data")  # training again: the last batch's time is not measured
-        clock.t += 500.0
-        hb.set(9, "eval")  # the next eval: its first batch is judged by the last eval's pace
-        hb.set(9, "eval", "0/3")
-        assert hb.eval_s == pytest.approx(40.0)
-        clock.t += 20.0
-        hb.set(9, "eval", "1/3")
-        assert hb.eval_s == pytest.approx(40.0 + hb_module.STEP_S_WEIGHT * (20.0 - 40.0))
+        assert hb.eval_s == pytest.approx(4.0 + hb_module.STEP_S_WEIGHT * (6.0 - 4.0))
         hb._write()
         (record,) = read_heartbeats(tmp_path)
         assert record["eval_s"] == pytest.approx(hb.eval_s)
+        clock.t += 4.0
+        hb.set(5, "data")  # training again: the last batch's time is not measured
+        clock.t += 500.0
+        # The next eval (the cvrp task's end eval samples forty times more): not judged by
+        # this one's batches, its first batch untimed, the next timed on their own.
+        hb.set(9, "eval")
+        hb.set(9, "eval", "0/2")
+        assert hb.eval_s is None
+        clock.t += 240.0
+        hb.set(9, "eval", "1/2")
+        assert hb.eval_s == pytest.approx(240.0)
+        # A second split times its own batches too.
+        clock.t += 240.0
+        hb.set(9, "eval", "train_est 0/4")
+        assert hb.eval_s is None
+        clock.t += 1.0
+        hb.set(9, "eval", "train_est 1/4")
+        assert hb.eval_s == pytest.approx(1.0)
     finally:
         hb.close("done")
 

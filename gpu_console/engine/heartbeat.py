@@ -18,10 +18,11 @@ place (one ``pwrite`` of a fixed-size record, so the file never shrinks or grows
   or a checkpoint came between them); null until it has a step to measure. A reader judges
   a stall from these, per step, whatever the log interval (``gpu_console/stall.py``); both
   are kept by :meth:`Heartbeat.set`, which the loop calls anyway: no write, no collective.
-- ``eval_s``: the rank's own time per eval batch, measured the same way from one batch's
-  start to the next's within an eval and kept from one eval to the next; null until a
-  batch was measured. An eval batch is judged against it, not against a training step
-  (a batch that samples 1,280 tours of each instance is minutes where a step is a second).
+- ``eval_s``: the rank's own time per eval batch in the eval (the split) in progress,
+  measured the same way from one batch's start to the next's; null during its first batch.
+  An eval batch is judged against it, not against a training step (a batch that samples
+  1,280 tours of each instance is minutes where a step is a second), and never against
+  another eval's: the cvrp task's end eval samples forty times more than the evals before it.
 
 This is not a writer of ``events.jsonl`` (rank 0 alone writes that). No torch here.
 """
@@ -92,10 +93,10 @@ class Heartbeat:
         if step != self.step:
             self._advanced(step, now)
         elif detail and detail != self.detail:  # the eval's next batch
-            self._next_batch(phase, now)
+            self._next_batch(phase, detail, now)
             self.moved = now
-        if phase == "eval" and not detail:  # an eval begins: its first batch is not timed yet
-            self._batch_t = None
+        if phase == "eval" and not detail:  # an eval begins: its own batches' time, not yet
+            self._batch_t = self.eval_s = None
         if phase in NOT_A_STEP:
             self._measurable = False
         self.step = step
@@ -113,14 +114,19 @@ class Heartbeat:
         self._measurable = self._step_t is not None
         self._step_t = self.moved = now
 
-    def _next_batch(self, phase: str, now: float) -> None:
-        """An eval batch began: the one before it in this eval (if any) into ``eval_s``."""
+    def _next_batch(self, phase: str, detail: str, now: float) -> None:
+        """An eval batch began: the one before it in this eval's split (if any) into
+        ``eval_s``. A new split (``val 3/8`` → ``test 0/8``) times its own batches."""
         if phase != "eval":
             return
-        if self.phase == "eval" and self.detail and self._batch_t is not None:
+        split = detail.rpartition(" ")[0]
+        same = self.phase == "eval" and self.detail and self.detail.rpartition(" ")[0] == split
+        if same and self._batch_t is not None:
             took = now - self._batch_t
             s = self.eval_s
             self.eval_s = took if s is None else s + STEP_S_WEIGHT * (took - s)
+        elif not same:
+            self.eval_s = None
         self._batch_t = now
 
     def _record(self) -> bytes:
