@@ -18,9 +18,12 @@ Every time is wall-clock seconds since the benchmark started the command (just b
 ``Popen``). The first step: when the first optimizer step was done (the plain script stamps it,
 the engine reports it in its first step event). End-to-end: until the command exited. The
 stages (``gpu_console/timings.py``): when each was reached, from the engine's start event and
-the plain script's own stamps. Printed: medians over the rounds (min-max), gpu-console's
-difference to the plain script and to plain torchrun, and the targets of issue 16 (one rank
-within 1.5 s of the plain script, two within 0.5 s of plain torchrun).
+the plain script's own stamps. CPU-s: the CPU seconds of every process the command
+started (reaped children's rusage: for gpu-console the console, supervisor, torchrun agent and
+ranks), what a launch costs a busy machine, and the test suite's main cost. Printed: medians
+over the rounds (min-max), gpu-console's difference to the plain script and to plain torchrun
+(its CPU as a ratio), and the targets of issue 16 (one rank within 1.5 s of the plain script,
+two within 0.5 s of plain torchrun).
 
 The engine runs with the quickstart's defaults except what the plain script does not do:
 ``train.max_steps=N``, no eval (``train.eval_every=0``, ``task.eval_samples=0``), no
@@ -47,7 +50,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from overhead import LoadMeter  # noqa: E402 - the same other-load measure as overhead.py
+from overhead import LoadMeter, _children_cpu_s  # noqa: E402 - as overhead.py measures
 
 PLAIN = HERE / "plain_start.py"
 CONFIGS = ("python", "torchrun 1", "torchrun 2", "gpu-console 1", "gpu-console 2")
@@ -95,18 +98,21 @@ def bench_env() -> dict[str, str]:
     return env
 
 
-def _run(argv: list[str], workdir: Path) -> tuple[float, float, float | None]:
-    """(unix time just before the start, seconds to the exit, other load in cores)."""
+def _run(argv: list[str], workdir: Path) -> tuple[float, float, float | None, float]:
+    """(unix time just before the start, seconds to the exit, other load in cores, CPU
+    seconds of every process the command started)."""
     t0 = time.time()
+    cpu0 = _children_cpu_s()
     with LoadMeter() as load:
         proc = subprocess.run(
             argv, capture_output=True, text=True, env=bench_env(), cwd=workdir, timeout=600
         )
     wall = time.time() - t0
+    cpu = _children_cpu_s() - cpu0
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
         raise RunFailed(f"{' '.join(argv[:6])}... exited with {proc.returncode}:\n{tail}")
-    return t0, wall, load.cores
+    return t0, wall, load.cores, cpu
 
 
 def run_plain(nproc: int | None, steps: int, workdir: Path) -> dict:
@@ -116,12 +122,17 @@ def run_plain(nproc: int | None, steps: int, workdir: Path) -> dict:
     if nproc is not None:
         argv += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]
     argv += [str(PLAIN), f"--steps={steps}", f"--out={out}"]
-    t0, wall, load = _run(argv, workdir)
+    t0, wall, load, cpu = _run(argv, workdir)
     found = json.loads(out.read_text())
     out.unlink()
     marks = found["marks"]
     stages = {("rank" if k == "started" else k): t - t0 for k, t in marks.items()}
-    return {"stages": stages | {"exit": wall}, "other_load_cores": load, "loss": found["loss"]}
+    return {
+        "stages": stages | {"exit": wall},
+        "other_load_cores": load,
+        "cpu_s": cpu,
+        "loss": found["loss"],
+    }
 
 
 def run_engine(nproc: int, steps: int, workdir: Path) -> dict:
@@ -140,7 +151,7 @@ def run_engine(nproc: int, steps: int, workdir: Path) -> dict:
     for item in sets:
         argv += ["--set", item]
     try:
-        t0, wall, load = _run(argv, workdir)
+        t0, wall, load, cpu = _run(argv, workdir)
         (run_dir,) = [p for p in runs_dir.iterdir() if p.is_dir()]
         lines = (run_dir / "events.jsonl").read_text().splitlines()
     finally:
@@ -158,7 +169,7 @@ def run_engine(nproc: int, steps: int, workdir: Path) -> dict:
         stages["first_step"] = launched + first - t0
     stages["end"] = steps_ev[-1]["t"] - t0
     stages["exit"] = wall
-    return {"stages": stages, "other_load_cores": load, "loss": steps_ev[-1]["loss"]}
+    return {"stages": stages, "other_load_cores": load, "cpu_s": cpu, "loss": steps_ev[-1]["loss"]}
 
 
 def run_config(name: str, steps: int, workdir: Path) -> dict:
@@ -208,11 +219,12 @@ def report(results: dict[str, list[dict]], args, loads: tuple[str, str]) -> dict
         "differences"
     )
     print()
-    print(f"{'':16}{'first step':>22}{'end-to-end':>22}")
+    print(f"{'':16}{'first step':>22}{'end-to-end':>22}{'CPU-s':>22}")
     for name in CONFIGS:
         first = [r["stages"]["first_step"] for r in results[name] if "first_step" in r["stages"]]
         ends = [r["stages"]["exit"] for r in results[name]]
-        print(f"{name:16}{spread(first):>22}{spread(ends):>22}")
+        cpu = [r["cpu_s"] for r in results[name]]
+        print(f"{name:16}{spread(first):>22}{spread(ends):>22}{spread(cpu):>22}")
 
     def paired(a: str, b: str, stage: str, ratio: bool = False, quiet: bool = False):
         """Per round: a - b (or a / b), so a round's noise hits both; ``quiet``: only the
@@ -221,7 +233,11 @@ def report(results: dict[str, list[dict]], args, loads: tuple[str, str]) -> dict
         for ra, rb in zip(results[a], results[b], strict=False):
             if quiet and not (is_quiet(ra) and is_quiet(rb)):
                 continue
-            x, y = ra["stages"].get(stage), rb["stages"].get(stage)
+            x, y = (
+                (ra.get(stage), rb.get(stage))
+                if stage == "cpu_s"
+                else (ra["stages"].get(stage), rb["stages"].get(stage))
+            )
             if x is not None and y is not None:
                 out.append(x / y if ratio else x - y)
         return out
@@ -236,6 +252,7 @@ def report(results: dict[str, list[dict]], args, loads: tuple[str, str]) -> dict
     ):
         d = median(paired(engine, base, "first_step"))
         q = median(paired(engine, base, "exit", ratio=True))
+        c = median(paired(engine, base, "cpu_s", ratio=True))
         quiet = paired(engine, base, "first_step", quiet=True)
         quiet_q = paired(engine, base, "exit", ratio=True, quiet=True)
         verdict = ""
@@ -248,11 +265,13 @@ def report(results: dict[str, list[dict]], args, loads: tuple[str, str]) -> dict
         )
         print(
             f"{engine} against {base}: first step {'-' if d is None else f'{d:+.2f} s'}"
-            f"{verdict}, end-to-end {'-' if q is None else f'x{q:.2f}'}{calm}"
+            f"{verdict}, end-to-end {'-' if q is None else f'x{q:.2f}'}, CPU "
+            f"{'-' if c is None else f'x{c:.2f}'}{calm}"
         )
         summary[f"{engine} - {base}"] = {
             "first_step_s": d,
             "end_to_end_ratio": q,
+            "cpu_ratio": c,
             "quiet_rounds": len(quiet),
             "quiet_first_step_s": median(quiet),
             "quiet_end_to_end_ratio": median(quiet_q),
@@ -305,6 +324,7 @@ def main() -> None:
                 print(
                     f"round {r + 1}/{args.rounds}  {name:14} first step "
                     f"{s.get('first_step', float('nan')):5.2f} s  exit {s['exit']:5.2f} s  "
+                    f"CPU {result['cpu_s']:5.2f} s  "
                     f"other load {'?' if load is None else f'{load:.2f}'} cores",
                     flush=True,
                 )
