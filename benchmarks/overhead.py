@@ -87,13 +87,13 @@ class LoadMeter:
     """
 
     def __enter__(self) -> LoadMeter:
-        self.start = (_machine_busy_s(), _children_cpu_s(), time.perf_counter())
+        self.start = (_machine_busy_s(), children_cpu_s(), time.perf_counter())
         self.cores: float | None = None
         return self
 
     def __exit__(self, *exc) -> None:
         busy0, ours0, t0 = self.start
-        busy1, ours1, t1 = _machine_busy_s(), _children_cpu_s(), time.perf_counter()
+        busy1, ours1, t1 = _machine_busy_s(), children_cpu_s(), time.perf_counter()
         if busy0 is not None and busy1 is not None:
             self.cores = max(0.0, ((busy1 - busy0) - (ours1 - ours0)) / (t1 - t0))
 
@@ -118,7 +118,7 @@ def wait_idle(timeout_s: float = 120.0, busy_below: float = 0.1) -> None:
             return
 
 
-def _children_cpu_s() -> float:
+def children_cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
 

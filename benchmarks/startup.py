@@ -50,7 +50,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from overhead import LoadMeter, _children_cpu_s  # noqa: E402 - as overhead.py measures
+from overhead import LoadMeter, children_cpu_s  # noqa: E402 - as overhead.py measures
 
 PLAIN = HERE / "plain_start.py"
 CONFIGS = ("python", "torchrun 1", "torchrun 2", "gpu-console 1", "gpu-console 2")
@@ -102,13 +102,13 @@ def _run(argv: list[str], workdir: Path) -> tuple[float, float, float | None, fl
     """(unix time just before the start, seconds to the exit, other load in cores, CPU
     seconds of every process the command started)."""
     t0 = time.time()
-    cpu0 = _children_cpu_s()
+    cpu0 = children_cpu_s()
     with LoadMeter() as load:
         proc = subprocess.run(
             argv, capture_output=True, text=True, env=bench_env(), cwd=workdir, timeout=600
         )
     wall = time.time() - t0
-    cpu = _children_cpu_s() - cpu0
+    cpu = children_cpu_s() - cpu0
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
         raise RunFailed(f"{' '.join(argv[:6])}... exited with {proc.returncode}:\n{tail}")
