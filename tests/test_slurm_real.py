@@ -137,16 +137,12 @@ def jobs(cluster, work, tmp_path_factory):
         # on their limits): a signal in a job's first second leaves its ranks the profile's
         # shutdown grace from their own start, which six start-ups at once on two cores eat.
         concurrent.futures.wait([futures["reference"], futures["reference2"]])
-        started["signalled"] = call, args = (
-            _signalled_at_once,
-            (cluster, work, root / "signalled"),
-        )
-        futures["signalled"] = pool.submit(call, *args)
+        futures["signalled"] = pool.submit(_signalled_at_once, cluster, work, root / "signalled")
         concurrent.futures.wait(futures.values())
     try:
         return {name: (root / name, *f.result()) for name, f in futures.items()}
     except BaseException:
-        _tell([root / name for name in started if (root / name).is_dir()])
+        _tell([root / name for name in futures if (root / name).is_dir()])
         raise
 
 
